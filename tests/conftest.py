@@ -1,0 +1,51 @@
+"""Test-suite configuration shared by every subpackage.
+
+- Triton kernels run under the interpreter on machines without CUDA: TRITON_INTERPRET must be
+  set before triton is first imported, so it is set here, at collection time.
+- Hypothesis profiles: ``ci`` (derandomized, bounded; ``make test``) and ``long`` (``make test-long``).
+- ``@pytest.mark.gpu`` tests skip cleanly when CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _cuda_present() -> bool:
+    # Decided without importing triton; torch import is fine (it does not import triton eagerly).
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if not _cuda_present():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=40,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "long",
+    max_examples=600,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", max_examples=20, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_present():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (gpu marker)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
