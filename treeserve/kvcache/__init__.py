@@ -1,1 +1,27 @@
-"""treeserve.kvcache."""
+"""treeserve.kvcache: paged KV memory, the request -> slot table, the radix prefix cache, KV ops and attention."""
+
+from __future__ import annotations
+
+# --- memory layer: pool, allocator, request table, radix prefix cache ---
+from .pool import InvariantError, KVPool, OutOfPagesError, PageAllocator, pages_to_slots
+from .radix import LockHandle, PrefixMatch, RadixCache, ReleaseResult
+from .radix_node import RadixNode
+from .table import OutOfRowsError, ReqToTokenTable
+
+__all__ = [
+    "InvariantError",
+    "KVPool",
+    "LockHandle",
+    "OutOfPagesError",
+    "OutOfRowsError",
+    "PageAllocator",
+    "PrefixMatch",
+    "RadixCache",
+    "RadixNode",
+    "ReleaseResult",
+    "ReqToTokenTable",
+    "pages_to_slots",
+]
+
+# --- KV ops and attention (store_kv, compact_tree_path, rollback_slots, AttentionMetadata,
+# paged_attention, build_tree_mask): exported below by their owner, who also extends __all__ ---
