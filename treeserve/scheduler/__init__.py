@@ -1,1 +1,33 @@
-"""treeserve.scheduler."""
+"""treeserve.scheduler: request state machine, continuous batching, preemption, stop conditions.
+
+Never imports ``treeserve.models``: the model is reached only through the runner.
+"""
+
+from __future__ import annotations
+
+from treeserve.scheduler.request import FinishReason, Request, RequestMetrics, RequestState
+from treeserve.scheduler.scheduler import (
+    SampledToken,
+    SampleGroup,
+    ScheduledBatch,
+    ScheduledItem,
+    Scheduler,
+    SchedulerConfig,
+    derive_seed,
+)
+from treeserve.scheduler.stop import StopChecker
+
+__all__ = [
+    "FinishReason",
+    "Request",
+    "RequestMetrics",
+    "RequestState",
+    "SampleGroup",
+    "SampledToken",
+    "ScheduledBatch",
+    "ScheduledItem",
+    "Scheduler",
+    "SchedulerConfig",
+    "StopChecker",
+    "derive_seed",
+]

@@ -1,0 +1,117 @@
+"""Offline workloads shared by ``treeserve bench`` and ``benches/bench_engine.py``.
+
+Each workload builds its prompts deterministically, runs them through an :class:`LLM` and
+returns a :class:`WorkloadResult`. Timings are wall-clock on whatever machine runs them: compare
+ratios measured in the same run, never absolute numbers across machines.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from treeserve.engine import LLM, RequestOutput
+from treeserve.sampling import SamplingParams
+
+TOPICS = [
+    "the history of tea", "how a bicycle gear works", "why the sky is blue", "a good bread recipe",
+    "the rules of chess", "how vaccines train the immune system", "what a hash table is",
+    "the water cycle", "how to learn a language", "the life of honeybees", "how rockets reach orbit",
+    "what makes music sound happy", "the causes of tides", "how compilers work", "volcanoes",
+    "the first computers",
+]
+
+
+@dataclass(slots=True)
+class WorkloadResult:
+    """Numbers of one workload run (seconds, tokens, rates)."""
+
+    name: str
+    seconds: float
+    num_requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+    sample_text: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+
+def chat_prompts(llm: LLM, num: int, seed: int = 0) -> list[str]:
+    """``num`` short chat-formatted questions (cycled topics, fixed order for a seed)."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(num):
+        topic = TOPICS[(i + rng.randrange(len(TOPICS))) % len(TOPICS)]
+        msgs = [{"role": "user", "content": f"Explain {topic} in a few sentences."}]
+        prompts.append(llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+    return prompts
+
+
+def _timed(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, list[RequestOutput]]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0, outs
+
+
+def _result(name: str, seconds: float, outs: list[RequestOutput], **extra: Any) -> WorkloadResult:
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"{name}: {len(errors)} requests failed, first: {errors[0]}")
+    return WorkloadResult(
+        name=name,
+        seconds=seconds,
+        num_requests=len(outs),
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
+        generated_tokens=sum(len(c.token_ids) for o in outs for c in o.outputs),
+        extra=extra,
+        sample_text=outs[0].outputs[0].text if outs and outs[0].outputs else "",
+    )
+
+
+def throughput(llm: LLM, num_requests: int, max_new_tokens: int) -> WorkloadResult:
+    """Batched chat requests, greedy, exactly ``max_new_tokens`` each (EOS ignored)."""
+    prompts = chat_prompts(llm, num_requests)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    seconds, outs = _timed(llm, prompts, params)
+    return _result(f"throughput {num_requests}x{max_new_tokens}", seconds, outs)
+
+
+def shared_prefix_prompts(llm: LLM, groups: int, per_group: int, prefix_tokens: int) -> list[list[int]]:
+    """``groups`` system prompts of ``prefix_tokens`` tokens, each followed by ``per_group`` questions."""
+    rng = random.Random(1)
+    words = "the of and to in is that for it as with was on be by at this from or have an are".split()
+    prompts = []
+    for g in range(groups):
+        system: list[int] = []
+        while len(system) < prefix_tokens:
+            system += llm.tokenizer.encode(" ".join(rng.choice(words) for _ in range(64)))
+        system = system[:prefix_tokens]
+        for q in range(per_group):
+            question = llm.tokenizer.encode(f" Question {g}.{q}: summarize {TOPICS[(g + q) % len(TOPICS)]}.")
+            prompts.append(system + question)
+    return prompts
+
+
+def shared_prefix(llm: LLM, groups: int, per_group: int, prefix_tokens: int) -> WorkloadResult:
+    """Prefill-dominated: one generated token per request; reports prefix-cache hit rate."""
+    prompts = shared_prefix_prompts(llm, groups, per_group, prefix_tokens)
+    before = llm.metrics.cached_prompt_tokens
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+    seconds, outs = _timed(llm, prompts, params)
+    prompt_tokens = sum(len(p) for p in prompts)
+    hit = (llm.metrics.cached_prompt_tokens - before) / prompt_tokens
+    llm.radix.reset()  # leave no cached prefix for the next workload
+    return _result(f"shared prefix {groups}x{per_group}x{prefix_tokens}", seconds, outs, hit_rate=hit)
+
+
+def single_decode(llm: LLM, max_new_tokens: int) -> WorkloadResult:
+    """One request, greedy: decode tokens/s (prefill included in the time, it is one short chunk)."""
+    prompts = chat_prompts(llm, 1, seed=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    seconds, outs = _timed(llm, prompts, params)
+    return _result(f"single request x{max_new_tokens}", seconds, outs)

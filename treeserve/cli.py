@@ -1,0 +1,154 @@
+"""``treeserve generate | chat | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from treeserve import bench as workloads
+from treeserve.engine import LLM
+from treeserve.sampling import SamplingParams
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="name, .gguf file or HF directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--kv-cache-tokens", type=int, default=32768)
+    p.add_argument("--max-batched-tokens", type=int, default=512)
+    p.add_argument("--max-running", type=int, default=64)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _make_llm(args: argparse.Namespace) -> LLM:
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        page_size=args.page_size,
+        kv_cache_tokens=args.kv_cache_tokens,
+        max_batched_tokens=args.max_batched_tokens,
+        max_running=args.max_running,
+    )
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    for piece in llm.stream(prompt, _params(args)):
+        print(piece, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("treeserve chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        reply = ""
+        for piece in llm.stream(prompt, _params(args)):
+            reply += piece
+            print(piece, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.quick:
+        n_req, n_new, groups, per_group, prefix, single = 16, 32, 4, 4, 256, 32
+    else:
+        n_req, n_new, groups, per_group, prefix, single = 64, 128, 8, 8, 512, 128
+    llm = _make_llm(args)
+    rows = [workloads.throughput(llm, n_req, n_new)]
+    sample = rows[0].sample_text
+    cached = workloads.shared_prefix(llm, groups, per_group, prefix)
+    llm_nocache = LLM(
+        (llm.model, llm.tokenizer),
+        dtype=args.dtype,
+        enable_prefix_cache=False,
+        kv_cache_tokens=args.kv_cache_tokens,
+        max_batched_tokens=args.max_batched_tokens,
+        max_running=args.max_running,
+    )
+    uncached = workloads.shared_prefix(llm_nocache, groups, per_group, prefix)
+    del llm_nocache
+    cached.extra["speedup_vs_no_cache"] = uncached.seconds / cached.seconds
+    rows += [cached, uncached, workloads.single_decode(llm, single)]
+    print(f"\nmodel={args.model} dtype={args.dtype} threads={args.threads or 'default'}")
+    print(f"sample output: {sample[:300]!r}\n")
+    print(f"{'workload':<34}{'requests':>9}{'prompt tok':>11}{'gen tok':>9}{'seconds':>9}{'gen tok/s':>11}  notes")
+    for r in rows:
+        notes = " ".join(f"{k}={v:.2f}" for k, v in r.extra.items())
+        print(
+            f"{r.name:<34}{r.num_requests:>9}{r.prompt_tokens:>11}{r.generated_tokens:>9}"
+            f"{r.seconds:>9.2f}{r.tokens_per_second:>11.1f}  {notes}"
+        )
+    m = llm.metrics
+    print(
+        f"\nengine: mean TTFT {m.mean_ttft * 1e3:.0f} ms, mean TPOT {m.mean_tpot * 1e3:.1f} ms, "
+        f"preemptions {m.preemptions}, steps {m.steps}"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treeserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate from one prompt (streams the text)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _engine_args(g)
+    _sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat")
+    c.add_argument("--system", default=None)
+    _engine_args(c)
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+    b = sub.add_parser("bench", help="offline workloads, printed as a table")
+    b.add_argument("--quick", action="store_true", help="smaller workloads (about a minute on 2 cores)")
+    _engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

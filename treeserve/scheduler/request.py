@@ -1,0 +1,104 @@
+"""The request state machine.
+
+``WAITING -> RUNNING -> (PAUSED -> RUNNING)* -> FINISHED``; ``abort`` reaches FINISHED from any
+state. A request owns, while RUNNING, one row of the request->slot table, the lock handle on its
+matched prefix in the radix tree, and the pages it allocated past that prefix. The scheduler is
+the only code that changes those fields; everyone else reads them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from treeserve.sampling import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock timestamps (``time.perf_counter``) of one request's life."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    num_preemptions: int = 0
+    cached_prompt_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token (s)."""
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    def tpot(self, num_output_tokens: int) -> float | None:
+        """Mean time per output token after the first (s)."""
+        if self.finished is None or self.first_token is None or num_output_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (num_output_tokens - 1)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated.
+
+    ``prompt_ids`` never changes; ``output_ids`` grows by committed tokens only. ``num_computed``
+    counts the leading tokens of ``all_ids`` whose KV lives in the slots of ``row`` (the prefix
+    matched in the radix tree included). ``group`` links the ``n`` samples of one prompt.
+    """
+
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    group: Any = None
+    sample_index: int = 0
+    state: RequestState = RequestState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    # KV ownership (scheduler-managed)
+    row: int = 0
+    num_computed: int = 0
+    num_cached: int = 0  # leading tokens whose pages belong to the radix tree (locked by lock)
+    lock: Any = None
+    num_pages: int = 0  # pages this request allocated itself (beyond the cached prefix)
+    # detokenization / stop strings
+    text: str = ""
+    text_offset_emitted: int = 0
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than one token of this request still lacks KV."""
+        return self.num_tokens - self.num_computed > 1

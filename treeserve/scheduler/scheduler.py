@@ -1,0 +1,446 @@
+"""Continuous batching with chunked prefill, prefix-cache-aware admission and preemption.
+
+The scheduler owns the request queues and every page a request holds. One engine step is::
+
+    batch = scheduler.schedule()          # which tokens of which requests to compute
+    sampled = runner.run(batch)           # model forward + sampling (knows nothing of queues)
+    finished = scheduler.update(batch, sampled)
+
+KV accounting (checked by :meth:`Scheduler.check_invariants`)::
+
+    allocator.num_free + radix evictable pages + radix protected pages
+        + pages owned by running requests == allocator.capacity
+
+A running request's slots are ``table[row, :capacity]`` where the first ``num_cached`` belong to
+the radix tree (locked by the request's lock handle) and the rest are ``num_pages`` pages it
+allocated itself. Only KV that has been computed is ever published to the radix tree.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from treeserve.kvcache import PageAllocator, RadixCache, ReqToTokenTable, pages_to_slots
+from treeserve.sampling import SamplingParams
+from treeserve.scheduler.request import FinishReason, Request, RequestState
+from treeserve.scheduler.stop import StopChecker
+
+_MIX = 0x9E3779B97F4A7C15
+_MASK63 = (1 << 63) - 1
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Seed of the ``index``-th sample of a request seeded with ``seed`` (index 0 keeps it)."""
+    if index == 0:
+        return seed
+    x = (seed * _MIX + index * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x ^= x >> 31
+    return x & _MASK63
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Batching limits.
+
+    ``max_batched_tokens``: token budget of one step (decode rows count 1 each).
+    ``max_running``: most requests holding KV at once. ``max_model_len``: prompt + output cap.
+    ``lpm_window``: waiting requests ordered by longest cached prefix when the queue is at most
+    this long (FCFS beyond, where matching every request each step would cost too much).
+    """
+
+    max_batched_tokens: int = 512
+    max_running: int = 64
+    max_model_len: int = 2048
+    lpm_window: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("max_batched_tokens", "max_running", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.lpm_window < 0:
+            raise ValueError(f"lpm_window must be >= 0, got {self.lpm_window}")
+
+
+class ScheduledItem(NamedTuple):
+    """Compute tokens ``[start, start + num_tokens)`` of ``req``; sample a token if ``sample``."""
+
+    req: Request
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    items: list[ScheduledItem] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(it.num_tokens for it in self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class SampledToken(NamedTuple):
+    """What the runner returns for a sampled row."""
+
+    token: int
+    logprob: float
+    top: dict[int, float] | None
+
+
+@dataclass(slots=True, eq=False)
+class SampleGroup:
+    """The ``n`` samples of one prompt: siblings wait until the leader's prompt KV is cached."""
+
+    size: int
+    prompt_cached: bool = False
+
+
+class Scheduler:
+    """Builds each step's batch under a token budget and a running-requests limit.
+
+    Guarantees: a request is admitted only when the pages for its first chunk can be allocated
+    now while keeping one page of headroom per running request; when pages run out mid-decode
+    the newest running request is paused (its computed KV goes into the radix tree, evictable)
+    and later resumes by prefix match; nothing is leaked on finish, pause or abort.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: PageAllocator,
+        radix: RadixCache,
+        table: ReqToTokenTable,
+        stop_checker: StopChecker,
+    ) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.radix = radix
+        self.table = table
+        self.page_size = allocator.page_size
+        self.stop_checker = stop_checker
+        if table.max_context_len < self._round_up(config.max_model_len):
+            raise ValueError(
+                f"table.max_context_len ({table.max_context_len}) must be >= max_model_len rounded "
+                f"up to the page size ({self._round_up(config.max_model_len)})"
+            )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._rids = itertools.count()
+
+    # ------------------------------------------------------------------ public API
+    def new_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, seed: int, vocab_size: int
+    ) -> list[Request]:
+        """Validate and enqueue a prompt; returns its ``params.n`` requests.
+
+        Raises ``ValueError`` (nothing enqueued) for an empty prompt, token ids outside
+        ``[0, vocab_size)``, a prompt that leaves no room to generate within ``max_model_len``,
+        or ``n`` samples whose KV could never fit in the pool at once.
+        """
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt must contain at least 1 token, got an empty prompt")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        max_len = self.config.max_model_len
+        if len(prompt) >= max_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; max_model_len is {max_len}, so a prompt may have "
+                f"at most {max_len - 1}"
+            )
+        params.validate_for_vocab(vocab_size)
+        total = min(len(prompt) + params.max_new_tokens, max_len)
+        need_pages = self._pages_for(len(prompt)) + params.n * self._pages_for(total - len(prompt) + 1)
+        if need_pages > self.allocator.capacity:
+            raise ValueError(
+                f"n={params.n} samples of {total} tokens need ~{need_pages} KV pages; the pool has "
+                f"{self.allocator.capacity}: lower n or max_new_tokens, or grow the KV pool"
+            )
+        group = SampleGroup(params.n) if params.n > 1 else None
+        reqs = [
+            Request(
+                rid=next(self._rids),
+                prompt_ids=prompt,
+                params=params,
+                seed=derive_seed(seed, i),
+                group=group,
+                sample_index=i,
+            )
+            for i in range(params.n)
+        ]
+        self.waiting.extend(reqs)
+        return reqs
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work: running requests first (oldest first), then admissions."""
+        batch = ScheduledBatch()
+        budget = self.config.max_batched_tokens
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.state is not RequestState.RUNNING:
+                continue  # paused earlier in this loop to make room
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self._reserve(req, req.num_computed + n, preempt=True):
+                continue  # req itself was paused
+            batch.items.append(ScheduledItem(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
+            budget -= n
+        if budget > 0:
+            self._admit(batch, budget)
+        return batch
+
+    def update(self, batch: ScheduledBatch, sampled: Sequence[SampledToken | None]) -> list[Request]:
+        """Commit one step: advance computed counts, append sampled tokens, finish requests.
+
+        ``sampled[i]`` belongs to ``batch.items[i]`` (``None`` where the item did not sample).
+        Returns the requests that finished in this step.
+        """
+        if len(sampled) != len(batch.items):
+            raise ValueError(f"sampled has {len(sampled)} rows for a batch of {len(batch.items)}")
+        finished: list[Request] = []
+        for item, out in zip(batch.items, sampled):
+            req = item.req
+            if req.state is not RequestState.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed = item.start + item.num_tokens
+            if not item.sample or out is None:
+                continue
+            req.output_ids.append(out.token)
+            req.output_logprobs.append(out.logprob)
+            if out.top is not None:
+                req.output_top_logprobs.append(out.top)
+            if len(req.output_ids) == 1:
+                self._publish_prompt(req)
+            reason = self.stop_checker.check(req)
+            if reason is None and req.num_tokens >= self.config.max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def abort(self, req: Request, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
+        """Finish ``req`` now, from any state, releasing everything it holds."""
+        if req.is_finished:
+            return
+        if req.state is RequestState.RUNNING:
+            self._finish(req, reason)
+        else:
+            self.waiting.remove(req)
+            req.state = RequestState.FINISHED
+            req.finish_reason = reason
+            self._release_group(req)
+        req.error = error
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` naming the mismatch when page accounting is off."""
+        self.allocator.check_invariants()
+        self.radix.check_invariants()
+        owned = sum(r.num_pages for r in self.running)
+        ps = self.page_size
+        evictable = self.radix.evictable_tokens // ps
+        protected = self.radix.protected_tokens // ps
+        total = self.allocator.num_free + evictable + protected + owned
+        if total != self.allocator.capacity:
+            raise AssertionError(
+                f"page accounting: free {self.allocator.num_free} + evictable {evictable} + protected "
+                f"{protected} + owned by running {owned} = {total} != capacity {self.allocator.capacity}"
+            )
+        for r in self.running:
+            if r.state is not RequestState.RUNNING or r.row == 0:
+                raise AssertionError(f"request {r.rid} in running list has state {r.state} row {r.row}")
+            if r.num_cached + r.num_pages * ps < r.num_computed:
+                raise AssertionError(f"request {r.rid} computed {r.num_computed} tokens beyond its slots")
+        for r in self.waiting:
+            if r.row != 0 or r.num_pages or r.lock is not None:
+                raise AssertionError(f"waiting request {r.rid} still holds KV")
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        candidates = self._admission_order()
+        for req in candidates:
+            if budget <= 0 or len(self.running) >= self.config.max_running:
+                return
+            if req.group is not None and req.sample_index > 0 and not req.group.prompt_cached:
+                continue  # wait for the leader's prompt KV, then share it via the radix tree
+            if self.table.num_free == 0:
+                return
+            self._attach(req)
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self._reserve(req, req.num_computed + n, preempt=False, headroom=len(self.running)):
+                self._detach(req)
+                return
+            self.waiting.remove(req)
+            if req.state is RequestState.PAUSED:
+                req.metrics.num_preemptions += 1
+            elif req.metrics.first_scheduled is None:
+                req.metrics.cached_prompt_tokens = req.num_cached
+            req.state = RequestState.RUNNING
+            if req.metrics.first_scheduled is None:
+                req.metrics.first_scheduled = time.perf_counter()
+            self.running.append(req)
+            batch.items.append(ScheduledItem(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
+            budget -= n
+
+    def _admission_order(self) -> list[Request]:
+        waiting = list(self.waiting)
+        if self.radix.disable or len(waiting) > self.config.lpm_window:
+            return waiting
+        # Longest cached prefix first; paused requests keep priority (they were running).
+        lengths = {id(r): self.radix.match_prefix(r.all_ids).length for r in waiting}
+        return sorted(waiting, key=lambda r: (r.state is not RequestState.PAUSED, -lengths[id(r)]))
+
+    def _attach(self, req: Request) -> None:
+        """Give ``req`` a table row and lock its longest cached prefix."""
+        req.row = self.table.alloc()
+        match = self.radix.match_prefix(req.all_ids)
+        req.lock = self.radix.lock(match.node)
+        req.num_cached = req.num_computed = match.length
+        req.num_pages = 0
+        if match.length:
+            self.table.table[req.row, : match.length] = match.slots
+
+    def _detach(self, req: Request) -> None:
+        """Undo :meth:`_attach` for a request that could not be admitted."""
+        self._free_own_pages(req)
+        self.radix.unlock(req.lock)
+        self.table.free(req.row)
+        req.row, req.lock, req.num_cached, req.num_computed = 0, None, 0, 0
+
+    # ------------------------------------------------------------------ memory
+    def _round_up(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def _pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def _reserve(self, req: Request, kv_len: int, *, preempt: bool, headroom: int = 0) -> bool:
+        """Make ``req`` own slots for positions ``< kv_len``.
+
+        Evicts unlocked radix leaves first; then, with ``preempt``, pauses the newest running
+        requests (possibly ``req`` itself: returns False then). ``headroom`` pages must stay
+        obtainable (free or evictable) afterwards, so admission never starves running decodes.
+        """
+        capacity = req.num_cached + req.num_pages * self.page_size
+        need = self._pages_for(kv_len - capacity) if kv_len > capacity else 0
+        while True:
+            if self._obtain(need, headroom):
+                break
+            if not preempt:
+                return False
+            victim = self.running[-1]
+            self._pause(victim)
+            if victim is req:
+                return False
+        if need:
+            pages = self.allocator.alloc(need)
+            self.table.table[req.row, capacity : capacity + need * self.page_size] = pages_to_slots(
+                pages, self.page_size
+            )
+            req.num_pages += need
+        return True
+
+    def _obtain(self, need: int, headroom: int) -> bool:
+        """True when ``need`` pages are free (evicting as needed) with ``headroom`` obtainable."""
+        free = self.allocator.num_free
+        evictable = self.radix.evictable_tokens // self.page_size
+        if free + evictable < need + headroom:
+            return False
+        if free < need:
+            self.radix.evict((need - free) * self.page_size)
+        return self.allocator.num_free >= need
+
+    def _free_own_pages(self, req: Request) -> None:
+        """Free the pages ``req`` allocated itself (all of them)."""
+        if req.num_pages:
+            start = req.num_cached
+            end = start + req.num_pages * self.page_size
+            slots = self.table.table[req.row, start : end : self.page_size]
+            self.allocator.free(slots // self.page_size)
+            req.num_pages = 0
+
+    def _cache_computed(self, req: Request) -> None:
+        """Publish ``req``'s computed, page-aligned KV to the radix tree and re-lock it.
+
+        Pages the tree already had (another request computed them meanwhile) are freed and the
+        request's table row is remapped to the tree's copies.
+        """
+        if self.radix.disable:
+            return
+        ps = self.page_size
+        aligned = req.num_computed // ps * ps
+        if aligned <= req.num_cached:
+            return
+        slots = self.table.table[req.row, :aligned].clone()
+        already = self.radix.insert(req.all_ids[:aligned], slots)
+        if already > req.num_cached:  # our copies of [num_cached, already) are duplicates
+            self.allocator.free(slots[req.num_cached : already : ps] // ps)
+        # All running requests hold a token without KV, so tokens[:aligned + 1] exists and the
+        # match (capped at len - 1) covers exactly the aligned part just inserted.
+        match = self.radix.match_prefix(req.all_ids[: aligned + 1])
+        assert match.length == aligned, (match.length, aligned)
+        new_lock = self.radix.lock(match.node)
+        self.radix.unlock(req.lock)
+        req.lock = new_lock
+        self.table.table[req.row, :aligned] = match.slots
+        req.num_pages -= (aligned - req.num_cached) // ps
+        req.num_cached = aligned
+
+    def _publish_prompt(self, req: Request) -> None:
+        self._cache_computed(req)
+        if req.group is not None and req.sample_index == 0:
+            req.group.prompt_cached = True
+
+    def _release(self, req: Request) -> None:
+        """Cache what ``req`` computed, then give back its row, pages and lock."""
+        self._cache_computed(req)
+        self._free_own_pages(req)
+        self.radix.unlock(req.lock)
+        self.table.free(req.row)
+        req.row, req.lock, req.num_cached, req.num_computed = 0, None, 0, 0
+        self.running.remove(req)
+
+    def _pause(self, req: Request) -> None:
+        """Preempt ``req``: its KV stays in the radix tree (evictable); it resumes by prefix match."""
+        self._release(req)
+        req.state = RequestState.PAUSED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self._release(req)
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+        req.metrics.finished = time.perf_counter()
+        self._release_group(req)
+
+    @staticmethod
+    def _release_group(req: Request) -> None:
+        # A leader that ends before its prompt is cached must not block its siblings forever.
+        if req.group is not None and req.sample_index == 0:
+            req.group.prompt_cached = True
+
+
+__all__ = [
+    "SampleGroup",
+    "SampledToken",
+    "ScheduledBatch",
+    "ScheduledItem",
+    "Scheduler",
+    "SchedulerConfig",
+    "derive_seed",
+]
