@@ -79,8 +79,9 @@ class ModelRunner:
         offsets = torch.arange(int(qo.sum())) - torch.repeat_interleave(torch.cumsum(qo, 0) - qo, qo)
         positions = torch.tensor(pos_starts, dtype=torch.long).repeat_interleave(qo) + offsets
         out_slots = self.table.table[row_t.to(self.table.table.device), positions.to(self.table.table.device)]
-        page_rows = [self.table.table[r, : -(-kv // ps) * ps : ps] // ps for r, kv in zip(rows, kv_lens)]
-        meta = AttentionMetadata.build(qo_lens, kv_lens, page_rows, ps, device=dev)
+        width = -(-max(kv_lens) // ps) * ps
+        slot_rows = self.table.table[torch.tensor(rows, dtype=torch.long), :width]
+        meta = AttentionMetadata.build(qo_lens, kv_lens, slot_rows, ps, device=dev)
         sample_rows = [i for i, it in enumerate(items) if it.sample]
         ends = torch.cumsum(qo, 0) - 1
         logits_indices = ends[sample_rows] if sample_rows else ends[:0]

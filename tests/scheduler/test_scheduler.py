@@ -89,20 +89,19 @@ def random_prompts(rng: random.Random, n: int, shared: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("num_pages", [12, 40, 400])
-def test_batched_equals_alone_with_preemption(page_size: int, num_pages: int) -> None:
-    rng = random.Random(page_size * 1000 + num_pages)
-    prompts = random_prompts(rng, 24, 30)
+@pytest.mark.parametrize("pool_tokens", [96, 320, 4000])
+def test_batched_equals_alone_with_preemption(page_size: int, pool_tokens: int) -> None:
+    rng = random.Random(page_size * 1000 + pool_tokens)
+    prompts = random_prompts(rng, 24, 30)  # <= 42 tokens, + <= 24 new: one request fits in 96
     max_news = [rng.randint(1, 24) for _ in prompts]
-    pages = max(num_pages, -(-64 // page_size) + 2)
-    h = Harness(num_pages=pages, page_size=page_size, max_running=6)
+    h = Harness(num_pages=pool_tokens // page_size + 1, page_size=page_size, max_running=6)
     reqs = [h.add(p, max_new_tokens=m)[0] for p, m in zip(prompts, max_news)]
     h.drain()
     for req, p, m in zip(reqs, prompts, max_news):
         assert req.state is RequestState.FINISHED
         assert req.output_ids == expected_output(p, m), f"request {req.rid} diverged"
     h.assert_no_leak()
-    if num_pages == 12:
+    if pool_tokens == 96:
         assert h.sched.num_preemptions > 0, "the tiny pool should force preemption"
 
 

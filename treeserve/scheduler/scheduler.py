@@ -51,20 +51,24 @@ class SchedulerConfig:
     ``max_running``: most requests holding KV at once. ``max_model_len``: prompt + output cap.
     ``lpm_window``: waiting requests ordered by longest cached prefix when the queue is at most
     this long (FCFS beyond, where matching every request each step would cost too much).
+    ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
+    being prefilled (and not yet cached) waits for that prefill instead of duplicating it.
     """
 
     max_batched_tokens: int = 512
     max_running: int = 64
     max_model_len: int = 2048
     lpm_window: int = 128
+    min_shared_prefix: int = 32
 
     def __post_init__(self) -> None:
         for name in ("max_batched_tokens", "max_running", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.lpm_window < 0:
-            raise ValueError(f"lpm_window must be >= 0, got {self.lpm_window}")
+        for name in ("lpm_window", "min_shared_prefix"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 class ScheduledItem(NamedTuple):
@@ -272,6 +276,8 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         candidates = self._admission_order()
+        # Prompts whose KV is being computed and not yet in the radix tree.
+        in_flight = [r.prompt_ids for r in self.running if r.num_computed < len(r.prompt_ids)]
         for req in candidates:
             if budget <= 0 or len(self.running) >= self.config.max_running:
                 return
@@ -279,6 +285,8 @@ class Scheduler:
                 continue  # wait for the leader's prompt KV, then share it via the radix tree
             if self.table.num_free == 0:
                 return
+            if self._shares_in_flight_prefix(req, in_flight):
+                continue  # admitted once that prefix is cached, instead of computing it twice
             self._attach(req)
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._reserve(req, req.num_computed + n, preempt=False, headroom=len(self.running)):
@@ -293,8 +301,24 @@ class Scheduler:
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = time.perf_counter()
             self.running.append(req)
+            if req.num_computed < len(req.prompt_ids):
+                in_flight.append(req.prompt_ids)
             batch.items.append(ScheduledItem(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
             budget -= n
+
+    def _shares_in_flight_prefix(self, req: Request, in_flight: list[list[int]]) -> bool:
+        """True when ``req`` shares at least ``min_shared_prefix`` uncached leading tokens with a
+        prompt being prefilled now (in-batch prefix sharing, as SGLang does it)."""
+        if self.radix.disable or not in_flight:
+            return False
+        need = self.config.min_shared_prefix
+        ids = req.prompt_ids
+        if len(ids) <= need:
+            return False
+        head = ids[:need]
+        return any(len(p) > need and p[:need] == head for p in in_flight) and self.radix.match_prefix(
+            ids
+        ).length < need
 
     def _admission_order(self) -> list[Request]:
         waiting = list(self.waiting)
