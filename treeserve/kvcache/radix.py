@@ -431,7 +431,7 @@ class RadixCache:
         """Cut ``child``'s edge after ``n`` tokens; return the new upper node (same locks and age)."""
         ps = self.page_size
         upper = self._new_node(child.key[:n], child.value[:n].clone(), child.parent)
-        upper.lock_ref = child.lock_ref
+        upper.lock_ref = child.lock_ref  # every lock at or below child is below upper too
         upper.last_access = child.last_access
         child.parent.children[child_key(upper.key, 0, ps)] = upper
         child.key = child.key[n:]
