@@ -1,0 +1,93 @@
+"""``sample``: draw one token per row from the processed distribution with counter-based randomness."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from treeserve.sampling.batch import SamplingBatch
+from treeserve.sampling.processing import Filtered, filter_logits
+from treeserve.sampling.rng import Purpose, uniform
+
+
+class SampleOutput(NamedTuple):
+    """Result of ``sample`` for B rows.
+
+    ``tokens [B]`` int64 (-1 marks an invalid row: NaN/+inf logits or every token masked);
+    ``logprobs [B]`` float32, log-probability of the chosen token under the processed
+    distribution (post-penalty, post-temperature, post-top-k/top-p/min-p; greedy rows use
+    temperature 1); ``top_ids / top_logprobs [B, N]`` the N most likely tokens of that same
+    distribution, N = the largest ``logprobs`` asked for in the batch (entries outside the kept
+    set have logprob -inf).
+    """
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+def inverse_cdf(
+    values: torch.Tensor, kept: torch.Tensor, row_max: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw over ``values [R, C]`` (scaled logits, in token-id order) restricted to ``kept``.
+
+    Returns ``(column [R], logsumexp of the kept values [R])``. Probabilities are accumulated in
+    float64; the chosen column is the first whose cumulative mass exceeds ``u * total``, so a
+    zero-probability column is never chosen.
+    """
+    w = torch.exp(values.to(torch.float64) - row_max.to(torch.float64)[:, None]) * kept
+    cdf = torch.cumsum(w, dim=1)
+    total = cdf[:, -1]
+    col = torch.searchsorted(cdf, (u * total)[:, None], right=True)[:, 0]
+    last_kept = values.shape[1] - 1 - kept.flip(1).to(torch.int8).argmax(1)
+    return torch.minimum(col, last_kept), row_max.to(torch.float64) + torch.log(total)
+
+
+def draw(f: Filtered, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ``[R]`` drawn with uniforms ``u [R]`` from the filtered rows, and the kept logsumexp.
+
+    The law is batch-independent: tokens are ordered by id whichever path is taken (candidates
+    when the kept set fits in them, else the full row; the latter syncs to find those rows).
+    """
+    m = f.cand_values[:, 0]
+    kept = (f.cand_values >= f.threshold[:, None]) & (f.cand_values > float("-inf"))
+    ids, perm = torch.sort(torch.where(kept, f.cand_ids, f.scaled.shape[1]), dim=1)
+    col, lse = inverse_cdf(f.cand_values.gather(1, perm), kept.gather(1, perm), m, u)
+    tokens = ids.gather(1, col[:, None])[:, 0]
+    slow = ~f.fits & f.valid
+    if bool(slow.any()):
+        rows = slow.nonzero()[:, 0]
+        scaled = f.scaled[rows]
+        kept_full = (scaled >= f.threshold[rows, None]) & (scaled > float("-inf"))
+        tokens[rows], lse[rows] = inverse_cdf(scaled, kept_full, m[rows], u[rows])
+    return tokens, lse
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> SampleOutput:
+    """Sample one token per row of ``logits [B, V]``.
+
+    ``positions [B]`` (int64) is the absolute position of the token being sampled; with the row's
+    seed it keys the uniform (purpose SAMPLE), so a seeded request draws the same token whatever
+    the batch. Greedy rows (temperature 0) take the first argmax of the processed logits.
+    """
+    if positions.shape != (batch.num_rows,):
+        raise ValueError(f"positions must have shape [{batch.num_rows}], got {tuple(positions.shape)}")
+    f = filter_logits(logits, batch)
+    u = uniform(batch.seeds, positions, Purpose.SAMPLE)
+    tokens, lse = draw(f, u)
+    if batch.any_greedy:
+        tokens = torch.where(batch.greedy, f.scaled.argmax(dim=1), tokens)
+    invalid = ~f.valid
+    tokens = tokens.masked_fill(invalid, 0)
+    chosen = f.scaled.gather(1, tokens[:, None])[:, 0].to(torch.float64) - lse
+    n = batch.num_logprobs
+    top = f.cand_values[:, :n]
+    top_lp = torch.where(top >= f.threshold[:, None], top.to(torch.float64) - lse[:, None], float("-inf"))
+    return SampleOutput(
+        tokens=tokens.masked_fill(invalid, -1),
+        logprobs=chosen.to(torch.float32).masked_fill(invalid, float("nan")),
+        top_ids=f.cand_ids[:, :n],
+        top_logprobs=top_lp.to(torch.float32).masked_fill(invalid[:, None], float("nan")),
+    )
