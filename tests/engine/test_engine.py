@@ -1,4 +1,4 @@
-"""End-to-end engine tests on a tiny random model (float64, so batching never flips an argmax)."""
+"""End-to-end engine tests on a tiny random model (init_std 0.3: peaked logits, no near-ties)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ VOCAB = 256
 
 @pytest.fixture(scope="module")
 def tiny() -> torch.nn.Module:
-    return random_model(tiny_config("llama", eos_token_ids=(2,)), seed=0, init_std=0.3, dtype=torch.float64)
+    return random_model(tiny_config("llama", eos_token_ids=(2,)), seed=0, init_std=0.3)
 
 
 def make_llm(model, **kw) -> LLM:
     cfg = dict(dtype="float32", kv_cache_tokens=4096, max_batched_tokens=64, max_running=16, max_model_len=256)
     cfg.update(kw)
-    return LLM((model, None), **cfg)  # KV dtype follows the model's (float64 here)
+    return LLM((model, None), **cfg)
 
 
 def prompts_for(seed: int, n: int) -> list[list[int]]:
@@ -98,7 +98,7 @@ def test_parallel_sampling_n(tiny) -> None:
 def test_bad_requests_fail_alone(tiny) -> None:
     llm = make_llm(tiny, kv_cache_tokens=512)
     good = [3, 4, 5]
-    prompts = [good, [], list(range(3, 300)), [3, VOCAB + 5], good, good, good]
+    prompts = [good, [], [3] * 300, [3, VOCAB + 5], good, good, good]
     params = [
         SamplingParams(max_new_tokens=4, temperature=0.0),
         None,
