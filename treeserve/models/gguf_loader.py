@@ -1,0 +1,182 @@
+"""Load a Llama-family GGUF file: configuration, dequantized weights and tokenizer metadata.
+
+Weights are dequantized with ``gguf.quants.dequantize`` (vectorized numpy) and handed to
+``build_model`` under HF names. llama.cpp stores the Q/K projections of ``llama`` models
+permuted for its interleaved RoPE; they are permuted back here to the rotate-half layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from treeserve.models.config import ModelConfig
+from treeserve.models.llama import LlamaForCausalLM
+from treeserve.models.weights import build_model
+
+__all__ = ["GGUFContents", "gguf_config", "load_gguf_model", "open_gguf", "unpermute_qk"]
+
+_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+# GGUF tensor-name suffix per block -> HF name suffix.
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class GGUFContents(NamedTuple):
+    """An opened GGUF file: its metadata as plain Python values and its tensors by GGUF name."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, ReaderTensor]
+
+
+def open_gguf(path: str | Path) -> GGUFContents:
+    """Parse a GGUF file (memory-mapped; tensors are not read yet).
+
+    Raises ``ValueError`` when the file is missing, not GGUF, or truncated (a tensor's data
+    would extend past the end of the file).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"GGUF file {path} does not exist")
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on bad bytes
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
+    size = path.stat().st_size
+    tensors: dict[str, ReaderTensor] = {}
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ValueError(f"{path} is truncated: tensor {t.name!r} extends past the end of the file")
+        tensors[t.name] = t
+    metadata = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF."):
+            metadata[key] = field.contents()
+    return GGUFContents(path, metadata, tensors)
+
+
+def gguf_config(g: GGUFContents) -> ModelConfig:
+    """The ``ModelConfig`` described by GGUF metadata (``{arch}.*`` and ``tokenizer.ggml.*`` keys)."""
+    md = g.metadata
+    arch = md.get("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{g.path}: general.architecture must be one of {_GGUF_ARCHITECTURES}, got {arch!r}"
+        )
+
+    def need(key: str) -> Any:
+        full = f"{arch}.{key}"
+        if full not in md:
+            raise ValueError(f"{g.path}: GGUF metadata is missing {full!r}")
+        return md[full]
+
+    hidden = int(need("embedding_length"))
+    num_heads = int(need("attention.head_count"))
+    head_dim = int(md.get(f"{arch}.attention.key_length", hidden // num_heads))
+    vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))
+    scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", "linear"):
+        raise ValueError(f"{g.path}: {arch}.rope.scaling.type must be 'none' or 'linear', got {scaling_type!r}")
+    rope_scaling = (
+        {"rope_type": "linear", "factor": float(md[f"{arch}.rope.scaling.factor"])}
+        if scaling_type == "linear" else None
+    )
+    eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    return ModelConfig(
+        architecture=arch,
+        num_layers=int(need("block_count")),
+        hidden_size=hidden,
+        num_heads=num_heads,
+        num_kv_heads=int(md.get(f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        intermediate_size=int(need("feed_forward_length")),
+        vocab_size=int(vocab),
+        rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in g.tensors,
+        attention_bias="blk.0.attn_q.bias" in g.tensors,
+        max_position_embeddings=int(need("context_length")),
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+    )
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K row permutation: per head, rows ``(pair, 2)`` -> ``(2, pair)``.
+
+    llama.cpp interleaves the two rotate-half halves of each head so that its RoPE can rotate
+    adjacent elements; works for weights ``[rows, cols]`` and biases ``[rows]``.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
+    return None
+
+
+def _dequantize(t: ReaderTensor) -> np.ndarray:
+    qtype = GGMLQuantizationType(t.tensor_type)
+    try:
+        # A plain ndarray view: numpy.memmap slicing overhead dominates otherwise.
+        flat = dequantize(np.asarray(t.data).view(np.ndarray), qtype)
+    except NotImplementedError as exc:
+        raise ValueError(f"tensor {t.name!r}: quantization type {qtype.name} is not supported") from exc
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest-varying dim first
+    return np.ascontiguousarray(flat, dtype=np.float32).reshape(shape)
+
+
+def load_gguf_model(
+    g: GGUFContents, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> LlamaForCausalLM:
+    """Dequantize ``g``'s tensors into a model (see ``build_model`` for the errors it raises)."""
+    config = gguf_config(g)
+    if "rope_freqs.weight" in g.tensors:
+        raise ValueError(f"{g.path}: per-frequency RoPE factors (rope_freqs.weight) are not supported")
+    by_hf = {hf: t for name, t in g.tensors.items() if (hf := _hf_name(name)) is not None}
+    permute_heads = {
+        "self_attn.q_proj": config.num_heads,
+        "self_attn.k_proj": config.num_kv_heads,
+    }
+
+    def get(hf: str) -> torch.Tensor:
+        w = _dequantize(by_hf[hf])
+        if config.architecture == "llama":
+            for proj, heads in permute_heads.items():
+                # A wrong row count is left for build_model to report with the tensor's name.
+                if f".{proj}." in hf and w.shape[0] == heads * config.head_dim:
+                    w = unpermute_qk(w, heads)
+        # F32 tensors come back as read-only views of the mapped file: copy those.
+        return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    return build_model(config, get, by_hf, dtype=dtype, device=device)

@@ -1,0 +1,224 @@
+"""A Llama-family causal LM (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+
+Tokens of every request in a step are flattened into one ``[N]`` batch; the attention metadata
+(built once per step by the caller) says which tokens belong to which request and where their KV
+lives. Each layer writes the new tokens' K/V with ``store_kv`` before attending with
+``paged_attention``. Forward has no data-dependent Python control flow, so it can be compiled and
+captured into a CUDA graph.
+
+Weights use fused projections (``qkv_proj`` = q|k|v rows, ``gate_up_proj`` = gate|up rows): one
+GEMM instead of three (two), which matters on CPU. ``treeserve.models.weights`` converts between
+these names and the HF checkpoint layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treeserve.kvcache import AttentionMetadata, KVPool, paged_attention, store_kv
+from treeserve.models.config import ModelConfig
+from treeserve.models.rope import apply_rope, rope_table
+
+__all__ = ["LlamaForCausalLM"]
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class Linear(nn.Module):
+    """``x @ weight.T (+ bias)`` with UNINITIALISED parameters: weights always come from a loader.
+
+    (``nn.Linear`` would spend seconds on a random init that is overwritten right away.)
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding lookup with an uninitialised ``weight [vocab, hidden]`` (see ``Linear``)."""
+
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, normalised in float32 and cast back to the input dtype (as HF)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention: fused QKV (optional bias), RoPE, store K/V, paged attention, output proj."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out_slots: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        store_kv(k_cache, v_cache, out_slots, k, v.reshape(n, self.num_kv_heads, self.head_dim))
+        o = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate|up projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out_slots: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, out_slots, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM. Parameters are created UNINITIALISED on ``device`` in ``dtype``; build
+    models with a loader (``load``, ``load_hf_model``, ``load_gguf_model``) or ``random_model``.
+
+    ``forward`` is the only entry point (see its docstring); the RoPE table is a non-persistent
+    float32 buffer covering ``config.max_position_embeddings`` positions. With
+    ``config.tie_word_embeddings`` the output projection shares the embedding matrix.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+        super().__init__()
+        self.config = config
+        with torch.device(device), _default_dtype(dtype):
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("rope_cache", rope_table(config).to(device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype of the weights (logits are always float32)."""
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device holding the weights."""
+        return self.embed_tokens.weight.device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVPool,
+        out_slots: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run ``N`` flattened new tokens through the model; return float32 logits ``[M, vocab]``.
+
+        - ``input_ids, positions, out_slots``: int ``[N]``; token ``i`` sits at ``positions[i]``
+          (``< max_position_embeddings``) and its K/V is written to slot ``out_slots[i]`` of every
+          layer's cache in ``kv`` (``kv.k_caches[l], kv.v_caches[l]``) before attention.
+        - ``meta``: the step's attention metadata, shared by all layers; its ``kv_len`` counts these
+          new tokens.
+        - ``logits_indices``: int ``[M]`` rows of the batch whose logits are wanted (e.g. the last
+          token of each prefill chunk); only those rows go through the final norm and LM head.
+        """
+        n = input_ids.shape[0]
+        if input_ids.dim() != 1 or positions.shape != (n,) or out_slots.shape != (n,):
+            raise ValueError(
+                "input_ids, positions and out_slots must be 1-D of equal length, got "
+                f"{tuple(input_ids.shape)}, {tuple(positions.shape)}, {tuple(out_slots.shape)}"
+            )
+        if logits_indices.dim() != 1:
+            raise ValueError(f"logits_indices must be 1-D, got shape {tuple(logits_indices.shape)}")
+        if len(kv.k_caches) != len(self.layers):
+            raise ValueError(f"kv has {len(kv.k_caches)} layers, the model has {len(self.layers)}")
+        dtype = self.dtype
+        cos_sin = self.rope_cache[positions].to(dtype)  # [N, 2, D/2]
+        cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]
+        h = self.embed_tokens(input_ids)
+        for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches):
+            h = layer(h, cos, sin, k_cache, v_cache, out_slots, meta)
+        h = self.norm(h[logits_indices])
+        return self.lm_head(h).float()

@@ -1,0 +1,78 @@
+"""``PagedSequence``: run one token sequence through a model over its own paged KV pool.
+
+The smallest caller of ``LlamaForCausalLM.forward``: it allocates pages, computes slots,
+positions and attention metadata for each chunk of new tokens. Used by tests, benchmarks and
+examples; the engine's scheduler/runner do the same for many sequences at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from treeserve.kvcache import AttentionMetadata, KVPool
+from treeserve.models.llama import LlamaForCausalLM
+
+__all__ = ["PagedSequence"]
+
+
+class PagedSequence:
+    """One sequence of at most ``max_len`` tokens over a private ``KVPool``.
+
+    Pages are allocated up front; with ``shuffle_seed`` they are used in a random order, so page
+    tables are non-contiguous (as they are in a busy server). ``extend`` feeds new tokens and
+    returns their logits; ``length`` counts the tokens whose K/V is cached.
+    """
+
+    __slots__ = ("model", "pool", "page_size", "max_len", "_pages", "_slots", "length")
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        max_len: int,
+        page_size: int = 1,
+        shuffle_seed: int | None = None,
+    ) -> None:
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
+        if max_len > model.config.max_position_embeddings:
+            raise ValueError(
+                f"max_len must be <= max_position_embeddings={model.config.max_position_embeddings}, got {max_len}"
+            )
+        cfg = model.config
+        num_pages = -(-max_len // page_size)
+        self.model = model
+        self.page_size = page_size
+        self.max_len = max_len
+        self.pool = KVPool(
+            cfg.num_layers, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=model.dtype, device=model.device,
+        )
+        pages = self.pool.allocator.alloc(num_pages)
+        if shuffle_seed is not None:
+            gen = torch.Generator().manual_seed(shuffle_seed)
+            pages = pages[torch.randperm(num_pages, generator=gen).to(pages.device)]
+        self._pages = pages
+        offsets = torch.arange(page_size, device=pages.device)
+        self._slots = (pages[:, None] * page_size + offsets).reshape(-1)
+        self.length = 0
+
+    @torch.inference_mode()
+    def extend(self, token_ids: Sequence[int] | torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Append ``token_ids`` (one chunk); return float32 logits ``[n, vocab]`` (``[1, vocab]``:
+        only the last token's, unless ``all_logits``). Raises ``ValueError`` past ``max_len``."""
+        device = self.model.device
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=device).reshape(-1)
+        n = ids.numel()
+        if n < 1 or self.length + n > self.max_len:
+            raise ValueError(f"chunk must hold 1..{self.max_len - self.length} tokens, got {n}")
+        start, end = self.length, self.length + n
+        positions = torch.arange(start, end, device=device)
+        meta = AttentionMetadata.build(
+            [n], [end], [self._pages.tolist()], self.page_size, device=device
+        )
+        rows = torch.arange(n, device=device) if all_logits else torch.tensor([n - 1], device=device)
+        logits = self.model(ids, positions, self.pool, self._slots[start:end], meta, rows)
+        self.length = end
+        return logits

@@ -1,0 +1,236 @@
+"""``Tokenizer``: text <-> token ids, chat template, special tokens; built from HF files or GGUF.
+
+Backed by the ``tokenizers`` library. From a GGUF file the byte-level BPE is rebuilt from
+``tokenizer.ggml.tokens``/``merges``/``token_type`` the way transformers rebuilds it (control
+tokens become special added tokens, user-defined ones plain added tokens), so both encode alike.
+``StreamDecoder`` turns a growing id list into text chunks that never split a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+from treeserve.models.chat_template import render_chat_template
+
+__all__ = ["StreamDecoder", "Tokenizer"]
+
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Pre-tokenizer split patterns for GGUF ``tokenizer.ggml.pre`` values whose merges were learned
+# on a split other than GPT-2's default.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_GGUF_SPLITS: dict[str, str | None] = {
+    "default": None, "gpt2": None, "smollm": None,
+    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+}
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+class Tokenizer:
+    """Encode/decode text, render the chat template, expose special token ids.
+
+    Immutable after construction. ``eos_token_ids`` lists every id that ends generation (the
+    tokenizer's EOS plus any the model config adds).
+    """
+
+    __slots__ = ("_backend", "chat_template", "bos_token", "eos_token", "eos_token_ids", "bos_token_id")
+
+    def __init__(
+        self,
+        backend: _Backend,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        extra_eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._backend = backend
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = self._id_of("bos_token", bos_token)
+        eos_id = self._id_of("eos_token", eos_token)
+        ids = ([] if eos_id is None else [eos_id]) + [int(i) for i in extra_eos_token_ids]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
+
+    def _id_of(self, field: str, token: str | None) -> int | None:
+        if token is None:
+            return None
+        tid = self._backend.token_to_id(token)
+        if tid is None:
+            raise ValueError(f"{field} {token!r} is not in the vocabulary")
+        return tid
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (added tokens included)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text map to their ids.
+
+        ``add_special_tokens`` applies the tokenizer's post-processor (e.g. a leading BOS).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids`` (invalid UTF-8 byte sequences become U+FFFD)."""
+        ids = list(ids)
+        vocab = self.vocab_size
+        for i in ids:
+            if not 0 <= i < vocab:
+                raise ValueError(f"token id must lie in [0, {vocab}), got {i}")
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render ``messages`` with the model's chat template (``ValueError`` if it has none)."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat_template")
+        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, specials, **kwargs)
+
+    @classmethod
+    def from_gguf_metadata(cls, md: Mapping[str, Any], extra_eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        """Build from GGUF ``tokenizer.*`` metadata (``tokenizer.ggml.model == "gpt2"`` only).
+
+        Raises ``ValueError`` for another tokenizer model, an unknown pre-tokenizer, or missing keys.
+        """
+        kind = md.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer.ggml.model must be 'gpt2' (byte-level BPE), got {kind!r}")
+        pre = md.get("tokenizer.ggml.pre", "default")
+        if pre not in _GGUF_SPLITS:
+            raise ValueError(f"GGUF tokenizer.ggml.pre must be one of {sorted(_GGUF_SPLITS)}, got {pre!r}")
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            if key not in md:
+                raise ValueError(f"GGUF metadata is missing {key!r}")
+        tokens: list[str] = md["tokenizer.ggml.tokens"]
+        types: list[int] = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        alphabet = _byte_alphabet()
+        letters = set(alphabet.values())
+        # Tokens not spelled in the byte alphabet (e.g. raw special tokens) are re-spelled so the
+        # BPE model can hold them; transformers does the same.
+        vocab = {
+            t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")): i
+            for i, t in enumerate(tokens)
+        }
+        merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
+        backend = _Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        split = _GGUF_SPLITS[pre]
+        backend.pre_tokenizer = (
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            if split is None
+            else pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])
+        )
+        backend.decoder = decoders.ByteLevel()
+
+        def token(key: str) -> str | None:
+            tid = md.get(f"tokenizer.ggml.{key}_token_id")
+            return None if tid is None else tokens[int(tid)]
+
+        bos, eos = token("bos"), token("eos")
+        named = {t for t in (bos, eos, token("unknown"), token("padding")) if t is not None}
+        special = [t for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= letters]
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in dict.fromkeys([*special, *named])]
+        )
+        backend.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
+             if ty == _USER_DEFINED and t in vocab]
+        )
+        if md.get("tokenizer.ggml.add_bos_token") and bos is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, vocab[bos])]
+            )
+        return cls(backend, md.get("tokenizer.chat_template"), bos, eos, extra_eos_token_ids)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, extra_eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        """Build from ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja``)."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{path} has no tokenizer.json")
+        try:
+            backend = _Backend.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:
+            raise ValueError(f"cannot parse {path / 'tokenizer.json'}: {exc}") from exc
+        cfg_file = path / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: use "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+
+        def token(key: str) -> str | None:
+            value = cfg.get(key)
+            return value.get("content") if isinstance(value, dict) else value
+
+        return cls(backend, template, token("bos_token"), token("eos_token"), extra_eos_token_ids)
+
+
+class StreamDecoder:
+    """Incremental detokenization of a growing id list.
+
+    ``push(ids)`` appends ids and returns the newly completed text: text is held back while it
+    ends in an incomplete UTF-8 sequence (U+FFFD), and decoding is re-anchored a few tokens back
+    so that merges across token boundaries (leading spaces, multi-byte characters) come out as a
+    full decode would. ``finish()`` returns whatever is still held. The concatenation of all
+    returned chunks equals ``tokenizer.decode(all_ids)``.
+    """
+
+    __slots__ = ("_tok", "_skip", "_ids", "_prefix", "_read")
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decoding window
+        self._read = 0  # ids before this have been emitted
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Append ``ids``; return the text they complete (possibly empty)."""
+        self._ids.extend(int(i) for i in ids)
+        emitted = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        window = self._tok.decode(self._ids[self._prefix :], self._skip)
+        if len(window) <= len(emitted) or window.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return window[len(emitted) :]
+
+    def finish(self) -> str:
+        """The text still held back (e.g. a trailing incomplete character, as U+FFFD)."""
+        emitted = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        window = self._tok.decode(self._ids[self._prefix :], self._skip)
+        self._prefix = self._read = len(self._ids)
+        return window[len(emitted) :]

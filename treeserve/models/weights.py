@@ -1,0 +1,125 @@
+"""Weights in HF checkpoint layout <-> ``LlamaForCausalLM`` (fused QKV and gate|up projections).
+
+Both loaders (safetensors and GGUF) produce tensors under HF names; ``build_model`` checks every
+expected name and shape, fuses the projections and materialises the model without a throw-away
+random initialisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from treeserve.models.config import ModelConfig
+from treeserve.models.llama import LlamaForCausalLM
+
+__all__ = ["MissingTensorError", "build_model", "expected_hf_shapes", "hf_state_dict"]
+
+# A loader hands tensors over lazily: name -> tensor, called once per expected name.
+TensorGetter = Callable[[str], torch.Tensor]
+
+
+class MissingTensorError(ValueError):
+    """A checkpoint lacks a tensor the configuration requires."""
+
+
+def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the model needs, with its shape (``lm_head`` only when untied)."""
+    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+        if config.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
+    return shapes
+
+
+def _fused_names(config: ModelConfig) -> Iterable[tuple[str, tuple[str, ...]]]:
+    """(our parameter name, the HF names concatenated along dim 0 to form it)."""
+    yield "embed_tokens.weight", ("model.embed_tokens.weight",)
+    yield "norm.weight", ("model.norm.weight",)
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", ("lm_head.weight",)
+    for layer in range(config.num_layers):
+        src, dst = f"model.layers.{layer}.", f"layers.{layer}."
+        attn = src + "self_attn."
+        yield dst + "input_layernorm.weight", (src + "input_layernorm.weight",)
+        yield dst + "post_attention_layernorm.weight", (src + "post_attention_layernorm.weight",)
+        yield dst + "self_attn.qkv_proj.weight", tuple(attn + f"{x}_proj.weight" for x in "qkv")
+        if config.attention_bias:
+            yield dst + "self_attn.qkv_proj.bias", tuple(attn + f"{x}_proj.bias" for x in "qkv")
+        yield dst + "self_attn.o_proj.weight", (attn + "o_proj.weight",)
+        yield dst + "mlp.gate_up_proj.weight", (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight")
+        yield dst + "mlp.down_proj.weight", (src + "mlp.down_proj.weight",)
+
+
+def build_model(
+    config: ModelConfig,
+    get: TensorGetter,
+    available: Iterable[str],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaForCausalLM:
+    """Materialise a model from HF-named tensors.
+
+    ``available`` lists the names the checkpoint holds; ``get(name)`` returns one (any float
+    dtype; it is converted to ``dtype`` on ``device``). Raises ``MissingTensorError`` naming the
+    first absent tensor and ``ValueError`` naming a tensor whose shape disagrees with ``config``.
+    """
+    have = set(available)
+    shapes = expected_hf_shapes(config)
+    missing = [name for name in shapes if name not in have]
+    if missing:
+        raise MissingTensorError(
+            f"checkpoint is missing tensor {missing[0]!r} ({len(missing)} missing in all)"
+        )
+
+    def fetch(name: str) -> torch.Tensor:
+        t = get(name)
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, config expects {shapes[name]}")
+        return t.to(device=device, dtype=dtype)
+
+    state = {}
+    for ours, hf in _fused_names(config):
+        parts = [fetch(n) for n in hf]
+        state[ours] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under HF names (projections split again), contiguous, on CPU."""
+    config = model.config
+    ours = model.state_dict()
+    shapes = expected_hf_shapes(config)
+    out: dict[str, torch.Tensor] = {}
+    for name, hf_names in _fused_names(config):
+        sizes = [shapes[n][0] for n in hf_names]
+        for hf, part in zip(hf_names, ours[name].split(sizes)):
+            out[hf] = part.detach().cpu().contiguous()
+    return out
