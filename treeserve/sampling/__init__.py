@@ -11,6 +11,7 @@ from treeserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
 from treeserve.sampling.sampler import SampleOutput, sample
+from treeserve.sampling.verify import VerifyOutput, VerifyUniforms, verify
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -21,4 +22,7 @@ __all__ = [
     "process_logits",
     "sample",
     "uniform",
+    "verify",
+    "VerifyOutput",
+    "VerifyUniforms",
 ]

@@ -28,21 +28,28 @@ class SampleOutput(NamedTuple):
     top_logprobs: torch.Tensor
 
 
+def inverse_cdf_weights(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column ``[R]`` drawn with uniforms ``u [R]`` from non-negative weights ``w [R, C]`` (id order).
+
+    The chosen column is the first whose cumulative weight exceeds ``u * total``, clamped to the
+    last positive column, so a zero-weight column is never chosen.
+    """
+    cdf = torch.cumsum(w, dim=1)
+    col = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    last_positive = w.shape[1] - 1 - (w > 0).flip(1).to(torch.int8).argmax(1)
+    return torch.minimum(col, last_positive)
+
+
 def inverse_cdf(
     values: torch.Tensor, kept: torch.Tensor, row_max: torch.Tensor, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF draw over ``values [R, C]`` (scaled logits, in token-id order) restricted to ``kept``.
 
-    Returns ``(column [R], logsumexp of the kept values [R])``. Probabilities are accumulated in
-    float64; the chosen column is the first whose cumulative mass exceeds ``u * total``, so a
-    zero-probability column is never chosen.
+    Returns ``(column [R], logsumexp of the kept values [R])``; weights are float64.
     """
     w = torch.exp(values.to(torch.float64) - row_max.to(torch.float64)[:, None]) * kept
-    cdf = torch.cumsum(w, dim=1)
-    total = cdf[:, -1]
-    col = torch.searchsorted(cdf, (u * total)[:, None], right=True)[:, 0]
-    last_kept = values.shape[1] - 1 - kept.flip(1).to(torch.int8).argmax(1)
-    return torch.minimum(col, last_kept), row_max.to(torch.float64) + torch.log(total)
+    col = inverse_cdf_weights(w, u)
+    return col, row_max.to(torch.float64) + torch.log(w.sum(1))
 
 
 def draw(f: Filtered, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,168 @@
+"""Exact output law of ``verify`` by enumeration (float64): a test helper.
+
+The walk's randomness is integrated out exactly: node k's coin only matters through
+``u_k < a_k`` where ``a_k`` (reported by the walk) depends on earlier coins, so scenarios are
+split node by node into an accept branch (``u_k = 0``, weight ``a_k``) and a reject branch
+(``u_k = a_k``, weight ``1 - a_k``), and the last token has the law of the final residual.
+Stochastic drafts are integrated by enumerating every token assignment of the tree.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tests.sampling._sampling_ref import process_row, softmax
+from treeserve.sampling import SamplingBatch, SamplingParams
+from treeserve.sampling.tree_walk import walk_tree
+from treeserve.sampling.verify import prepare_tree
+
+Law = Callable[[tuple[int, ...]], list[float]]
+
+
+def table_logits(ctx: tuple[int, ...], vocab: int, salt: int, scale: float = 1.5) -> torch.Tensor:
+    """A deterministic 'model': float64 logits as a pseudo-random function of the context."""
+    g = torch.Generator().manual_seed(hash((salt, *ctx)) % (2**31))
+    return torch.randn(vocab, generator=g, dtype=torch.float64) * scale
+
+
+@dataclass
+class Case:
+    vocab: int
+    parents: list[int]
+    params: SamplingParams
+    history: list[int]
+    salt: int
+    stochastic: bool
+    tokens: list[int] | None = None  # point-mass drafts: the fixed tree tokens
+    misreport_draft: bool = False  # negative control: tell verify a uniform draft law
+
+    def target_law(self) -> Law:
+        memo: dict[tuple[int, ...], list[float]] = {}
+
+        def law(ctx: tuple[int, ...]) -> list[float]:
+            if ctx not in memo:
+                row = process_row(
+                    table_logits(ctx, self.vocab, self.salt).tolist(), self.params,
+                    self.history + list(ctx), len(ctx), eos=(0,),
+                )
+                if self.params.greedy:
+                    best = row.index(max(row))
+                    memo[ctx] = [float(i == best) for i in range(self.vocab)]
+                else:
+                    memo[ctx] = softmax(row)
+            return memo[ctx]
+
+        return law
+
+    def draft_law(self, ctx: tuple[int, ...]) -> list[float]:
+        return softmax(table_logits(ctx, self.vocab, self.salt + 1, scale=1.0).tolist())
+
+    def path(self, k: int, tokens: Sequence[int]) -> tuple[int, ...]:
+        out = []
+        while k >= 0:
+            out.append(tokens[k])
+            k = self.parents[k]
+        return tuple(reversed(out))
+
+
+def emitted_law(case: Case) -> dict[tuple[int, ...], float]:
+    """Exact law of the emitted token sequence, integrated over coins and draft tokens."""
+    m, v = len(case.parents), case.vocab
+    if case.stochastic:
+        assignments = list(itertools.product(range(v), repeat=m))
+    else:
+        assert case.tokens is not None
+        assignments = [tuple(case.tokens)]
+    logits, probs, weights = [], [], []
+    for toks in assignments:
+        logits.append(table_logits((), v, case.salt))
+        w = 1.0
+        for k in range(m):
+            logits.append(table_logits(case.path(k, toks), v, case.salt))
+            par = case.parents[k]
+            q = case.draft_law(case.path(par, toks) if par >= 0 else ())
+            probs.append(q)
+            w *= q[toks[k]]
+        weights.append(w if case.stochastic else 1.0)
+    r = len(assignments)
+    tokens = torch.tensor(assignments, dtype=torch.int64).reshape(r, m)
+    parents = torch.tensor([case.parents] * r, dtype=torch.int64).reshape(r, m)
+    num_draft = torch.full((r,), m, dtype=torch.int64)
+    batch = SamplingBatch.build(
+        [case.params] * r, [0] * r, [case.history] * r, v, eos_token_ids=[0], num_generated=[0] * r
+    )
+    draft_probs = torch.tensor(probs, dtype=torch.float64).reshape(r * m, v) if case.stochastic else None
+    if case.misreport_draft and draft_probs is not None:
+        draft_probs = torch.ones_like(draft_probs)
+    prep = prepare_tree(torch.stack(logits), batch, tokens, parents, num_draft, draft_probs)
+    assert prep.valid.all()
+
+    idx = torch.arange(r)
+    u = torch.full((r, m), 0.5, dtype=torch.float64)
+    w = torch.tensor(weights, dtype=torch.float64)
+
+    def run(idx: torch.Tensor, u: torch.Tensor):
+        draft = None if prep.draft is None else prep.draft[idx]
+        return walk_tree(prep.target[idx], draft, tokens[idx], parents[idx], num_draft[idx], u)
+
+    for k in range(m):
+        a = run(idx, u).accept_probs[:, k]
+        cons = ~torch.isnan(a)
+        keep, acc, rej = ~cons, cons & (a > 0), cons & (a < 1)
+        u_acc, u_rej = u[acc].clone(), u[rej].clone()
+        u_acc[:, k] = 0.0
+        u_rej[:, k] = a[rej]
+        idx = torch.cat([idx[keep], idx[acc], idx[rej]])
+        u = torch.cat([u[keep], u_acc, u_rej])
+        w = torch.cat([w[keep], w[acc] * a[acc], w[rej] * (1 - a[rej])])
+    walk = run(idx, u)
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+    for s in range(idx.shape[0]):
+        prefix = tuple(walk.accepted[s, : walk.accept_len[s]].tolist())
+        res = walk.residual[s].tolist()
+        for t in range(v):
+            if res[t] > 0:
+                law[prefix + (t,)] += float(w[s]) * res[t]
+    return law
+
+
+def max_deviation(case: Case) -> float:
+    """max |P(continued output starts with s) - P_target(s)| over every relevant prefix s.
+
+    The emitted sequence is continued by exact target sampling, so losslessness means the
+    continued process has the target's law; it is checked on every sequence s whose first
+    ``len(s) - 1`` tokens are a prefix of some emitted sequence (all next tokens included).
+    """
+    law = emitted_law(case)
+    target = case.target_law()
+
+    def t_cond(ctx: tuple[int, ...], rest: tuple[int, ...]) -> float:
+        p = 1.0
+        for i, y in enumerate(rest):
+            p *= target(ctx + rest[:i])[y]
+        return p
+
+    starts: dict[tuple[int, ...], float] = defaultdict(float)
+    for seq, p in law.items():
+        for j in range(1, len(seq) + 1):
+            starts[seq[:j]] += p
+
+    def continued(s: tuple[int, ...]) -> float:
+        return starts.get(s, 0.0) + sum(law.get(s[:i], 0.0) * t_cond(s[:i], s[i:]) for i in range(1, len(s)))
+
+    worst = abs(sum(law.values()) - 1.0)
+    for base in [(), *starts]:
+        for y in range(case.vocab):
+            s = base + (y,)
+            worst = max(worst, abs(continued(s) - t_cond((), s)))
+    return worst
+
+
+def random_parents(sizes: Sequence[int]) -> list[int]:
+    """A parent array from per-node parent choices: node k's parent is sizes[k] mod (k + 1) - 1."""
+    return [(c % (k + 1)) - 1 for k, c in enumerate(sizes)]

@@ -1,0 +1,198 @@
+"""verify: greedy reference, consistency with sample, batch invariance, edge cases, Monte Carlo law."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from tests.sampling._sampling_ref import process_row, softmax
+from tests.sampling._verify_law import random_parents, table_logits
+from treeserve.sampling import SamplingBatch, SamplingParams, sample, verify
+
+
+def pack(trees: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, parents) per request -> padded [B, M] tensors and num_draft [B]."""
+    m = max((len(t) for t, _ in trees), default=0)
+    tokens = torch.tensor([t + [-1] * (m - len(t)) for t, _ in trees], dtype=torch.int64).reshape(len(trees), m)
+    parents = torch.tensor([p + [-1] * (m - len(p)) for _, p in trees], dtype=torch.int64).reshape(len(trees), m)
+    return tokens, parents, torch.tensor([len(t) for t, _ in trees], dtype=torch.int64)
+
+
+def tree_logits(trees, vocab: int, salt: int) -> torch.Tensor:
+    rows = []
+    for toks, parents in trees:
+        rows.append(table_logits((), vocab, salt))
+        for k in range(len(toks)):
+            path, j = [], k
+            while j >= 0:
+                path.append(toks[j])
+                j = parents[j]
+            rows.append(table_logits(tuple(reversed(path)), vocab, salt))
+    return torch.stack(rows)
+
+
+def greedy_reference(trees, vocab: int, salt: int, params: SamplingParams, history: list[int]) -> list[list[int]]:
+    out = []
+    for toks, parents in trees:
+        emitted, cur, ctx = [], -1, ()
+        while True:
+            row = process_row(table_logits(ctx, vocab, salt).tolist(), params, history + list(ctx), len(ctx))
+            best = row.index(max(row))
+            child = next((k for k in range(len(toks)) if parents[k] == cur and toks[k] == best), None)
+            emitted.append(best)
+            if child is None:
+                break
+            cur, ctx = child, ctx + (best,)
+        out.append(emitted)
+    return out
+
+
+tree_st = st.lists(st.integers(0, 6), max_size=6).flatmap(
+    lambda c: st.tuples(st.lists(st.integers(0, 4), min_size=len(c), max_size=len(c)), st.just(random_parents(c)))
+)
+
+
+@settings(max_examples=30)
+@given(trees=st.lists(tree_st, min_size=1, max_size=4), salt=st.integers(0, 1000),
+       penalty=st.sampled_from([1.0, 1.5]))
+def test_greedy_accepts_longest_argmax_path(trees, salt: int, penalty: float) -> None:
+    vocab = 5
+    params = SamplingParams(temperature=0, repetition_penalty=penalty, top_k=3)
+    tokens, parents, nd = pack(trees)
+    b = len(trees)
+    batch = SamplingBatch.build([params] * b, list(range(b)), [[1]] * b, vocab, num_generated=[0] * b)
+    out = verify(tree_logits(trees, vocab, salt), batch, tokens, parents, nd, torch.zeros(b, dtype=torch.int64))
+    want = greedy_reference(trees, vocab, salt, params, [1])
+    for i, w in enumerate(want):
+        assert out.tokens[i, : out.num_tokens[i]].tolist() == w
+        assert int(out.accept_len[i]) == len(w) - 1
+        path = out.path[i, : out.accept_len[i]].tolist()
+        assert [trees[i][0][k] for k in path] == w[:-1]
+        assert int(out.last_node[i]) == (path[-1] if path else -1)
+        assert all(trees[i][1][c] == p for p, c in zip([-1, *path], path))
+
+
+def test_zero_drafts_equals_sample_and_rows_are_batch_invariant() -> None:
+    vocab = 30
+    params = [SamplingParams(top_p=0.9, seed=1), SamplingParams(temperature=0), SamplingParams(top_k=4, min_p=0.05),
+              SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4)]
+    b = len(params)
+    batch = SamplingBatch.build(params, [11, 12, 13, 14], [[1, 2, 2]] * b, vocab)
+    logits = torch.randn(b, vocab)
+    pos = torch.tensor([5, 6, 7, 8])
+    empty = torch.zeros(b, 0, dtype=torch.int64)
+    out = verify(logits, batch, empty, empty, torch.zeros(b, dtype=torch.int64), pos)
+    assert torch.equal(out.tokens[:, 0], sample(logits, batch, pos).tokens)
+
+    trees = [([3, 4, 5], [-1, 0, 1]), ([], []), ([7, 7, 2, 9], [-1, -1, 0, 2]), ([1], [-1])]
+    tokens, parents, nd = pack(trees)
+    target = torch.randn(int((1 + nd).sum()), vocab)
+    probs = torch.softmax(torch.randn(int(nd.sum()), vocab), -1)
+    full = verify(target, batch, tokens, parents, nd, pos, draft_probs=probs)
+    row_start, node_start = 0, 0
+    for i, (toks, par) in enumerate(trees):
+        one = SamplingBatch.build([params[i]], [11 + i], [[1, 2, 2]], vocab)
+        t, p, n = pack([(toks, par)])
+        alone = verify(target[row_start: row_start + 1 + len(toks)], one, t, p, n, pos[i: i + 1],
+                       draft_probs=probs[node_start: node_start + len(toks)])
+        k = int(alone.num_tokens[0])
+        assert full.tokens[i, :k].tolist() == alone.tokens[0, :k].tolist()
+        assert int(full.last_node[i]) == int(alone.last_node[0])
+        row_start += 1 + len(toks)
+        node_start += len(toks)
+
+
+def test_edge_cases_never_crash() -> None:
+    vocab = 6
+    params = [SamplingParams()] * 5
+    batch = SamplingBatch.build(params, list(range(5)), [[]] * 5, vocab)
+    trees = [([2], [-1]), ([3], [-1]), ([4, 4], [-1, -1]), ([1], [-1]), ([5], [-1])]
+    tokens, parents, nd = pack(trees)
+    target = torch.randn(int((1 + nd).sum()), vocab, dtype=torch.float64)
+    probs = torch.softmax(torch.randn(int(nd.sum()), vocab, dtype=torch.float64), -1)
+    probs[0, 2] = 0.0  # request 0: drafted token has draft probability 0 -> node skipped
+    target[2, 0] = float("nan")  # request 1: NaN target row -> invalid
+    probs[2] = torch.softmax(target[4], -1)  # request 2: q == p -> residual mass 0, always accepted
+    probs[4, 1] = float("inf")  # request 3: inf draft row -> invalid
+    target[9] = float("-inf")  # request 4: node row with no admissible token -> invalid
+    out = verify(target, batch, tokens, parents, nd, torch.zeros(5, dtype=torch.int64), draft_probs=probs)
+    assert out.valid.tolist() == [True, False, True, False, False]
+    assert out.accept_len[0] == 0 and 0 <= out.tokens[0, 0] < vocab
+    assert out.accept_len[2] == 1 and out.tokens[2, 0] == 4 and out.last_node[2] == 0
+    assert (out.tokens[~out.valid] == -1).all() and (out.num_tokens[~out.valid] == 0).all()
+
+
+def test_bad_inputs_raise() -> None:
+    vocab = 6
+    batch = SamplingBatch.build([SamplingParams()] * 2, [0, 1], [[], []], vocab)
+    tokens, parents, nd = pack([([1, 2], [-1, 0]), ([3], [-1])])
+    target = torch.randn(5, vocab)
+    pos = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="target_logits has 4 rows"):
+        verify(target[:4], batch, tokens, parents, nd, pos)
+    with pytest.raises(ValueError, match="draft_parents must satisfy"):
+        verify(target, batch, tokens, torch.tensor([[-1, 1], [-1, -1]]), nd, pos)
+    with pytest.raises(ValueError, match="draft_tokens must be in"):
+        verify(target, batch, torch.tensor([[1, 9], [3, 0]]), parents, nd, pos)
+    with pytest.raises(ValueError, match="num_draft must be in"):
+        verify(target, batch, tokens, parents, torch.tensor([3, 0]), pos)
+    with pytest.raises(ValueError, match="draft_probs has 2 rows"):
+        verify(target, batch, tokens, parents, nd, pos, draft_probs=torch.ones(2, vocab))
+    with pytest.raises(TypeError, match="positions must be int64"):
+        verify(target, batch, tokens, parents, nd, pos.int())
+    with pytest.raises(ValueError, match="draft_tokens and draft_parents"):
+        verify(target, batch, tokens[:1], parents[:1], nd, pos)
+
+
+def test_monte_carlo_joint_law_through_real_rng() -> None:
+    """Chains of 2 stochastic drafts, then ``sample`` to complete 3 tokens: G-test + TV bound."""
+    vocab, salt, n = 4, 5, 20000
+    params = SamplingParams(temperature=0.9, top_k=3, top_p=0.95)
+    law_memo: dict[tuple[int, ...], list[float]] = {}
+
+    def target(ctx: tuple[int, ...]) -> list[float]:
+        if ctx not in law_memo:
+            law_memo[ctx] = softmax(process_row(table_logits(ctx, vocab, salt).tolist(), params))
+        return law_memo[ctx]
+
+    def draft(ctx: tuple[int, ...]) -> torch.Tensor:
+        return torch.softmax(table_logits(ctx, vocab, salt + 1, scale=1.0), 0)
+
+    gen = torch.Generator().manual_seed(0)
+    first = torch.multinomial(draft(()), n, replacement=True, generator=gen)
+    second = torch.empty(n, dtype=torch.int64)
+    for t in range(vocab):
+        sel = first == t
+        second[sel] = torch.multinomial(draft((t,)), int(sel.sum()), replacement=True, generator=gen)
+    tokens = torch.stack([first, second], 1)
+    rows, probs = [], []
+    for a, b in tokens.tolist():
+        rows += [table_logits((), vocab, salt), table_logits((a,), vocab, salt), table_logits((a, b), vocab, salt)]
+        probs += [draft(()), draft((a,))]
+    batch = SamplingBatch.build([params] * n, list(range(n)), [[]] * n, vocab)
+    out = verify(torch.stack(rows).float(), batch, tokens, torch.tensor([[-1, 0]] * n), torch.full((n,), 2),
+                 torch.full((n,), 10), draft_probs=torch.stack(probs).float())
+    seqs = out.tokens.clone()
+    for j in (1, 2):  # complete short outputs with plain sampling at the next positions
+        short = (out.num_tokens <= j).nonzero()[:, 0]
+        ctx_logits = torch.stack([table_logits(tuple(seqs[i, :j].tolist()), vocab, salt) for i in short.tolist()])
+        sub = SamplingBatch.build([params] * len(short), short.tolist(), [[]] * len(short), vocab)
+        seqs[short, j] = sample(ctx_logits.float(), sub, torch.full((len(short),), 10 + j)).tokens
+    codes = (seqs[:, 0] * vocab + seqs[:, 1]) * vocab + seqs[:, 2]
+    counts = torch.bincount(codes, minlength=vocab**3).double()
+    expected = torch.tensor([
+        target(())[a] * target((a,))[b] * target((a, b))[c]
+        for a, b, c in itertools.product(range(vocab), repeat=3)
+    ], dtype=torch.float64)
+    assert counts[expected == 0].sum() == 0
+    keep = expected > 0
+    g = stats.power_divergence(counts[keep].numpy(), (expected[keep] * n).numpy(), lambda_="log-likelihood")
+    assert g.pvalue > 1e-4, g
+    tv = 0.5 * (counts / n - expected).abs().sum()
+    assert tv < 0.04, tv
+    assert out.accept_len.double().mean() > 0.3  # the drafts are actually being accepted

@@ -1,0 +1,67 @@
+"""Exact law of verification: the emitted tokens have the processed target's law (to 1e-12)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.sampling._verify_law import Case, max_deviation, random_parents
+from treeserve.sampling import SamplingParams
+
+TOL = 1e-12
+
+filters = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.7, 1.0, 1.6]),
+    top_k=st.sampled_from([-1, 2, 3]),
+    top_p=st.sampled_from([1.0, 0.8, 0.5]),
+    min_p=st.sampled_from([0.0, 0.1]),
+    repetition_penalty=st.sampled_from([1.0, 1.4]),
+    presence_penalty=st.sampled_from([0.0, 0.6]),
+    min_new_tokens=st.sampled_from([0, 2]),
+)
+
+
+@settings(max_examples=25)
+@given(
+    vocab=st.integers(3, 8),
+    choices=st.lists(st.integers(0, 6), min_size=1, max_size=7),
+    tokens=st.lists(st.integers(0, 7), min_size=7, max_size=7),
+    params=filters,
+    salt=st.integers(0, 10**6),
+)
+def test_point_mass_tree_law_is_exact(vocab: int, choices: list[int], tokens: list[int], params, salt: int) -> None:
+    """Deterministic drafts (any tokens, duplicate siblings included), trees up to 7 nodes."""
+    parents = random_parents(choices)
+    case = Case(vocab, parents, params, [1, 2, 2], salt, stochastic=False, tokens=[t % vocab for t in tokens[: len(parents)]])
+    assert max_deviation(case) < TOL
+
+
+@settings(max_examples=15)
+@given(vocab=st.integers(3, 4), length=st.integers(1, 3), params=filters, salt=st.integers(0, 10**6))
+def test_stochastic_chain_law_is_exact(vocab: int, length: int, params, salt: int) -> None:
+    """Leviathan/Chen on chains, integrated over the drafted tokens."""
+    case = Case(vocab, list(range(-1, length - 1)), params, [2], salt, stochastic=True)
+    assert max_deviation(case) < TOL
+
+
+@settings(max_examples=10)
+@given(choices=st.lists(st.integers(0, 6), min_size=2, max_size=5), params=filters, salt=st.integers(0, 10**6))
+def test_stochastic_tree_law_is_exact(choices: list[int], params, salt: int) -> None:
+    """SpecInfer recursive rejection over i.i.d. siblings, integrated over the drafted tokens."""
+    case = Case(3, random_parents(choices), params, [], salt, stochastic=True)
+    assert max_deviation(case) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parents", [[-1, -1, -1, 0, 0, 1, 3], [-1, 0, 1, 2, 3, 4, 5]], ids=["tree7", "chain7"])
+def test_stochastic_seven_node_law_is_exact(parents: list[int]) -> None:
+    params = SamplingParams(temperature=0.9, top_k=2, top_p=0.9, min_p=0.05)
+    assert max_deviation(Case(3, parents, params, [1], 7, stochastic=True)) < TOL
+
+
+def test_law_check_detects_a_wrong_draft_law() -> None:
+    """Negative control: verifying against a misreported draft law is measurably lossy."""
+    case = Case(4, [-1, -1, 0], SamplingParams(), [], 3, stochastic=True, misreport_draft=True)
+    assert max_deviation(case) > 1e-3

@@ -1,0 +1,262 @@
+"""Lossless speculative verification of ragged draft trees (greedy and rejection sampling).
+
+Inputs for B requests, request i with ``n_i = num_draft[i]`` draft nodes (0 allowed), M >= max n_i:
+
+- ``target_logits [T, V]``, T = sum(1 + n_i): request i's rows are contiguous, its root row
+  first (the law of the token after the last committed one), then one row per draft node k
+  (the law of the token after node k), in node order;
+- ``draft_tokens, draft_parents [B, M]`` int64: node k's token and parent (``parent < k``,
+  -1 = root; a chain has ``parent[k] = k - 1``); entries past ``n_i`` are ignored;
+- ``draft_probs [N, V]`` or None, N = sum(n_i) rows in the same order: the law node k's token was
+  drawn from (siblings are independent draws; rows need not be normalized). None means
+  deterministic drafts (n-gram, top-k children): the point-mass form is used;
+- ``positions [B]``: absolute position of the token the root row predicts.
+
+Every target row is processed exactly as ``sample`` would process it (``process_logits`` on a
+batch expanded to one row per tree position, whose history includes the draft tokens on the path
+to that position). Greedy requests accept the longest path whose tokens equal the processed
+argmax and emit the argmax after it. Other requests use the walk in ``tree_walk`` (Leviathan/Chen
+on chains, SpecInfer's recursive rejection on trees) followed by one token from the final
+residual: the output law equals the processed target's. Random numbers are keyed by
+(seed, position, purpose): node k's coin by (seed, position of node k, ACCEPT, k), the final
+token by (seed, its position, SAMPLE) -- so a request with no drafts emits exactly ``sample``'s
+token. No host sync on the way (shape checks only; value checks run when inputs are on CPU),
+except the torch top-p refine fallback documented in ``processing``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from treeserve.sampling.batch import SamplingBatch
+from treeserve.sampling.processing import process_logits
+from treeserve.sampling.rng import Purpose, uniform
+from treeserve.sampling.sampler import inverse_cdf, inverse_cdf_weights
+from treeserve.sampling.tree_walk import TreeWalk, walk_tree
+
+
+class VerifyUniforms(NamedTuple):
+    """Injected random numbers (tests): ``accept [B, M]`` node coins, ``final [B]`` the last draw."""
+
+    accept: torch.Tensor
+    final: torch.Tensor
+
+
+class VerifyOutput(NamedTuple):
+    """Result of ``verify`` for B requests (M = the padded number of draft nodes).
+
+    ``tokens [B, M+1]``: the emitted tokens (accepted drafts, then the bonus/correction token),
+    -1 padded; ``num_tokens [B]`` = ``accept_len + 1`` (0 for an invalid request);
+    ``accept_len [B]`` accepted draft tokens; ``last_node [B]`` index of the last accepted node
+    (-1 = root; KV compaction keeps the nodes in ``path``); ``path [B, M]`` accepted node indices
+    root-to-leaf, -1 padded; ``valid [B]`` False when a target or draft row of the request had
+    NaN/inf values or no admissible token (its other outputs are then -1/0).
+    """
+
+    tokens: torch.Tensor
+    num_tokens: torch.Tensor
+    accept_len: torch.Tensor
+    last_node: torch.Tensor
+    path: torch.Tensor
+    valid: torch.Tensor
+
+
+class PreparedTree(NamedTuple):
+    """Padded per-position laws: ``processed [B, M+1, V]`` logits, ``target`` their probabilities
+    (one-hot argmax on greedy requests), ``draft [B, M, V]`` normalized (None = point mass),
+    ``depth [B, M]`` (root children have depth 1), ``valid [B]``."""
+
+    processed: torch.Tensor
+    target: torch.Tensor
+    draft: torch.Tensor | None
+    depth: torch.Tensor
+    valid: torch.Tensor
+
+
+def _check_inputs(
+    target_logits: torch.Tensor,
+    batch: SamplingBatch,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_draft: torch.Tensor,
+    positions: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+) -> None:
+    b, v = batch.num_rows, batch.vocab_size
+    if tokens.dim() != 2 or tokens.shape[0] != b or parents.shape != tokens.shape:
+        raise ValueError(f"draft_tokens and draft_parents must both have shape [{b}, M], got "
+                         f"{tuple(tokens.shape)} and {tuple(parents.shape)}")
+    for name, t in (("draft_tokens", tokens), ("draft_parents", parents), ("num_draft", num_draft),
+                    ("positions", positions)):
+        if t.dtype != torch.int64:
+            raise TypeError(f"{name} must be int64, got {t.dtype}")
+    for name, t in (("num_draft", num_draft), ("positions", positions)):
+        if t.shape != (b,):
+            raise ValueError(f"{name} must have shape [{b}], got {tuple(t.shape)}")
+    if target_logits.dim() != 2 or target_logits.shape[1] != v:
+        raise ValueError(f"target_logits must have shape [T, {v}], got {tuple(target_logits.shape)}")
+    if draft_probs is not None and (draft_probs.dim() != 2 or draft_probs.shape[1] != v):
+        raise ValueError(f"draft_probs must have shape [N, {v}], got {tuple(draft_probs.shape)}")
+    if tokens.device.type != "cpu":
+        return  # value checks would need a host sync
+    m = tokens.shape[1]
+    if ((num_draft < 0) | (num_draft > m)).any():
+        raise ValueError(f"num_draft must be in [0, {m}], got {num_draft.tolist()}")
+    n = int(num_draft.sum())
+    if target_logits.shape[0] != b + n:
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows, expected B + sum(num_draft) = {b + n}")
+    if draft_probs is not None and draft_probs.shape[0] != n:
+        raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows, expected sum(num_draft) = {n}")
+    real = torch.arange(m) < num_draft[:, None]
+    if ((tokens < 0) | (tokens >= v))[real].any():
+        raise ValueError(f"draft_tokens must be in [0, {v}) for real nodes")
+    if ((parents < -1) | (parents >= torch.arange(m)))[real].any():
+        raise ValueError("draft_parents must satisfy -1 <= parent[k] < k for real nodes")
+
+
+def tree_depth(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(depth [B, M], ancestors [B, M, M])``: depth 1 for root children; ``ancestors[b, k, j]``
+    is True when node j is on the path root -> k (k included)."""
+    b, m = parents.shape
+    depth = torch.zeros(b, m, dtype=torch.int64, device=parents.device)
+    anc = torch.zeros(b, m, m, dtype=torch.bool, device=parents.device)
+    rows = torch.arange(b, device=parents.device)
+    eye = torch.eye(m, dtype=torch.bool, device=parents.device)
+    for k in range(m):
+        par = parents[:, k]
+        has = par >= 0
+        p = par.clamp(min=0)
+        depth[:, k] = torch.where(has, depth[rows, p] + 1, 1)
+        anc[:, k] = (anc[rows, p] & has[:, None]) | eye[k]
+    return depth, anc
+
+
+def _expanded_batch(
+    batch: SamplingBatch, tokens: torch.Tensor, num_draft: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor
+) -> SamplingBatch:
+    """One row per tree position; node rows' histories gain the draft tokens on their path."""
+    b, m = tokens.shape
+    reps = m + 1
+    dev = tokens.device
+    row_depth = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev), depth], 1).reshape(-1)
+    if not batch.has_penalties:
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        return batch.expand_rows(reps, row_depth, empty, empty, empty.float())
+    real = torch.arange(m, device=dev) < num_draft[:, None]
+    node_row = torch.arange(b, device=dev)[:, None] * reps + 1 + torch.arange(m, device=dev)  # [B, M]
+    weight = anc & real[:, None, :] & real[:, :, None]  # [B, k, j]
+    extra_rows = node_row[:, :, None].expand(b, m, m).reshape(-1)
+    extra_tokens = tokens.clamp(min=0)[:, None, :].expand(b, m, m).reshape(-1)
+    return batch.expand_rows(reps, row_depth, extra_rows, extra_tokens, weight.reshape(-1).float())
+
+
+def prepare_tree(
+    target_logits: torch.Tensor,
+    batch: SamplingBatch,
+    draft_tokens: torch.Tensor,
+    draft_parents: torch.Tensor,
+    num_draft: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+) -> PreparedTree:
+    """Pad and process the target rows, normalize the draft rows, flag invalid requests."""
+    b, m = draft_tokens.shape
+    v = batch.vocab_size
+    dev = draft_tokens.device
+    j = torch.arange(m + 1, device=dev)
+    real_rows = j <= num_draft[:, None]  # [B, M+1]
+    row_start = torch.cumsum(1 + num_draft, 0) - (1 + num_draft)
+    src = torch.where(real_rows, row_start[:, None] + j, row_start[:, None])
+    depth, anc = tree_depth(draft_parents)
+    expanded = _expanded_batch(batch, draft_tokens, num_draft, depth, anc)
+    processed = process_logits(target_logits[src.reshape(-1)], expanded).reshape(b, m + 1, v)
+    valid = ~torch.isnan(processed[:, :, 0]).any(1)
+
+    greedy = batch.greedy[:, None, None]
+    target = torch.softmax(processed, dim=-1)
+    if batch.any_greedy:
+        onehot = torch.nn.functional.one_hot(processed.argmax(-1), v).to(target.dtype)
+        target = torch.where(greedy, onehot, target)
+    target = torch.where(valid[:, None, None], target, 1.0 / v)
+
+    draft = None
+    if draft_probs is not None:
+        real = j[:m] < num_draft[:, None]
+        node_start = row_start - torch.arange(b, device=dev)
+        nsrc = torch.where(real, node_start[:, None] + j[:m], 0).clamp(max=max(draft_probs.shape[0] - 1, 0))
+        q = draft_probs.to(target.dtype)[nsrc] if draft_probs.shape[0] else target.new_ones(b, m, v)
+        mass = q.sum(-1, keepdim=True)
+        ok = torch.isfinite(q).all(-1) & (q >= 0).all(-1) & (mass[..., 0] > 0)
+        valid = valid & (ok | ~real).all(1)
+        q = torch.where((ok & real)[..., None], q / mass, 1.0 / v)
+        if batch.any_greedy:
+            q = torch.where(greedy, torch.nn.functional.one_hot(draft_tokens.clamp(min=0), v).to(q.dtype), q)
+        draft = q
+    return PreparedTree(processed, target, draft, depth, valid)
+
+
+def final_tokens(prep: PreparedTree, walk: TreeWalk, greedy: torch.Tensor, u_final: torch.Tensor) -> torch.Tensor:
+    """The bonus/correction token: argmax for greedy requests; otherwise a draw from the residual,
+    taken from the processed logits (exactly as ``sample``) while the residual is pristine."""
+    b = walk.last_node.shape[0]
+    rows = torch.arange(b, device=u_final.device)
+    logits = prep.processed[rows, walk.last_node + 1]
+    kept = torch.isfinite(logits)
+    row_max = logits.masked_fill(~kept, float("-inf")).amax(1).nan_to_num(0.0, neginf=0.0)
+    from_logits = inverse_cdf(logits.masked_fill(~kept, 0.0), kept, row_max, u_final)[0]
+    from_residual = inverse_cdf_weights(walk.residual.to(torch.float64), u_final)
+    token = torch.where(walk.pristine, from_logits, from_residual)
+    return torch.where(greedy, walk.residual.argmax(1), token)
+
+
+def verify_uniforms(batch: SamplingBatch, positions: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Node coins ``[B, M]`` keyed by (seed, position of node k, ACCEPT, k)."""
+    k = torch.arange(depth.shape[1], device=depth.device)
+    return uniform(batch.seeds[:, None], positions[:, None] + depth - 1, Purpose.ACCEPT, k)
+
+
+def verify(
+    target_logits: torch.Tensor,
+    batch: SamplingBatch,
+    draft_tokens: torch.Tensor,
+    draft_parents: torch.Tensor,
+    num_draft: torch.Tensor,
+    positions: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    uniforms: VerifyUniforms | None = None,
+) -> VerifyOutput:
+    """Verify ragged draft trees against the target (see the module docstring for the layout).
+
+    ``uniforms`` replaces the counter-based random numbers (tests integrate over them). Raises
+    ``ValueError``/``TypeError`` for inconsistent shapes/dtypes (and, on CPU, out-of-range
+    tokens, parents or counts); NaN/inf rows are reported through ``valid``, never raised.
+    """
+    _check_inputs(target_logits, batch, draft_tokens, draft_parents, num_draft, positions, draft_probs)
+    prep = prepare_tree(target_logits, batch, draft_tokens, draft_parents, num_draft, draft_probs)
+    u_accept = verify_uniforms(batch, positions, prep.depth) if uniforms is None else uniforms.accept
+    walk = walk_tree(prep.target, prep.draft, draft_tokens, draft_parents, num_draft, u_accept)
+    if uniforms is None:
+        depth = torch.nn.functional.pad(prep.depth, (1, 0))  # column 0: the root, depth 0
+        last_depth = depth.gather(1, (walk.last_node + 1)[:, None])[:, 0]
+        u_final = uniform(batch.seeds, positions + last_depth, Purpose.SAMPLE)
+    else:
+        u_final = uniforms.final
+    return assemble(prep, walk, final_tokens(prep, walk, batch.greedy, u_final))
+
+
+def assemble(prep: PreparedTree, walk: TreeWalk, final: torch.Tensor) -> VerifyOutput:
+    """Pack the walk and the final token into ``VerifyOutput`` (invalid requests masked)."""
+    b, m = walk.accepted.shape
+    valid = prep.valid
+    tokens = torch.cat([walk.accepted, walk.accepted.new_full((b, 1), -1)], 1)
+    tokens[torch.arange(b, device=final.device), walk.accept_len] = final
+    accept_len = walk.accept_len.masked_fill(~valid, 0)
+    return VerifyOutput(
+        tokens=tokens.masked_fill(~valid[:, None], -1),
+        num_tokens=(accept_len + 1).masked_fill(~valid, 0),
+        accept_len=accept_len,
+        last_node=walk.last_node.masked_fill(~valid, -1),
+        path=walk.path.masked_fill(~valid[:, None], -1),
+        valid=valid,
+    )
