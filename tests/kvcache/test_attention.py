@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attn_ref import PagedBatch, ancestors, make_batch, reference_attention
+from tests.kvcache._attn_ref import PagedBatch, ancestors, make_batch, reference_attention
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -47,21 +47,33 @@ def run(batch: PagedBatch, backend: str, meta: AttentionMetadata | None = None, 
     return paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, backend=backend, **kw)
 
 
-# ---------------------------------------------------------------- torch backend vs reference
+# ---------------------------------------------------------------- backends vs reference
+
+BACKENDS = ["torch", "triton"]  # triton runs under TRITON_INTERPRET=1 on CPU
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @given(batch=paged_batches(), slot_rows=st.booleans())
-def test_torch_matches_dense_reference(batch: PagedBatch, slot_rows: bool) -> None:
-    out = run(batch, "torch", build_meta(batch, slot_rows))
+def test_backend_matches_dense_reference(backend: str, batch: PagedBatch, slot_rows: bool) -> None:
+    out = run(batch, backend, build_meta(batch, slot_rows))
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @given(batch=paged_batches(max_qo=4))
-def test_torch_non_causal_sees_whole_kv(batch: PagedBatch) -> None:
+def test_non_causal_sees_whole_kv(backend: str, batch: PagedBatch) -> None:
     batch.parents = None
-    out = run(batch, "torch", causal=False)
+    out = run(batch, backend, causal=False)
     torch.testing.assert_close(out.double(), reference_attention(batch, causal=False), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_context_spans_many_kv_blocks(backend: str) -> None:
+    """Contexts longer than one Triton KV block and query blocks split across programs."""
+    parents = [None, [-1, 0, 0, 1, 1, 2, 5, 6, 6]]
+    batch = make_batch(9, [40, 9], [130, 75], 16, 2, 3, 8, parents=parents)
+    torch.testing.assert_close(run(batch, backend).double(), reference_attention(batch), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -80,9 +92,10 @@ def test_torch_fast_paths(qo: list[int], kv: list[int], group: int, page_size: i
     torch.testing.assert_close(run(batch, "torch").double(), reference_attention(batch), atol=1e-5, rtol=1e-5)
 
 
-def test_torch_bfloat16_accumulates_in_float32() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_accumulates_in_float32(backend: str) -> None:
     batch = make_batch(5, [1, 4, 3], [40, 9, 3], 4, 2, 2, 16, parents=[None, [-1, 0, 0, 1], None], dtype=torch.bfloat16)
-    out = run(batch, "torch")
+    out = run(batch, backend)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=2e-2, rtol=2e-2)
 
@@ -211,3 +224,34 @@ def test_attention_rejects_bad_input() -> None:
     tree = AttentionMetadata.build([2, 1], [5, 3], batch.page_lists, 4, tree_parents=[[-1, -1], None])
     with pytest.raises(ValueError, match="causal=False"):
         paged_attention(q, kc, vc, tree, causal=False)
+
+
+def test_triton_rejects_float64() -> None:
+    batch = make_batch(0, [1], [3], 4, 1, 1, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="triton attention backend supports"):
+        run(batch, "triton")
+
+
+# ---------------------------------------------------------------- GPU (skipped without CUDA)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton", "flashinfer"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("qo", "kv", "parents"),
+    [
+        ([1] * 8, [100, 3, 517, 64, 1, 33, 200, 17], None),
+        ([37, 1, 5], [37, 90, 300], None),
+        ([6, 1, 4], [70, 20, 4], [[-1, 0, 0, 1, 1, 2], None, [-1, 0, 1, 1]]),
+    ],
+)
+def test_gpu_backends_match_reference(backend: str, dtype: torch.dtype, qo: list, kv: list, parents: list | None) -> None:
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    batch = make_batch(11, qo, kv, 16, 2, 4, 64, parents=parents, dtype=dtype)
+    ref = reference_attention(batch)
+    batch.k_cache, batch.v_cache, batch.q = batch.k_cache.cuda(), batch.v_cache.cuda(), batch.q.cuda()
+    meta = AttentionMetadata.build(qo, kv, batch.page_lists, 16, parents, device="cuda")
+    out = paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, backend=backend)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)

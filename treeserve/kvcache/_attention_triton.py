@@ -1,0 +1,175 @@
+"""Triton paged attention: one program per (request, KV head, block of query rows).
+
+The rows of a program are (query, group head) pairs, ``row = i * G + g``, so the ``G`` query
+heads that share a KV head read each K/V page once. The kernel walks the request's KV in blocks
+of ``BLOCK_N`` tokens, translating token ``j`` to ``page_indices[j // page_size]`` and offset
+``j % page_size``, and keeps an online (flash) softmax in float32. Masks: key ``j < kv_len``;
+causal ``j <= prefix + i``; tree: for new tokens (``j >= prefix``) the request's
+``qo_len x qo_len`` tree mask row ``i``. Masked K/V are never loaded, so garbage in unused slots
+cannot leak into the result.
+
+Half-precision inputs feed ``tl.dot`` directly on GPU (float32 accumulation); float32 inputs,
+and every dtype under the CPU interpreter (whose bf16 ``tl.dot`` is wrong), use float32 IEEE dots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from treeserve.kvcache.attention import AttentionMetadata
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    qo_indptr,
+    kv_indptr,
+    page_indices,
+    last_page_len,
+    tree_mask,
+    tree_indptr,
+    scale,
+    stride_qn,
+    stride_qh,
+    stride_on,
+    stride_oh,
+    page_size,
+    G: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    mblk = tl.program_id(2)
+    qo_start = tl.load(qo_indptr + b)
+    qo_len = tl.load(qo_indptr + b + 1) - qo_start
+    if mblk * BLOCK_M >= qo_len * G:
+        return
+    page_start = tl.load(kv_indptr + b)
+    num_pages = tl.load(kv_indptr + b + 1) - page_start
+    kv_len = (num_pages - 1) * page_size + tl.load(last_page_len + b)
+    prefix = kv_len - qo_len
+
+    rows = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = rows // G  # query index within the request
+    head = kvh * G + rows % G
+    row_ok = qi < qo_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_off = (qo_start + qi).to(tl.int64)[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = kv_len
+    if CAUSAL:  # keys past the block's last query are masked for every row
+        hi = prefix + tl.minimum(qo_len, ((mblk + 1) * BLOCK_M - 1) // G + 1)
+    if HAS_TREE:
+        tree_start = tl.load(tree_indptr + b)
+    slot_stride = NUM_KV_HEADS * HEAD_DIM
+    for start in range(0, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_len
+        page = tl.load(page_indices + page_start + offs_n // page_size, mask=n_ok, other=0)
+        slot = page.to(tl.int64) * page_size + offs_n % page_size
+        kv_off = slot[:, None] * slot_stride + kvh * HEAD_DIM + offs_d[None, :]
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        ok = n_ok[None, :]
+        if CAUSAL:
+            ok = ok & (offs_n[None, :] <= prefix + qi[:, None])
+        if HAS_TREE:
+            col = offs_n - prefix
+            is_new = col >= 0
+            t_off = tree_start + qi[:, None] * qo_len + col[None, :]
+            t_ok = tl.load(tree_mask + t_off, mask=row_ok[:, None] & is_new[None, :] & n_ok[None, :], other=0)
+            ok = ok & ((~is_new)[None, :] | (t_ok != 0))
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = (qo_start + qi).to(tl.int64)[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """Triton backend of :func:`treeserve.kvcache.paged_attention` (inputs already validated)."""
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"the triton attention backend supports {_DTYPES}, got {q.dtype}")
+    n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    block_m = min(64, max(16, triton.next_power_of_2(meta.max_qo_len * g)))
+    tree = meta.tree_mask
+    has_tree = tree is not None
+    tree_u8 = tree.view(torch.uint8) if has_tree else meta.qo_indptr
+    grid = (meta.batch_size, hkv, triton.cdiv(meta.max_qo_len * g, block_m))
+    _paged_attn_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.qo_indptr,
+        meta.kv_indptr,
+        meta.kv_page_indices,
+        meta.kv_last_page_len,
+        tree_u8,
+        meta.tree_mask_indptr if has_tree else meta.qo_indptr,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        meta.page_size,
+        G=g,
+        NUM_KV_HEADS=hkv,
+        HEAD_DIM=d,
+        CAUSAL=causal,
+        HAS_TREE=has_tree,
+        DOT_F32=q.dtype == torch.float32 or not q.is_cuda,
+        BLOCK_M=block_m,
+        BLOCK_N=32,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+    )
+    return out
