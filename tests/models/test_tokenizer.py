@@ -1,0 +1,145 @@
+"""Tokenizer built from GGUF metadata vs transformers' tokenizer from the same file; streaming decode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treeserve.models import ChatTemplateError, StreamDecoder, Tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and trailing   ",
+    "tabs\tand\nnewlines\n\n\nand\r\nCRLF",
+    "Ünïcödé: naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 中文, 한국어",
+    "emoji 🚀🔥👍🏽 and ZWJ 👨‍👩‍👧 sequences",
+    "numbers 1234567890 3.14159 -42 1e-9 0x1F",
+    "code: def f(x):\n    return x**2  # square\n",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "special inline <|endoftext|>text<repo_name>x<file_sep>",
+    "whitespace runs:          end",
+    "",
+    " ",
+    "\u00a0non-breaking\u2009thin\u3000ideographic space",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(smol) -> Tokenizer:
+    return smol.tokenizer
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_transformers(tok, hf_smol_tokenizer, text):
+    ours = tok.encode(text)
+    assert ours == hf_smol_tokenizer.encode(text)
+    for skip in (False, True):
+        assert tok.decode(ours, skip_special_tokens=skip) == hf_smol_tokenizer.decode(
+            ours, skip_special_tokens=skip
+        )
+
+
+@settings(max_examples=30)
+@given(text=st.text(alphabet=st.characters(codec="utf-8"), max_size=40))
+def test_encode_matches_transformers_on_random_text(tok, hf_smol_tokenizer, text):
+    ours = tok.encode(text)
+    assert ours == hf_smol_tokenizer.encode(text)
+    assert tok.decode(ours) == hf_smol_tokenizer.decode(ours)
+
+
+def test_special_tokens_and_sizes(tok, hf_smol_tokenizer):
+    assert tok.vocab_size == len(hf_smol_tokenizer) == 49152
+    assert tok.eos_token_ids == (hf_smol_tokenizer.eos_token_id,)
+    assert tok.bos_token_id == hf_smol_tokenizer.bos_token_id
+    assert tok.encode("<|im_end|>") == [tok.eos_token_ids[0]]
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "What is paged attention?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ünïcode 🚀"},
+         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again"}],
+    ],
+)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(tok, hf_smol_tokenizer, messages, add_generation_prompt):
+    ours = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    theirs = hf_smol_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    assert ours == theirs
+    assert tok.encode(ours) == hf_smol_tokenizer.encode(theirs)
+
+
+def test_chat_template_errors(tok):
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
+        tok.apply_chat_template([{"content": "no role"}])
+    raising = Tokenizer(tok._backend, "{{ raise_exception('bad role') }}", None, None)
+    with pytest.raises(ChatTemplateError, match="bad role"):
+        raising.apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="no chat_template"):
+        Tokenizer(tok._backend, None, None, None).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_decode_rejects_out_of_range_ids(tok):
+    with pytest.raises(ValueError, match=r"token id must lie in \[0, 49152\)"):
+        tok.decode([1, 49152])
+    with pytest.raises(TypeError, match="text must be a str"):
+        tok.encode(b"bytes")  # type: ignore[arg-type]
+
+
+@settings(max_examples=40)
+@given(
+    text=st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=30),
+    cut=st.lists(st.integers(1, 4), min_size=1, max_size=30),
+)
+def test_stream_decoder_emits_complete_text(tok, text, cut):
+    """Chunks never end inside a UTF-8 character and concatenate to the full decode."""
+    ids = tok.encode(text)
+    dec = StreamDecoder(tok)
+    pieces, start, i = [], 0, 0
+    while start < len(ids):
+        n = cut[i % len(cut)]
+        pieces.append(dec.push(ids[start : start + n]))
+        start, i = start + n, i + 1
+    pieces.append(dec.finish())
+    full = tok.decode(ids)
+    assert "".join(pieces) == full
+    if "\ufffd" not in full:
+        assert all("\ufffd" not in p for p in pieces)
+
+
+@settings(max_examples=40)
+@given(ids=st.lists(st.integers(0, 49151), max_size=20))
+def test_stream_decoder_on_arbitrary_ids(tok, ids):
+    dec = StreamDecoder(tok, skip_special_tokens=True)
+    out = "".join(dec.push([i]) for i in ids) + dec.finish()
+    assert out == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_from_hf_dir(tok, hf_smol_tokenizer, tmp_path):
+    """A HF tokenizer directory (tokenizer.json + tokenizer_config.json) gives the same tokenizer."""
+    hf_smol_tokenizer.save_pretrained(str(tmp_path))
+    cfg_file = tmp_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    if "chat_template" not in cfg and not (tmp_path / "chat_template.jinja").is_file():
+        cfg["chat_template"] = tok.chat_template
+        cfg_file.write_text(json.dumps(cfg))
+    loaded = Tokenizer.from_hf_dir(tmp_path)
+    for text in TEXTS:
+        assert loaded.encode(text) == tok.encode(text)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert loaded.apply_chat_template(msgs) == tok.apply_chat_template(msgs)
+    assert loaded.eos_token_ids == tok.eos_token_ids and loaded.bos_token_id == tok.bos_token_id
+
+
+def test_stream_decoder_holds_partial_characters(tok):
+    ids = tok.encode("a🚀")
+    dec = StreamDecoder(tok)
+    pieces = [dec.push([i]) for i in ids]
+    assert len(ids) > 2 and pieces[0] == "a" and pieces[-1].endswith("🚀")
+    assert all(p == "" for p in pieces[1:-1]) and dec.finish() == ""
