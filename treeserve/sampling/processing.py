@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from treeserve.sampling.backend import resolve_backend
 from treeserve.sampling.batch import SamplingBatch
 
 CANDIDATES = 256
@@ -157,13 +158,24 @@ def _refine(
     return threshold
 
 
-def filter_logits(logits: torch.Tensor, batch: SamplingBatch, candidates: int | None = None) -> Filtered:
+def filter_logits(
+    logits: torch.Tensor, batch: SamplingBatch, candidates: int | None = None, backend: str = "torch"
+) -> Filtered:
     """Stages 1-5 without materializing the mask (``sample`` uses candidates when they suffice).
 
-    ``candidates`` overrides the module's ``CANDIDATES`` bound.
+    ``candidates`` overrides the module's ``CANDIDATES`` bound. ``backend="triton"`` finds the
+    thresholds with the sort-free kernel (no host sync; ``fits`` is then all False and the
+    candidates are only the top logprobs).
     """
     scaled = scale_logits(logits, batch)
     vocab = batch.vocab_size
+    if backend == "triton":
+        from treeserve.sampling.triton_kernels import thresholds_triton
+
+        cand, cand_ids = torch.topk(scaled, max(batch.num_logprobs, 1), dim=1)
+        valid = torch.isfinite(cand[:, 0])
+        threshold = thresholds_triton(scaled, batch.top_k, batch.top_p, batch.min_p).to(scaled.dtype)
+        return Filtered(scaled, threshold, cand, cand_ids, torch.zeros_like(valid), valid)
     candidates = CANDIDATES if candidates is None else candidates
     cand, cand_ids = _top_candidates(scaled, min(vocab, max(candidates, batch.max_top_k, batch.num_logprobs)))
     k = cand.shape[1]
@@ -187,14 +199,15 @@ def _select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
     return replace(batch, top_k=batch.top_k[rows], top_p=batch.top_p[rows], min_p=batch.min_p[rows])
 
 
-def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, batch: SamplingBatch, backend: str = "auto") -> torch.Tensor:
     """Processed logits ``[R, V]``: stages 1-5 applied, filtered tokens set to -inf.
 
     ``softmax`` of the result is the distribution ``sample`` draws from and ``verify`` verifies
     against (the processed, post-temperature distribution). Rows with NaN/+inf logits or no
     finite logit come back all-NaN. float64 in -> float64 out, else float32. No host sync unless
-    a row needs the full-sort fallback (see module docstring).
+    a row needs the full-sort fallback of the torch backend (see module docstring).
+    ``backend``: ``auto`` | ``torch`` | ``triton`` (see ``backend.resolve_backend``).
     """
-    f = filter_logits(logits, batch)
+    f = filter_logits(logits, batch, backend=resolve_backend(backend, logits.device))
     out = f.scaled.masked_fill(f.scaled < f.threshold[:, None], float("-inf"))
     return out.masked_fill(~f.valid[:, None], float("nan"))

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from treeserve.sampling.backend import resolve_backend
 from treeserve.sampling.batch import SamplingBatch
 from treeserve.sampling.processing import Filtered, filter_logits
 from treeserve.sampling.rng import Purpose, uniform
@@ -52,13 +53,17 @@ def inverse_cdf(
     return col, row_max.to(torch.float64) + torch.log(w.sum(1))
 
 
-def draw(f: Filtered, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(f: Filtered, u: torch.Tensor, sync_free: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ``[R]`` drawn with uniforms ``u [R]`` from the filtered rows, and the kept logsumexp.
 
     The law is batch-independent: tokens are ordered by id whichever path is taken (candidates
     when the kept set fits in them, else the full row; the latter syncs to find those rows).
+    ``sync_free`` draws every row from its full row, with no data-dependent branch.
     """
     m = f.cand_values[:, 0]
+    if sync_free:
+        kept_full = (f.scaled >= f.threshold[:, None]) & (f.scaled > float("-inf"))
+        return inverse_cdf(f.scaled, kept_full, m, u)
     kept = (f.cand_values >= f.threshold[:, None]) & (f.cand_values > float("-inf"))
     ids, perm = torch.sort(torch.where(kept, f.cand_ids, f.scaled.shape[1]), dim=1)
     col, lse = inverse_cdf(f.cand_values.gather(1, perm), kept.gather(1, perm), m, u)
@@ -72,18 +77,24 @@ def draw(f: Filtered, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, lse
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> SampleOutput:
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor, backend: str = "auto"
+) -> SampleOutput:
     """Sample one token per row of ``logits [B, V]``.
 
     ``positions [B]`` (int64) is the absolute position of the token being sampled; with the row's
     seed it keys the uniform (purpose SAMPLE), so a seeded request draws the same token whatever
     the batch. Greedy rows (temperature 0) take the first argmax of the processed logits.
+    ``backend``: ``torch`` (CPU default: top-k-bounded thresholds, may sync for rare rows) or
+    ``triton`` (CUDA default: sort-free threshold kernel, no host sync); both give the same law
+    and, up to float rounding at a boundary, the same tokens.
     """
     if positions.shape != (batch.num_rows,):
         raise ValueError(f"positions must have shape [{batch.num_rows}], got {tuple(positions.shape)}")
-    f = filter_logits(logits, batch)
+    backend = resolve_backend(backend, logits.device)
+    f = filter_logits(logits, batch, backend=backend)
     u = uniform(batch.seeds, positions, Purpose.SAMPLE)
-    tokens, lse = draw(f, u)
+    tokens, lse = draw(f, u, sync_free=backend == "triton")
     if batch.any_greedy:
         tokens = torch.where(batch.greedy, f.scaled.argmax(dim=1), tokens)
     invalid = ~f.valid

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from treeserve.sampling.backend import resolve_backend
 from treeserve.sampling.batch import SamplingBatch
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
@@ -159,6 +160,7 @@ def prepare_tree(
     draft_parents: torch.Tensor,
     num_draft: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
+    backend: str = "torch",
 ) -> PreparedTree:
     """Pad and process the target rows, normalize the draft rows, flag invalid requests."""
     b, m = draft_tokens.shape
@@ -170,7 +172,7 @@ def prepare_tree(
     src = torch.where(real_rows, row_start[:, None] + j, row_start[:, None])
     depth, anc = tree_depth(draft_parents)
     expanded = _expanded_batch(batch, draft_tokens, num_draft, depth, anc)
-    processed = process_logits(target_logits[src.reshape(-1)], expanded).reshape(b, m + 1, v)
+    processed = process_logits(target_logits[src.reshape(-1)], expanded, backend).reshape(b, m + 1, v)
     valid = ~torch.isnan(processed[:, :, 0]).any(1)
 
     greedy = batch.greedy[:, None, None]
@@ -225,17 +227,23 @@ def verify(
     positions: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
     uniforms: VerifyUniforms | None = None,
+    backend: str = "auto",
 ) -> VerifyOutput:
     """Verify ragged draft trees against the target (see the module docstring for the layout).
 
     ``uniforms`` replaces the counter-based random numbers (tests integrate over them). Raises
     ``ValueError``/``TypeError`` for inconsistent shapes/dtypes (and, on CPU, out-of-range
     tokens, parents or counts); NaN/inf rows are reported through ``valid``, never raised.
+    ``backend``: ``torch`` (CPU default) or ``triton`` (CUDA default: threshold and walk kernels).
     """
     _check_inputs(target_logits, batch, draft_tokens, draft_parents, num_draft, positions, draft_probs)
-    prep = prepare_tree(target_logits, batch, draft_tokens, draft_parents, num_draft, draft_probs)
+    backend = resolve_backend(backend, target_logits.device)
+    prep = prepare_tree(target_logits, batch, draft_tokens, draft_parents, num_draft, draft_probs, backend)
     u_accept = verify_uniforms(batch, positions, prep.depth) if uniforms is None else uniforms.accept
-    walk = walk_tree(prep.target, prep.draft, draft_tokens, draft_parents, num_draft, u_accept)
+    walk_fn = walk_tree
+    if backend == "triton":
+        from treeserve.sampling.triton_kernels import walk_tree_triton as walk_fn
+    walk = walk_fn(prep.target, prep.draft, draft_tokens, draft_parents, num_draft, u_accept)
     if uniforms is None:
         depth = torch.nn.functional.pad(prep.depth, (1, 0))  # column 0: the root, depth 0
         last_depth = depth.gather(1, (walk.last_node + 1)[:, None])[:, 0]

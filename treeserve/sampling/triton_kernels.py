@@ -1,0 +1,219 @@
+"""Triton kernels: sort-free filter thresholds and the verification walk (one program per row).
+
+Both are sync-free and CUDA-graph friendly; on CPU they run under ``TRITON_INTERPRET=1`` (tests
+compare them with the torch reference given the same inputs / random numbers).
+
+Thresholds: the k-th largest value and the top-p pivot are found by bisection on the value
+(``count(x >= t) >= k`` and ``mass(x >= t) >= top_p * mass(top-k set)`` are monotone in t),
+stopping as soon as the bracket holds a single row value (usually ~log2(V) passes; at most 64,
+which reaches adjacent floats when tied values sit at the boundary), then snapped to the
+smallest row value >= the bracket's lower end -- the exact answer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from treeserve.sampling.tree_walk import TreeWalk
+
+_ITERS = 64
+
+
+@triton.jit
+def _stats_ge(base, n, t, floor, m, BLOCK: tl.constexpr):
+    """(count, sum(exp(x - m))) over row values x >= max(t, floor)."""
+    cnt = tl.zeros([BLOCK], dtype=tl.int32)
+    acc = tl.zeros([BLOCK], dtype=tl.float64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < n, other=float("-inf")).to(tl.float64)
+        keep = (x >= t) & (x >= floor) & (x > float("-inf"))
+        cnt += keep.to(tl.int32)
+        acc += tl.where(keep, tl.exp(x - m), 0.0)
+    return tl.sum(cnt, 0), tl.sum(acc, 0)
+
+
+@triton.jit
+def _min_ge(base, n, t, BLOCK: tl.constexpr):
+    acc = tl.full([BLOCK], float("inf"), dtype=tl.float64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < n, other=float("-inf")).to(tl.float64)
+        acc = tl.minimum(acc, tl.where(x >= t, x, float("inf")))
+    return tl.min(acc, 0)
+
+
+@triton.jit
+def _search(base, n, lo, hi, floor, m, k, want, BY_MASS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+    """Largest row value t with count(x >= t) >= k (or mass(x >= t) >= want), given that the
+    predicate holds at ``lo`` and fails at ``hi``. Stops early once one value is bracketed."""
+    c_lo, _ = _stats_ge(base, n, lo, floor, m, BLOCK)
+    c_hi, _ = _stats_ge(base, n, hi, floor, m, BLOCK)
+    it = 0
+    while (it < ITERS) & (c_lo - c_hi > 1):
+        mid = lo + (hi - lo) * 0.5
+        c_mid, mass_mid = _stats_ge(base, n, mid, floor, m, BLOCK)
+        if BY_MASS:
+            ok = mass_mid >= want
+        else:
+            ok = c_mid >= k
+        lo = tl.where(ok, mid, lo)
+        c_lo = tl.where(ok, c_mid, c_lo)
+        hi = tl.where(ok, hi, mid)
+        c_hi = tl.where(ok, c_hi, c_mid)
+        it += 1
+    return _min_ge(base, n, lo, BLOCK)
+
+
+@triton.jit
+def _threshold_kernel(x_ptr, stride, n, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr,
+                      BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    row = tl.program_id(0)
+    base = x_ptr + row * stride
+    mx = tl.full([BLOCK], float("-inf"), dtype=tl.float64)
+    mn = tl.full([BLOCK], float("inf"), dtype=tl.float64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < n, other=float("-inf")).to(tl.float64)
+        mx = tl.maximum(mx, x)
+        mn = tl.minimum(mn, tl.where(x > float("-inf"), x, float("inf")))
+    m = tl.max(mx, 0)
+    lowest = tl.min(mn, 0)
+    k = tl.load(top_k_ptr + row)
+    p = tl.load(top_p_ptr + row).to(tl.float64)
+    min_p = tl.load(min_p_ptr + row).to(tl.float64)
+    neg_inf = float("-inf")
+
+    thr_k = neg_inf
+    if k > 0:
+        c_top, _ = _stats_ge(base, n, m, neg_inf, m, BLOCK)
+        c_all, _ = _stats_ge(base, n, lowest, neg_inf, m, BLOCK)
+        if c_top >= k:
+            thr_k = m
+        elif c_all >= k:
+            thr_k = _search(base, n, lowest, m, neg_inf, m, k, 0.0, False, ITERS, BLOCK)
+
+    thr_p = neg_inf
+    if p < 1.0:
+        _, total = _stats_ge(base, n, thr_k, neg_inf, m, BLOCK)
+        want = p * total
+        _, top_mass = _stats_ge(base, n, m, thr_k, m, BLOCK)
+        if top_mass >= want:
+            thr_p = m
+        else:
+            thr_p = _search(base, n, tl.maximum(lowest, thr_k), m, thr_k, m, 0, want, True, ITERS, BLOCK)
+
+    thr_m = neg_inf
+    if min_p > 0.0:
+        thr_m = m + tl.log(min_p)
+    tl.store(out_ptr + row, tl.maximum(tl.maximum(thr_k, thr_p), thr_m))
+
+
+def thresholds_triton(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, block: int | None = None
+) -> torch.Tensor:
+    """Keep thresholds ``[R]`` (float64) of the scaled logits ``[R, V]``; same contract as the torch
+    ``processing.thresholds`` with K = V (top_k 0 = off, top_p 1 = off, min_p 0 = off).
+    ``block`` (a power of two) overrides the vocabulary tile size."""
+    scaled = scaled.contiguous()
+    rows, vocab = scaled.shape
+    out = torch.empty(rows, dtype=torch.float64, device=scaled.device)
+    if rows:
+        block = block or min(1024, triton.next_power_of_2(vocab))
+        _threshold_kernel[(rows,)](scaled, scaled.stride(0), vocab, top_k.contiguous(), top_p.contiguous(),
+                                   min_p.contiguous(), out, BLOCK=block, ITERS=_ITERS)
+    return out
+
+
+@triton.jit
+def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, num_draft_ptr, u_ptr, r_ptr,
+                 accepted_ptr, path_ptr, accept_len_ptr, last_ptr, pristine_ptr, probs_ptr,
+                 M, V, HAS_DRAFT: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    t_base = target_ptr + b * (M + 1) * V
+    r_base = r_ptr + b * V
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(r_base + offs, tl.load(t_base + offs, mask=offs < V), mask=offs < V)
+    nd = tl.load(num_draft_ptr + b)
+    cur = -1
+    n_acc = 0
+    pristine = 1
+    for k in range(0, M):
+        par = tl.load(parents_ptr + b * M + k)
+        x = tl.maximum(tl.load(tokens_ptr + b * M + k), 0)
+        if (par == cur) & (k < nd):
+            q_base = draft_ptr + (b * M + k) * V
+            px = tl.load(r_base + x)
+            qx = 1.0
+            if HAS_DRAFT:
+                qx = tl.load(q_base + x)
+            a = tl.where(qx > 0, tl.minimum(px / tl.maximum(qx, 1e-300), 1.0), 0.0)
+            tl.store(probs_ptr + b * M + k, a)
+            if tl.load(u_ptr + b * M + k) < a:
+                n_base = t_base + (k + 1) * V
+                for start in range(0, V, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    tl.store(r_base + offs, tl.load(n_base + offs, mask=offs < V), mask=offs < V)
+                tl.store(accepted_ptr + b * M + n_acc, x)
+                tl.store(path_ptr + b * M + n_acc, k)
+                n_acc += 1
+                cur = k
+                pristine = 1
+            elif qx > 0:
+                acc = tl.zeros([BLOCK], dtype=tl.float64)
+                for start in range(0, V, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    r = tl.load(r_base + offs, mask=offs < V, other=0.0).to(tl.float64)
+                    if HAS_DRAFT:
+                        q = tl.load(q_base + offs, mask=offs < V, other=0.0).to(tl.float64)
+                    else:
+                        q = (offs == x).to(tl.float64)
+                    acc += tl.maximum(r - q, 0.0)
+                mass = tl.sum(acc, 0)
+                if mass > 0:
+                    for start in range(0, V, BLOCK):
+                        offs = start + tl.arange(0, BLOCK)
+                        r = tl.load(r_base + offs, mask=offs < V, other=0.0).to(tl.float64)
+                        if HAS_DRAFT:
+                            q = tl.load(q_base + offs, mask=offs < V, other=0.0).to(tl.float64)
+                        else:
+                            q = (offs == x).to(tl.float64)
+                        tl.store(r_base + offs, (tl.maximum(r - q, 0.0) / mass).to(r_ptr.dtype.element_ty),
+                                 mask=offs < V)
+                    pristine = 0
+    tl.store(accept_len_ptr + b, n_acc)
+    tl.store(last_ptr + b, cur)
+    tl.store(pristine_ptr + b, pristine)
+
+
+def walk_tree_triton(
+    target: torch.Tensor,
+    draft: torch.Tensor | None,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_draft: torch.Tensor,
+    u_accept: torch.Tensor,
+) -> TreeWalk:
+    """Triton version of ``tree_walk.walk_tree`` (same arguments, same result)."""
+    b, m = tokens.shape
+    v = target.shape[-1]
+    dev = target.device
+    target = target.contiguous()
+    residual = torch.empty(b, v, dtype=target.dtype, device=dev)
+    accepted = torch.full((b, m), -1, dtype=torch.int64, device=dev)
+    path = torch.full((b, m), -1, dtype=torch.int64, device=dev)
+    accept_len = torch.empty(b, dtype=torch.int64, device=dev)
+    last = torch.empty(b, dtype=torch.int64, device=dev)
+    pristine = torch.empty(b, dtype=torch.int32, device=dev)
+    probs = torch.full((b, m), float("nan"), dtype=target.dtype, device=dev)
+    if b:
+        draft_arg = target if draft is None else draft.to(target.dtype).contiguous()
+        _walk_kernel[(b,)](
+            target, draft_arg, tokens.contiguous(), parents.contiguous(), num_draft.contiguous(),
+            u_accept.to(target.dtype).contiguous(), residual, accepted, path, accept_len, last, pristine, probs,
+            m, v, HAS_DRAFT=draft is not None, BLOCK=min(1024, triton.next_power_of_2(max(v, 1))),
+        )
+    return TreeWalk(accepted, path, accept_len, last, residual, pristine.bool(), probs)
