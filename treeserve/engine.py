@@ -73,7 +73,11 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """Result of one prompt: its ``n`` samples, or ``error`` (then ``outputs`` is empty)."""
+    """Result of one prompt: its ``n`` samples.
+
+    ``error`` is set when the request was rejected (bad input: ``outputs`` is empty) or failed
+    while running (invalid logits: ``outputs`` hold what was generated, finish reason "error").
+    """
 
     request_id: int
     prompt: str | None
@@ -312,6 +316,9 @@ class LLM:
                     stop_reason=req.stop_reason,
                 )
             )
+        errors = [r.error for r in reqs if r.error]
+        if errors:
+            out.error = errors[0]
         lead = reqs[0].metrics
         out.metrics = {
             "ttft": lead.ttft,

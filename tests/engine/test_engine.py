@@ -124,3 +124,31 @@ def test_stream_rejects_bad_input(tiny) -> None:
         list(llm.stream("hello"))
     with pytest.raises(ValueError, match="at least 1 token"):
         list(llm.stream([]))
+
+
+class PoisonedModel(torch.nn.Module):
+    """Wraps a model; a row whose last input token is ``POISON`` gets NaN logits."""
+
+    POISON = 13
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def forward(self, input_ids, positions, kv, out_slots, meta, logits_indices):
+        logits = self.inner(input_ids, positions, kv, out_slots, meta, logits_indices)
+        bad = input_ids[logits_indices] == self.POISON
+        return logits.masked_fill(bad[:, None], float("nan"))
+
+
+def test_invalid_logits_fail_only_their_request(tiny) -> None:
+    llm = make_llm(PoisonedModel(tiny))
+    prompts = [[4, 5, 6], [4, 5, PoisonedModel.POISON], [7, 8]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[1].error is not None and "invalid logits" in outs[1].error
+    assert outs[1].outputs[0].finish_reason == "error"
+    for i in (0, 2):
+        assert outs[i].error is None and len(outs[i].outputs[0].token_ids) == 5
+    assert_drained(llm)

@@ -210,8 +210,9 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: Sequence[SampledToken | None]) -> list[Request]:
         """Commit one step: advance computed counts, append sampled tokens, finish requests.
 
-        ``sampled[i]`` belongs to ``batch.items[i]`` (``None`` where the item did not sample).
-        Returns the requests that finished in this step.
+        ``sampled[i]`` belongs to ``batch.items[i]`` (``None`` where the item did not sample; a
+        negative token marks a row the sampler found invalid: that request finishes with
+        ``FinishReason.ERROR``). Returns the requests that finished in this step.
         """
         if len(sampled) != len(batch.items):
             raise ValueError(f"sampled has {len(sampled)} rows for a batch of {len(batch.items)}")
@@ -222,6 +223,11 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed = item.start + item.num_tokens
             if not item.sample or out is None:
+                continue
+            if out.token < 0:  # the sampler flags rows whose logits were NaN/inf
+                self._finish(req, FinishReason.ERROR)
+                req.error = "the model produced invalid logits (NaN or inf) for this request"
+                finished.append(req)
                 continue
             req.output_ids.append(out.token)
             req.output_logprobs.append(out.logprob)
@@ -406,15 +412,15 @@ class Scheduler:
         if self.radix.disable:
             return
         ps = self.page_size
-        aligned = req.num_computed // ps * ps
+        # Keep one token out so that tokens[:aligned + 1] exists for the re-lock below.
+        aligned = min(req.num_computed, req.num_tokens - 1) // ps * ps
         if aligned <= req.num_cached:
             return
         slots = self.table.table[req.row, :aligned].clone()
         already = self.radix.insert(req.all_ids[:aligned], slots)
         if already > req.num_cached:  # our copies of [num_cached, already) are duplicates
             self.allocator.free(slots[req.num_cached : already : ps] // ps)
-        # All running requests hold a token without KV, so tokens[:aligned + 1] exists and the
-        # match (capped at len - 1) covers exactly the aligned part just inserted.
+        # The match is capped at len - 1, so it covers exactly the aligned part just inserted.
         match = self.radix.match_prefix(req.all_ids[: aligned + 1])
         assert match.length == aligned, (match.length, aligned)
         new_lock = self.radix.lock(match.node)
@@ -429,9 +435,11 @@ class Scheduler:
         if req.group is not None and req.sample_index == 0:
             req.group.prompt_cached = True
 
-    def _release(self, req: Request) -> None:
-        """Cache what ``req`` computed, then give back its row, pages and lock."""
-        self._cache_computed(req)
+    def _release(self, req: Request, cache: bool = True) -> None:
+        """Cache what ``req`` computed (unless ``cache`` is False), then give back its row, pages
+        and lock."""
+        if cache:
+            self._cache_computed(req)
         self._free_own_pages(req)
         self.radix.unlock(req.lock)
         self.table.free(req.row)
@@ -446,7 +454,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        self._release(req)
+        self._release(req, cache=reason is not FinishReason.ERROR)  # never publish suspect KV
         req.state = RequestState.FINISHED
         req.finish_reason = reason
         req.metrics.finished = time.perf_counter()
