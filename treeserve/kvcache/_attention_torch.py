@@ -24,7 +24,7 @@ class _Plan:
 
     kv_slots: torch.Tensor  # [B * max_kv] slots to gather, padding -> request's first slot
     q_index: torch.Tensor | None  # [B * max_qo] rows of q to gather (None for decode)
-    q_valid: torch.Tensor | None  # [B, max_qo] real query rows (None for decode)
+    out_rows: torch.Tensor | None  # real rows of the padded [B * max_qo] output (None: all)
     mask: torch.Tensor | None  # [B, 1, max_qo, max_kv] bool, True = may attend
     is_causal: bool  # uniform prefill without prefix: let SDPA apply the causal mask
 
@@ -67,11 +67,29 @@ def _plan(meta: AttentionMetadata, causal: bool) -> _Plan:
             flat = meta.tree_mask_indptr.long()[:-1, None, None] + ii[:, :, None] * qo + col
             in_tree = meta.tree_mask[flat.clamp(max=max(meta.tree_mask.numel() - 1, 0))]
             mask = (j < prefix) | (mask & in_tree)
-    return _Plan(kv_slots, q_index, q_valid, mask[:, None], False)
+    out_rows = q_valid.reshape(-1).nonzero().squeeze(1)
+    return _Plan(kv_slots, q_index, out_rows, mask[:, None], False)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _additive_mask(meta: AttentionMetadata, plan: _Plan, causal: bool, g: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The plan's mask as an additive float mask (SDPA would convert a bool one on every call),
+    with each query row repeated for the ``g`` query heads folded into the query axis."""
+    key = ("torch_mask", causal, g, dtype)
+    if key in meta.derived:
+        return meta.derived[key]
+    mask = plan.mask
+    if mask is None and plan.is_causal and g > 1:  # SDPA's is_causal cannot see the folding
+        mask = torch.ones(meta.max_qo_len, meta.max_qo_len, dtype=torch.bool, device=meta.device).tril_()
+    if mask is not None:
+        if plan.q_index is not None and g > 1:
+            mask = mask.repeat(*([1] * (mask.dim() - 2)), g, 1)  # rows ordered (g, i)
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    meta.derived[key] = mask
+    return mask
 
 
 def paged_attention_torch(
@@ -98,36 +116,16 @@ def paged_attention_torch(
         return rows.view(bsz, max_kv, hkv, d).transpose(1, 2).to(cdt)  # [B, Hkv, L, D]
 
     k, v = gather(k_cache), gather(v_cache)
-    if plan.q_index is None:  # decode: one query per request
+    mask = _additive_mask(meta, plan, causal, g, cdt)
+    if plan.q_index is None:  # decode: one query per request, the G heads of a KV head as rows
         qb = q.view(bsz, hkv, g, d).to(cdt)
-        mask = plan.mask
     else:
         qp = q.index_select(0, plan.q_index).view(bsz, max_qo, hkv, g, d)
         qb = qp.permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * max_qo, d).to(cdt)
-        mask = _group_mask(meta, plan, causal, g)
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=plan.is_causal and g == 1, scale=scale)
     if plan.q_index is None:
         return out.reshape(n, hq, d).to(q.dtype)
-    out = out.view(bsz, hkv, g, max_qo, d).permute(0, 3, 1, 2, 4).reshape(bsz, max_qo, hq, d)
-    if plan.q_valid is not None:
-        out = out[plan.q_valid]
-    return out.reshape(n, hq, d).to(q.dtype)
-
-
-def _group_mask(meta: AttentionMetadata, plan: _Plan, causal: bool, g: int) -> torch.Tensor | None:
-    """The mask with each query row repeated for the ``g`` query heads of a KV head."""
-    if plan.mask is None:
-        if not plan.is_causal or g == 1:
-            return None
-        key = ("torch_causal_mask", g)
-        if key not in meta.derived:
-            n = meta.max_qo_len
-            tri = torch.ones(n, n, dtype=torch.bool, device=meta.device).tril_()
-            meta.derived[key] = tri.repeat(g, 1)
-        return meta.derived[key]
-    if g == 1:
-        return plan.mask
-    key = ("torch_mask", causal, g)
-    if key not in meta.derived:
-        meta.derived[key] = plan.mask.repeat(1, 1, g, 1)
-    return meta.derived[key]
+    out = out.view(bsz, hkv, g, max_qo, d).permute(0, 3, 1, 2, 4).reshape(bsz * max_qo, hq, d)
+    if plan.out_rows is not None:
+        out = out.index_select(0, plan.out_rows)
+    return out.to(q.dtype)
