@@ -255,3 +255,30 @@ def test_gpu_backends_match_reference(backend: str, dtype: torch.dtype, qo: list
     meta = AttentionMetadata.build(qo, kv, batch.page_lists, 16, parents, device="cuda")
     out = paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, backend=backend)
     torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("qo", "kv"), [([1, 1, 1], [4, 9, 2]), ([3, 2], [3, 7])])
+def test_strided_query_from_fused_qkv(backend: str, qo: list, kv: list) -> None:
+    """q as a column slice of a fused QKV projection (non-contiguous rows) is accepted."""
+    batch = make_batch(4, qo, kv, 4, 2, 3, 8)
+    n, hq, d = batch.q.shape
+    qkv = torch.randn(n, (hq + 4) * d)
+    qkv[:, : hq * d] = batch.q.reshape(n, -1)
+    strided = qkv[:, : hq * d].view(n, hq, d)
+    assert not strided.is_contiguous()
+    meta = build_meta(batch)
+    out = paged_attention(strided, batch.k_cache, batch.v_cache, meta, backend=backend)
+    torch.testing.assert_close(out.double(), reference_attention(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_auto_backend_is_torch_on_cpu_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    import treeserve._utils as utils
+
+    utils._logged_once.discard("treeserve.kvcache.paged_attention: backend=torch on cpu")
+    batch = make_batch(2, [2], [5], 4, 1, 2, 8)
+    with caplog.at_level("INFO", logger="treeserve"):
+        out = run(batch, "auto")
+        run(batch, "auto")
+    assert torch.equal(out, run(batch, "torch"))
+    assert [r.getMessage() for r in caplog.records].count("treeserve.kvcache.paged_attention: backend=torch on cpu") == 1

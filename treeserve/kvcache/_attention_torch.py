@@ -23,7 +23,7 @@ class _Plan:
     """Derived per step: gather indices and the attention mask (None when not needed)."""
 
     kv_slots: torch.Tensor  # [B * max_kv] slots to gather, padding -> request's first slot
-    q_index: torch.Tensor | None  # [B * max_qo] rows of q to gather (None for decode)
+    q_index: torch.Tensor | None  # [B * max_qo] rows of q to gather (None: equal qo_lens)
     out_rows: torch.Tensor | None  # real rows of the padded [B * max_qo] output (None: all)
     mask: torch.Tensor | None  # [B, 1, max_qo, max_kv] bool, True = may attend
     is_causal: bool  # uniform prefill without prefix: let SDPA apply the causal mask
@@ -45,16 +45,16 @@ def _plan(meta: AttentionMetadata, causal: bool) -> _Plan:
     kv_slots = (page * ps + jj % ps).reshape(-1)
 
     same_kv = bool((kv_lens == max_kv).all())
+    same_qo = bool((qo_lens == max_qo).all())
     if max_qo == 1:  # decode: a 1-token tree or causal row sees the whole KV
         return _Plan(kv_slots, None, None, None if same_kv else key_valid[:, None, None, :], False)
-    if meta.tree_mask is None and same_kv and bool((qo_lens == max_qo).all()):
-        if not causal or max_qo == max_kv:  # no mask, or SDPA's own (top-left) causal mask
-            return _Plan(kv_slots, torch.arange(meta.num_qo_tokens, device=dev), None, None, causal)
+    if meta.tree_mask is None and same_kv and same_qo and (not causal or max_qo == max_kv):
+        return _Plan(kv_slots, None, None, None, causal)  # no mask, or SDPA's (top-left) causal
 
     i = torch.arange(max_qo, device=dev)
     q_valid = i < qo_lens[:, None]  # [B, max_qo]
     ii = torch.minimum(i, qo_lens[:, None] - 1)  # padding rows repeat the last real row
-    q_index = (qo_indptr[:-1, None] + ii).reshape(-1)
+    q_index = None if same_qo else (qo_indptr[:-1, None] + ii).reshape(-1)
     if not causal:
         mask = key_valid[:, None, :].expand(-1, max_qo, -1)
     else:
@@ -67,7 +67,7 @@ def _plan(meta: AttentionMetadata, causal: bool) -> _Plan:
             flat = meta.tree_mask_indptr.long()[:-1, None, None] + ii[:, :, None] * qo + col
             in_tree = meta.tree_mask[flat.clamp(max=max(meta.tree_mask.numel() - 1, 0))]
             mask = (j < prefix) | (mask & in_tree)
-    out_rows = q_valid.reshape(-1).nonzero().squeeze(1)
+    out_rows = None if same_qo else q_valid.reshape(-1).nonzero().squeeze(1)
     return _Plan(kv_slots, q_index, out_rows, mask[:, None], False)
 
 
@@ -85,7 +85,7 @@ def _additive_mask(meta: AttentionMetadata, plan: _Plan, causal: bool, g: int, d
     if mask is None and plan.is_causal and g > 1:  # SDPA's is_causal cannot see the folding
         mask = torch.ones(meta.max_qo_len, meta.max_qo_len, dtype=torch.bool, device=meta.device).tril_()
     if mask is not None:
-        if plan.q_index is not None and g > 1:
+        if g > 1 and mask.shape[-2] > 1:  # (a 1-row decode mask broadcasts instead)
             mask = mask.repeat(*([1] * (mask.dim() - 2)), g, 1)  # rows ordered (g, i)
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     meta.derived[key] = mask
@@ -117,14 +117,9 @@ def paged_attention_torch(
 
     k, v = gather(k_cache), gather(v_cache)
     mask = _additive_mask(meta, plan, causal, g, cdt)
-    if plan.q_index is None:  # decode: one query per request, the G heads of a KV head as rows
-        qb = q.view(bsz, hkv, g, d).to(cdt)
-    else:
-        qp = q.index_select(0, plan.q_index).view(bsz, max_qo, hkv, g, d)
-        qb = qp.permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * max_qo, d).to(cdt)
+    qp = q if plan.q_index is None else q.index_select(0, plan.q_index)
+    qb = qp.reshape(bsz, max_qo, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * max_qo, d).to(cdt)
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=plan.is_causal and g == 1, scale=scale)
-    if plan.q_index is None:
-        return out.reshape(n, hq, d).to(q.dtype)
     out = out.view(bsz, hkv, g, max_qo, d).permute(0, 3, 1, 2, 4).reshape(bsz * max_qo, hq, d)
     if plan.out_rows is not None:
         out = out.index_select(0, plan.out_rows)
