@@ -93,10 +93,13 @@ def test_torch_fast_paths(qo: list[int], kv: list[int], group: int, page_size: i
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bfloat16_accumulates_in_float32(backend: str) -> None:
-    batch = make_batch(5, [1, 4, 3], [40, 9, 3], 4, 2, 2, 16, parents=[None, [-1, 0, 0, 1], None], dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("qo", "kv"), [([1, 4, 3], [40, 9, 3]), ([1, 1], [300, 7])])
+def test_half_precision_accumulates_in_float32(backend: str, dtype: torch.dtype, qo: list, kv: list) -> None:
+    parents = [None, [-1, 0, 0, 1], None] if len(qo) == 3 else None
+    batch = make_batch(5, qo, kv, 4, 2, 2, 16, parents=parents, dtype=dtype)
     out = run(batch, backend)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == dtype
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=2e-2, rtol=2e-2)
 
 
