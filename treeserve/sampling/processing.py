@@ -139,22 +139,26 @@ def _top_candidates(scaled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
 
 
 def _refine(
-    scaled: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor, full_mass: torch.Tensor | None, k: int
+    scaled: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor, full_mass: torch.Tensor | None, k: int,
+    coverage: torch.Tensor,
 ) -> torch.Tensor:
     """Thresholds of ``rows`` whose answer was not among their first ``k`` candidates.
 
-    Retries with 8x more candidates, then with the whole row (host syncs; rare rows only).
+    Retries with 8x more candidates, then with the whole row (host syncs; rare rows only). When a
+    row's candidates covered less than half the mass top-p needs (``coverage`` = their share of
+    the row's mass), 8x more will not do: the whole row is sorted at once.
     """
     vocab = batch.vocab_size
     sub = _select_rows(batch, rows)
     sub_mass = None if full_mass is None else full_mass[rows]
-    k = min(vocab, 8 * k)
+    flat = bool((coverage[rows] < 0.5 * sub.top_p).any())
+    k = vocab if flat else min(vocab, 8 * k)
     cand = _top_candidates(scaled[rows], k)[0]
     k = cand.shape[1]
     threshold, exact = thresholds(cand, vocab, sub, sub_mass)
     if k < vocab and not bool(exact.all()):
         bad = (~exact).nonzero()[:, 0]
-        threshold[bad] = _refine(scaled[rows], sub, bad, sub_mass, k)
+        threshold[bad] = _refine(scaled[rows], sub, bad, sub_mass, k, torch.ones_like(sub.top_p))
     return threshold
 
 
@@ -187,7 +191,9 @@ def filter_logits(
     threshold, exact = thresholds(cand, vocab, batch, full_mass)
     if k < vocab and not bool(exact.all()):
         rows = (~exact).nonzero()[:, 0]
-        threshold[rows] = _refine(scaled, batch, rows, full_mass, k)
+        mass = full_mass if full_mass is not None else torch.ones_like(batch.top_p)
+        coverage = torch.exp(cand - cand[:, :1]).sum(1) / mass
+        threshold[rows] = _refine(scaled, batch, rows, full_mass, k, coverage)
     # Every kept token is a candidate when the threshold is above the K-th value, or when the
     # K-th value is already -inf (the rest of the row has probability 0).
     fits = (threshold > cand[:, -1]) | torch.isneginf(cand[:, -1]) if k < vocab else torch.ones_like(valid)

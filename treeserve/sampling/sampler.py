@@ -32,25 +32,27 @@ class SampleOutput(NamedTuple):
 def inverse_cdf_weights(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Column ``[R]`` drawn with uniforms ``u [R]`` from non-negative weights ``w [R, C]`` (id order).
 
-    The chosen column is the first whose cumulative weight exceeds ``u * total``, clamped to the
-    last positive column, so a zero-weight column is never chosen.
+    The chosen column is the first whose cumulative weight exceeds ``u * total`` (float64),
+    clamped to the last positive column, so a zero-weight column is never chosen.
     """
-    cdf = torch.cumsum(w, dim=1)
-    col = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    last_positive = w.shape[1] - 1 - (w > 0).flip(1).to(torch.int8).argmax(1)
-    return torch.minimum(col, last_positive)
+    cdf = torch.cumsum(w, dim=1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    col = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    last_positive = torch.searchsorted(cdf, total)  # first column reaching the total
+    return torch.minimum(col, last_positive)[:, 0].clamp(max=w.shape[1] - 1)
 
 
 def inverse_cdf(
-    values: torch.Tensor, kept: torch.Tensor, row_max: torch.Tensor, u: torch.Tensor
+    values: torch.Tensor, threshold: torch.Tensor, row_max: torch.Tensor, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse-CDF draw over ``values [R, C]`` (scaled logits, in token-id order) restricted to ``kept``.
+    """Inverse-CDF draw over ``values [R, C]`` (scaled logits, in token-id order) >= ``threshold [R]``.
 
-    Returns ``(column [R], logsumexp of the kept values [R])``; weights are float64.
+    Returns ``(column [R], logsumexp of the kept values [R])``. Weights ``exp(value - row_max)``
+    are computed in the values' dtype and accumulated in float64.
     """
-    w = torch.exp(values.to(torch.float64) - row_max.to(torch.float64)[:, None]) * kept
+    w = torch.exp(values - row_max[:, None]).masked_fill(values < threshold[:, None], 0.0)
     col = inverse_cdf_weights(w, u)
-    return col, row_max.to(torch.float64) + torch.log(w.sum(1))
+    return col, row_max.to(torch.float64) + torch.log(w.sum(1, dtype=torch.float64))
 
 
 def draw(f: Filtered, u: torch.Tensor, sync_free: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,18 +64,15 @@ def draw(f: Filtered, u: torch.Tensor, sync_free: bool = False) -> tuple[torch.T
     """
     m = f.cand_values[:, 0]
     if sync_free:
-        kept_full = (f.scaled >= f.threshold[:, None]) & (f.scaled > float("-inf"))
-        return inverse_cdf(f.scaled, kept_full, m, u)
-    kept = (f.cand_values >= f.threshold[:, None]) & (f.cand_values > float("-inf"))
+        return inverse_cdf(f.scaled, f.threshold, m, u)
+    kept = f.cand_values >= f.threshold[:, None]
     ids, perm = torch.sort(torch.where(kept, f.cand_ids, f.scaled.shape[1]), dim=1)
-    col, lse = inverse_cdf(f.cand_values.gather(1, perm), kept.gather(1, perm), m, u)
+    col, lse = inverse_cdf(f.cand_values.gather(1, perm), f.threshold, m, u)
     tokens = ids.gather(1, col[:, None])[:, 0]
     slow = ~f.fits & f.valid
     if bool(slow.any()):
         rows = slow.nonzero()[:, 0]
-        scaled = f.scaled[rows]
-        kept_full = (scaled >= f.threshold[rows, None]) & (scaled > float("-inf"))
-        tokens[rows], lse[rows] = inverse_cdf(scaled, kept_full, m[rows], u[rows])
+        tokens[rows], lse[rows] = inverse_cdf(f.scaled[rows], f.threshold[rows], m[rows], u[rows])
     return tokens, lse
 
 

@@ -204,9 +204,8 @@ def final_tokens(prep: PreparedTree, walk: TreeWalk, greedy: torch.Tensor, u_fin
     b = walk.last_node.shape[0]
     rows = torch.arange(b, device=u_final.device)
     logits = prep.processed[rows, walk.last_node + 1]
-    kept = torch.isfinite(logits)
-    row_max = logits.masked_fill(~kept, float("-inf")).amax(1).nan_to_num(0.0, neginf=0.0)
-    from_logits = inverse_cdf(logits.masked_fill(~kept, 0.0), kept, row_max, u_final)[0]
+    row_max = logits.amax(1).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    from_logits = inverse_cdf(logits, torch.full_like(row_max, float("-inf")), row_max, u_final)[0]
     from_residual = inverse_cdf_weights(walk.residual.to(torch.float64), u_final)
     token = torch.where(walk.pristine, from_logits, from_residual)
     return torch.where(greedy, walk.residual.argmax(1), token)
