@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -9,6 +11,23 @@ import torch
 from treeserve._utils import flashinfer_available, log_once, triton_usable
 
 Backend = Literal["auto", "torch", "triton", "flashinfer"]
+
+_graph_safe_depth = 0
+
+
+@contextmanager
+def graph_safe_backends() -> Iterator[None]:
+    """Within this block ``auto`` skips FlashInfer, whose planning reads the metadata on the host.
+
+    Used around CUDA-graph warm-up and capture (``treeserve.graph_runner``), so that the kernels
+    warmed up are the ones captured, and nothing syncs with the host during capture.
+    """
+    global _graph_safe_depth
+    _graph_safe_depth += 1
+    try:
+        yield
+    finally:
+        _graph_safe_depth -= 1
 
 
 def resolve_backend(
@@ -23,7 +42,8 @@ def resolve_backend(
     """
     if backend == "auto":
         if device.type == "cuda":
-            chosen = "flashinfer" if "flashinfer" in allowed and flashinfer_available() else "triton"
+            use_fi = "flashinfer" in allowed and not _graph_safe_depth and flashinfer_available()
+            chosen = "flashinfer" if use_fi else "triton"
         else:
             chosen = "torch"
         log_once(f"treeserve.kvcache.{family}: backend={chosen} on {device.type}")

@@ -8,8 +8,9 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _capturing(t: torch.Tensor) -> bool:
-    # Value checks need a device->host sync, which is illegal while a CUDA graph is captured.
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    # Value checks need a device->host sync, which is illegal while a CUDA graph is captured, and
+    # under torch.compile would break the graph and specialize the code on the checked values.
+    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def check_index_tensor(name: str, idx: torch.Tensor, ndim: int = 1) -> None:
@@ -23,7 +24,7 @@ def check_index_tensor(name: str, idx: torch.Tensor, ndim: int = 1) -> None:
 
 
 def check_range(name: str, idx: torch.Tensor, lo: int, hi: int) -> None:
-    """Every value of ``idx`` must lie in ``[lo, hi)`` (skipped while capturing a CUDA graph)."""
+    """Every value of ``idx`` must lie in ``[lo, hi)`` (skipped while capturing or compiling)."""
     if idx.numel() == 0 or _capturing(idx):
         return
     mn, mx = torch.aminmax(idx)
@@ -33,7 +34,7 @@ def check_range(name: str, idx: torch.Tensor, lo: int, hi: int) -> None:
 
 
 def check_distinct(name: str, idx: torch.Tensor) -> None:
-    """Values of ``idx`` must be pairwise distinct (skipped while capturing a CUDA graph)."""
+    """Values of ``idx`` must be pairwise distinct (skipped while capturing or compiling)."""
     if idx.numel() == 0 or _capturing(idx):
         return
     if torch.unique(idx).numel() != idx.numel():
