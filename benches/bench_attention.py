@@ -6,10 +6,13 @@ non-contiguous pages. The metadata is built once per step and shared by all laye
 timed per layer with its derived gather plan already memoized (what layers 2..30 pay); the
 first-layer cost (plan derivation included) is printed too. The naive baseline gets its
 per-request slot tensors precomputed for free. Ratios are asserted with a wide margin only.
+Threads: ``TREESERVE_BENCH_THREADS`` (default 1: on a shared 2-core machine, two intra-op
+threads make both sides' timings depend mostly on the neighbours' load).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -19,6 +22,7 @@ import torch
 from treeserve.kvcache import AttentionMetadata, paged_attention
 
 HQ, HKV, D, PAGE = 9, 3, 64, 1
+THREADS = int(os.environ.get("TREESERVE_BENCH_THREADS", "1"))
 
 
 def _case(qo_lens: list[int], kv_lens: list[int], parents: list | None = None):
@@ -75,6 +79,7 @@ def _tree_parents(n: int) -> list[int]:
 
 CASES = {
     "decode_b32_ctx512": ([1] * 32, [480 + 2 * i for i in range(32)], None),
+    "mixed_31decode_1chunk256": ([1] * 31 + [256], [480 + 2 * i for i in range(31)] + [256], None),
     "prefill_4x128_over_prefix": ([128] * 4, [128, 192, 384, 128], None),
     "tree_b8_16nodes_ctx512": ([16] * 8, [512] * 8, [_tree_parents(16)] * 8),
 }
@@ -83,6 +88,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_torch_attention_vs_naive_loop(benchmark, name: str) -> None:
     qo, kv, parents = CASES[name]
+    torch.set_num_threads(THREADS)
     q, kc, vc, pages, meta, slots, masks = _case(qo, kv, parents)
     first_layer = _min_seconds(
         lambda: paged_attention(q, kc, vc, AttentionMetadata.build(qo, kv, pages, PAGE, parents), backend="torch"), 5
@@ -94,7 +100,7 @@ def test_torch_attention_vs_naive_loop(benchmark, name: str) -> None:
     ratio = naive_s / ours_s
     benchmark.extra_info.update(naive_ms=naive_s * 1e3, ours_ms=ours_s * 1e3, speedup=ratio)
     print(
-        f"\n{name}: torch paged_attention {ours_s * 1e3:.3f} ms/layer "
+        f"\n{name} ({THREADS} thread(s)): torch paged_attention {ours_s * 1e3:.3f} ms/layer "
         f"(first layer incl. metadata build + plan {first_layer * 1e3:.3f} ms), "
         f"naive loop {naive_s * 1e3:.3f} ms -> {ratio:.2f}x"
     )

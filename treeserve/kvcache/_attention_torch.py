@@ -1,10 +1,12 @@
 """Torch paged attention: the reference and the CPU default.
 
-Each request's KV is gathered into a padded ``[B, max_kv_len]`` batch and attended with
-``scaled_dot_product_attention``. GQA is done without repeating K/V: the ``G = Hq / Hkv`` query
-heads sharing a KV head are folded into the query-length axis. Gather indices and masks depend
-only on the metadata, so they are derived by the first layer of a step and memoized in
-``meta.derived`` for the rest. Padding keys point at the request's own first token (always
+Requests are split into at most two groups, decode rows (``qo_len == 1``) and the rest, so a
+chunked-prefill step does not pad every decode request to the chunk length. Each group's KV is
+gathered into a padded ``[b, max_kv_len]`` batch and attended with one
+``scaled_dot_product_attention`` call. GQA is done without repeating K/V: the ``G = Hq / Hkv``
+query heads sharing a KV head are folded into the query axis. Gather indices and masks depend
+only on the metadata, so the first layer of a step derives them and memoizes them in
+``meta.derived`` for the others. Padding keys point at the request's own first token (always
 written) and padding queries copy a real query, so no NaN or garbage can leak into real rows.
 Half-precision inputs go to SDPA as they are: its fused CPU and CUDA kernels accumulate the
 softmax and the weighted sum in float32 (upcasting K/V first would cost 3x on CPU).
@@ -12,7 +14,7 @@ softmax and the weighted sum in float32 (upcasting K/V first would cost 3x on CP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,73 +23,94 @@ from treeserve.kvcache.attention import AttentionMetadata
 
 
 @dataclass(slots=True)
-class _Plan:
-    """Derived per step: gather indices and the attention mask (None when not needed)."""
+class _Group:
+    """One SDPA call's worth of requests, padded to ``[bsz, max_qo]`` queries x ``max_kv`` keys."""
 
-    kv_slots: torch.Tensor  # [B * max_kv] slots to gather, padding -> request's first slot
-    q_index: torch.Tensor | None  # [B * max_qo] rows of q to gather (None: equal qo_lens)
-    out_rows: torch.Tensor | None  # real rows of the padded [B * max_qo] output (None: all)
-    mask: torch.Tensor | None  # [B, 1, max_qo, max_kv] bool, True = may attend
-    is_causal: bool  # uniform prefill without prefix: let SDPA apply the causal mask
+    bsz: int
+    max_qo: int
+    max_kv: int
+    kv_slots: torch.Tensor  # [bsz * max_kv] slots to gather; padding -> the request's first slot
+    q_index: torch.Tensor | None  # [bsz * max_qo] rows of q per padded row; None: q as it is
+    real_rows: torch.Tensor | None  # padded rows that are real queries; None: all of them
+    dst_rows: torch.Tensor | None  # rows of the output those real rows go to
+    mask: torch.Tensor | None  # [bsz, 1, max_qo | 1, max_kv] bool, True = may attend
+    is_causal: bool  # equal lengths, no prefix: SDPA's own causal mask is right
+    additive: dict[tuple[int, torch.dtype], torch.Tensor | None] = field(default_factory=dict)
+
+    def additive_mask(self, g: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as an additive float mask (SDPA would convert a bool one on every call), each
+        query row repeated for the ``g`` query heads folded into the query axis; memoized."""
+        key = (g, dtype)
+        if key not in self.additive:
+            mask = self.mask
+            if mask is None and self.is_causal and g > 1:  # is_causal cannot see the folding
+                mask = torch.ones(self.max_qo, self.max_kv, dtype=torch.bool, device=self.kv_slots.device).tril_()
+            if mask is not None:
+                if g > 1 and mask.shape[-2] > 1:  # a 1-row decode mask broadcasts instead
+                    mask = mask.repeat(*([1] * (mask.dim() - 2)), g, 1)  # rows ordered (g, i)
+                mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self.additive[key] = mask
+        return self.additive[key]
 
 
-def _plan(meta: AttentionMetadata, causal: bool) -> _Plan:
-    dev = meta.device
-    ps = meta.page_size
-    qo_indptr = meta.qo_indptr.long()
-    kv_indptr = meta.kv_indptr.long()
-    qo_lens = qo_indptr[1:] - qo_indptr[:-1]
-    kv_lens = (kv_indptr[1:] - kv_indptr[:-1] - 1) * ps + meta.kv_last_page_len.long()
-    max_qo, max_kv = meta.max_qo_len, meta.max_kv_len
+def _group(meta: AttentionMetadata, req: torch.Tensor | None, causal: bool) -> _Group:
+    """Derive gather indices and the mask for requests ``req`` (None: the whole batch)."""
+    dev, ps = meta.device, meta.page_size
+    qo_indptr, kv_indptr = meta.qo_indptr.long(), meta.kv_indptr.long()
+    q_start, p_start = qo_indptr[:-1], kv_indptr[:-1]
+    qo_lens = qo_indptr[1:] - q_start
+    kv_lens = (kv_indptr[1:] - p_start - 1) * ps + meta.kv_last_page_len.long()
+    tree_start = meta.tree_mask_indptr.long()[:-1] if meta.tree_mask_indptr is not None else None
+    if req is not None:
+        q_start, p_start, qo_lens, kv_lens = q_start[req], p_start[req], qo_lens[req], kv_lens[req]
+        tree_start = tree_start[req] if tree_start is not None else None
+    bsz = qo_lens.shape[0]
+    max_qo, max_kv = int(qo_lens.max()), int(kv_lens.max())
 
     j = torch.arange(max_kv, device=dev)
-    key_valid = j < kv_lens[:, None]  # [B, max_kv]
+    key_valid = j < kv_lens[:, None]  # [b, max_kv]
     jj = torch.where(key_valid, j, 0)
-    page = meta.kv_page_indices.long()[kv_indptr[:-1, None] + jj // ps]
+    page = meta.kv_page_indices.long()[p_start[:, None] + jj // ps]
     kv_slots = (page * ps + jj % ps).reshape(-1)
 
     same_kv = bool((kv_lens == max_kv).all())
     same_qo = bool((qo_lens == max_qo).all())
-    if max_qo == 1:  # decode: a 1-token tree or causal row sees the whole KV
-        return _Plan(kv_slots, None, None, None if same_kv else key_valid[:, None, None, :], False)
-    if meta.tree_mask is None and same_kv and same_qo and (not causal or max_qo == max_kv):
-        return _Plan(kv_slots, None, None, None, causal)  # no mask, or SDPA's (top-left) causal
-
     i = torch.arange(max_qo, device=dev)
-    q_valid = i < qo_lens[:, None]  # [B, max_qo]
     ii = torch.minimum(i, qo_lens[:, None] - 1)  # padding rows repeat the last real row
-    q_index = None if same_qo else (qo_indptr[:-1, None] + ii).reshape(-1)
-    if not causal:
-        mask = key_valid[:, None, :].expand(-1, max_qo, -1)
+    if req is None and same_qo:
+        q_index = real_rows = dst_rows = None
     else:
-        prefix = (kv_lens - qo_lens)[:, None, None]  # [B, 1, 1]
-        pos = prefix + ii[:, :, None]  # [B, max_qo, 1] absolute query positions
-        mask = j <= pos  # causal; implies j < kv_len
-        if meta.tree_mask is not None:
-            col = (j - prefix).clamp(min=0, max=max(max_qo - 1, 0))  # new-token index of key j
-            qo = qo_lens[:, None, None]
-            flat = meta.tree_mask_indptr.long()[:-1, None, None] + ii[:, :, None] * qo + col
-            in_tree = meta.tree_mask[flat.clamp(max=max(meta.tree_mask.numel() - 1, 0))]
-            mask = (j < prefix) | (mask & in_tree)
-    out_rows = None if same_qo else q_valid.reshape(-1).nonzero().squeeze(1)
-    return _Plan(kv_slots, q_index, out_rows, mask[:, None], False)
+        q_index = (q_start[:, None] + ii).reshape(-1)
+        real = (i < qo_lens[:, None]).reshape(-1)
+        real_rows = None if same_qo else real.nonzero().squeeze(1)
+        dst_rows = q_index if same_qo else q_index[real_rows]
+
+    def make(mask: torch.Tensor | None, is_causal: bool = False) -> _Group:
+        return _Group(bsz, max_qo, max_kv, kv_slots, q_index, real_rows, dst_rows, mask, is_causal)
+
+    if max_qo == 1:  # decode: a one-token row (causal or 1-node tree) sees its whole KV
+        return make(None if same_kv else key_valid[:, None, None, :])
+    if meta.tree_mask is None and same_kv and same_qo and (not causal or max_qo == max_kv):
+        return make(None, causal)
+    if not causal:
+        return make(key_valid[:, None, None, :])
+    prefix = (kv_lens - qo_lens)[:, None, None]  # [b, 1, 1]
+    mask = j <= prefix + ii[:, :, None]  # causal at absolute positions; implies j < kv_len
+    if meta.tree_mask is not None:
+        col = (j - prefix).clamp(min=0, max=max_qo - 1)  # new-token index of key j
+        flat = tree_start[:, None, None] + ii[:, :, None] * qo_lens[:, None, None] + col
+        in_tree = meta.tree_mask[flat.clamp(max=meta.tree_mask.numel() - 1)]
+        mask = (j < prefix) | (mask & in_tree)
+    return make(mask[:, None])
 
 
-def _additive_mask(meta: AttentionMetadata, plan: _Plan, causal: bool, g: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """The plan's mask as an additive float mask (SDPA would convert a bool one on every call),
-    with each query row repeated for the ``g`` query heads folded into the query axis."""
-    key = ("torch_mask", causal, g, dtype)
-    if key in meta.derived:
-        return meta.derived[key]
-    mask = plan.mask
-    if mask is None and plan.is_causal and g > 1:  # SDPA's is_causal cannot see the folding
-        mask = torch.ones(meta.max_qo_len, meta.max_qo_len, dtype=torch.bool, device=meta.device).tril_()
-    if mask is not None:
-        if g > 1 and mask.shape[-2] > 1:  # (a 1-row decode mask broadcasts instead)
-            mask = mask.repeat(*([1] * (mask.dim() - 2)), g, 1)  # rows ordered (g, i)
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    meta.derived[key] = mask
-    return mask
+def _groups(meta: AttentionMetadata, causal: bool) -> list[_Group]:
+    qo_lens = meta.qo_indptr[1:] - meta.qo_indptr[:-1]
+    decode = qo_lens == 1
+    num_decode = int(decode.sum())
+    if num_decode in (0, meta.batch_size):
+        return [_group(meta, None, causal)]
+    return [_group(meta, decode.nonzero().squeeze(1), causal), _group(meta, (~decode).nonzero().squeeze(1), causal)]
 
 
 def paged_attention_torch(
@@ -100,24 +123,31 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """Torch backend of :func:`treeserve.kvcache.paged_attention` (inputs already validated)."""
     key = ("torch", causal)
-    plan = meta.derived.get(key)
-    if plan is None:
-        plan = meta.derived[key] = _plan(meta, causal)
-    bsz, max_qo, max_kv = meta.batch_size, meta.max_qo_len, meta.max_kv_len
+    groups = meta.derived.get(key)
+    if groups is None:
+        groups = meta.derived[key] = _groups(meta, causal)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
-
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        rows = cache.view(-1, hkv, d).index_select(0, plan.kv_slots)
-        return rows.view(bsz, max_kv, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
-
-    k, v = gather(k_cache), gather(v_cache)
-    mask = _additive_mask(meta, plan, causal, g, q.dtype)
-    qp = q if plan.q_index is None else q.index_select(0, plan.q_index)
-    qb = qp.reshape(bsz, max_qo, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * max_qo, d)
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=plan.is_causal and g == 1, scale=scale)
-    out = out.view(bsz, hkv, g, max_qo, d).permute(0, 3, 1, 2, 4).reshape(bsz * max_qo, hq, d)
-    if plan.out_rows is not None:
-        out = out.index_select(0, plan.out_rows)
+    out = None
+    for grp in groups:  # one or two groups (decode rows, the rest), never one per request
+        k = k_cache.view(-1, hkv, d).index_select(0, grp.kv_slots).view(grp.bsz, grp.max_kv, hkv, d)
+        v = v_cache.view(-1, hkv, d).index_select(0, grp.kv_slots).view(grp.bsz, grp.max_kv, hkv, d)
+        qp = q if grp.q_index is None else q.index_select(0, grp.q_index)
+        qb = qp.reshape(grp.bsz, grp.max_qo, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(grp.bsz, hkv, g * grp.max_qo, d)
+        o = F.scaled_dot_product_attention(
+            qb,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=grp.additive_mask(g, q.dtype),
+            is_causal=grp.is_causal and g == 1,
+            scale=scale,
+        )
+        o = o.view(grp.bsz, hkv, g, grp.max_qo, d).permute(0, 3, 1, 2, 4).reshape(grp.bsz * grp.max_qo, hq, d)
+        if grp.dst_rows is None:
+            return o
+        if out is None:
+            out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
+        out.index_copy_(0, grp.dst_rows, o if grp.real_rows is None else o.index_select(0, grp.real_rows))
+    assert out is not None
     return out

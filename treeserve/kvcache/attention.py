@@ -110,7 +110,7 @@ def _pages_from_lists(
     npages = [-(-n // page_size) for n in kv_lens]
     chunks = []
     for b, (pl, need) in enumerate(zip(page_lists, npages, strict=True)):
-        t = torch.as_tensor(pl, dtype=torch.long).reshape(-1)
+        t = torch.as_tensor(pl, dtype=torch.long).reshape(-1).cpu()
         if t.numel() < need:
             raise ValueError(f"page list {b} has {t.numel()} pages, kv_lens[{b}] needs {need}")
         chunks.append(t[:need])

@@ -169,8 +169,8 @@ def rollback_slots(
     if num_draft.shape[0] != bsz:
         raise ValueError(f"num_draft must have B={bsz} entries, got {num_draft.shape[0]}")
     check_range("num_draft", num_draft, 0, k_max + 1)
-    if accepted.dim() not in (1, 2):
-        raise ValueError(f"accepted must be [B] accept lengths or [B, P] node indices, got {tuple(accepted.shape)}")
+    if not isinstance(accepted, torch.Tensor) or accepted.dim() not in (1, 2):
+        raise ValueError(f"accepted must be a [B] tensor of accept lengths or [B, P] node indices, got {accepted!r}")
     check_index_tensor("accepted", accepted, ndim=accepted.dim())
     if accepted.shape[0] != bsz:
         raise ValueError(f"accepted must have B={bsz} rows, got {accepted.shape[0]}")
