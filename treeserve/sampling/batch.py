@@ -50,6 +50,7 @@ class SamplingBatch:
     has_penalties: bool
     any_greedy: bool
     any_top_p: bool
+    any_filter: bool  # some row uses top_k, top_p or min_p
 
     @property
     def num_rows(self) -> int:
@@ -143,6 +144,7 @@ class SamplingBatch:
             ),
             any_greedy=any(p.greedy for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
+            any_filter=any(k > 0 or p.top_p < 1.0 or p.min_p > 0 for k, p in zip(top_ks, params)),
         )
 
     def expand_rows(

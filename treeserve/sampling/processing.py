@@ -173,6 +173,14 @@ def filter_logits(
     """
     scaled = scale_logits(logits, batch)
     vocab = batch.vocab_size
+    if not batch.any_filter:  # every token is kept: no threshold to find
+        if batch.num_logprobs:
+            cand, cand_ids = torch.topk(scaled, batch.num_logprobs, dim=1)
+        else:
+            cand, cand_ids = scaled.max(dim=1, keepdim=True)
+        valid = torch.isfinite(cand[:, 0])
+        threshold = torch.full_like(cand[:, 0], float("-inf"))
+        return Filtered(scaled, threshold, cand, cand_ids, torch.zeros_like(valid), valid)
     if backend == "triton":
         from treeserve.sampling.triton_kernels import thresholds_triton
 
@@ -215,5 +223,7 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch, backend: str = "a
     ``backend``: ``auto`` | ``torch`` | ``triton`` (see ``backend.resolve_backend``).
     """
     f = filter_logits(logits, batch, backend=resolve_backend(backend, logits.device))
-    out = f.scaled.masked_fill(f.scaled < f.threshold[:, None], float("-inf"))
+    out = f.scaled
+    if batch.any_filter:
+        out = out.masked_fill(out < f.threshold[:, None], float("-inf"))
     return out.masked_fill(~f.valid[:, None], float("nan"))

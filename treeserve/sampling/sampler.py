@@ -36,7 +36,7 @@ def inverse_cdf_weights(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     clamped to the last positive column, so a zero-weight column is never chosen.
     """
     cdf = torch.cumsum(w, dim=1, dtype=torch.float64)
-    total = cdf[:, -1:]
+    total = cdf[:, -1:].contiguous()
     col = torch.searchsorted(cdf, u[:, None] * total, right=True)
     last_positive = torch.searchsorted(cdf, total)  # first column reaching the total
     return torch.minimum(col, last_positive)[:, 0].clamp(max=w.shape[1] - 1)

@@ -162,7 +162,10 @@ def prepare_tree(
     draft_probs: torch.Tensor | None = None,
     backend: str = "torch",
 ) -> PreparedTree:
-    """Pad and process the target rows, normalize the draft rows, flag invalid requests."""
+    """Pad and process the target rows, normalize the draft rows, flag invalid requests.
+
+    Rows of invalid requests are left as they are (NaN included): the walk runs on them without
+    failing and ``assemble`` masks their outputs."""
     b, m = draft_tokens.shape
     v = batch.vocab_size
     dev = draft_tokens.device
@@ -172,7 +175,9 @@ def prepare_tree(
     src = torch.where(real_rows, row_start[:, None] + j, row_start[:, None])
     depth, anc = tree_depth(draft_parents)
     expanded = _expanded_batch(batch, draft_tokens, num_draft, depth, anc)
-    processed = process_logits(target_logits[src.reshape(-1)], expanded, backend).reshape(b, m + 1, v)
+    # T == B * (M + 1) (a shape, no sync) means every request has M nodes: no padding to gather.
+    rows = target_logits if target_logits.shape[0] == b * (m + 1) else target_logits[src.reshape(-1)]
+    processed = process_logits(rows, expanded, backend).reshape(b, m + 1, v)
     valid = ~torch.isnan(processed[:, :, 0]).any(1)
 
     greedy = batch.greedy[:, None, None]
@@ -180,18 +185,22 @@ def prepare_tree(
     if batch.any_greedy:
         onehot = torch.nn.functional.one_hot(processed.argmax(-1), v).to(target.dtype)
         target = torch.where(greedy, onehot, target)
-    target = torch.where(valid[:, None, None], target, 1.0 / v)
 
     draft = None
     if draft_probs is not None:
         real = j[:m] < num_draft[:, None]
         node_start = row_start - torch.arange(b, device=dev)
         nsrc = torch.where(real, node_start[:, None] + j[:m], 0).clamp(max=max(draft_probs.shape[0] - 1, 0))
-        q = draft_probs.to(target.dtype)[nsrc] if draft_probs.shape[0] else target.new_ones(b, m, v)
+        if draft_probs.shape[0] == b * m:
+            q = draft_probs.to(target.dtype).reshape(b, m, v)
+        elif draft_probs.shape[0]:
+            q = draft_probs.to(target.dtype)[nsrc]
+        else:
+            q = target.new_ones(b, m, v)
         mass = q.sum(-1, keepdim=True)
-        ok = torch.isfinite(q).all(-1) & (q >= 0).all(-1) & (mass[..., 0] > 0)
+        ok = torch.isfinite(mass[..., 0]) & (mass[..., 0] > 0) & (q.amin(-1) >= 0)
         valid = valid & (ok | ~real).all(1)
-        q = torch.where((ok & real)[..., None], q / mass, 1.0 / v)
+        q = q / mass
         if batch.any_greedy:
             q = torch.where(greedy, torch.nn.functional.one_hot(draft_tokens.clamp(min=0), v).to(q.dtype), q)
         draft = q
