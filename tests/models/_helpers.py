@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,6 +42,12 @@ def _permute_for_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def tiny_vocab(size: int) -> list[str]:
+    """``size`` (5..67) tokens: 4 control tokens ``<|s0|>``..``<|s3|>``, single characters, then "ab"."""
+    chars = string.digits + string.ascii_lowercase + string.ascii_uppercase
+    return [f"<|s{i}|>" for i in range(4)] + list(chars[: size - 5]) + ["ab"]
+
+
 _GGUF_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -77,8 +84,8 @@ def write_gguf(
     drop: Sequence[str] = (),
 ) -> Path:
     """Write ``model`` the way llama.cpp's converter would (Q/K permuted for ``llama``); 2-D
-    weights in ``qtype``, norms/biases in F32. ``drop`` omits GGUF tensors by name; a byte-level
-    vocabulary of single-byte tokens (no merges needed beyond a few) makes the file loadable."""
+    weights in ``qtype``, norms/biases in F32. ``drop`` omits GGUF tensors by name. The
+    tokenizer metadata is ``tiny_vocab`` with the single merge ``a b``."""
     cfg = model.config
     arch = architecture or ("qwen2" if cfg.architecture == "qwen2" else "llama")
     w = GGUFWriter(str(path), arch)
@@ -93,9 +100,8 @@ def write_gguf(
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    tokens = [f"<{i}>" for i in range(cfg.vocab_size)]
-    w.add_token_list(tokens)
-    w.add_token_merges(["< 0", "<0 >"])
+    w.add_token_list(tiny_vocab(cfg.vocab_size))
+    w.add_token_merges(["a b"])
     w.add_token_types([3] * 4 + [1] * (cfg.vocab_size - 4))
     w.add_bos_token_id(cfg.bos_token_id or 1)
     w.add_eos_token_id(cfg.eos_token_ids[0] if cfg.eos_token_ids else 2)
@@ -107,7 +113,7 @@ def write_gguf(
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             arr = _permute_for_llama_cpp(arr, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
         if arr.ndim == 2 and qtype != GGMLQuantizationType.F32:
-            w.add_tensor(name, quantize(arr, qtype), raw_shape=arr.shape, raw_dtype=qtype)
+            w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, np.ascontiguousarray(arr))
     w.write_header_to_file()

@@ -58,6 +58,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.architecture == "qwen2" and not self.attention_bias:
+            raise ValueError("attention_bias must be True for qwen2 (its QKV projections always have bias)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -114,8 +116,8 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        # Qwen2 always has QKV bias; Llama/Mistral say so explicitly when they do.
-        bias = bool(cfg.get("attention_bias", arch == "qwen2"))
+        # Qwen2 always has QKV bias (its config has no key for it); Llama/Mistral say when they do.
+        bias = arch == "qwen2" or bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
             num_layers=int(need("num_hidden_layers")),

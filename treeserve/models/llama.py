@@ -64,7 +64,7 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, normalised in float32 and cast back to the input dtype (as HF)."""
+    """``x / rms(x) * weight`` over the last dimension."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -72,9 +72,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # One fused kernel (bitwise equal to the HF formula in float32; statistics in float32 for bf16).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -101,10 +100,11 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        store_kv(k_cache, v_cache, out_slots, k, v.reshape(n, self.num_kv_heads, self.head_dim))
+        qk, v = self.qkv_proj(x).split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        # Q and K heads are adjacent in the fused projection: rotate them in one pass.
+        qk = apply_rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        store_kv(k_cache, v_cache, out_slots, k, v.view(n, self.num_kv_heads, self.head_dim))
         o = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
 

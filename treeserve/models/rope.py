@@ -53,6 +53,10 @@ def rope_table(config: ModelConfig, inv_freq: torch.Tensor | None = None) -> tor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [N, heads, head_dim]`` by ``cos, sin [N, 1, head_dim // 2]`` (rotate-half pairing)."""
+    """Rotate ``x [N, heads, head_dim]`` by ``cos, sin [N, 1, head_dim // 2]`` (rotate-half pairing).
+
+    Five kernels (two multiplies, two fused multiply-adds, one concat): on CPU these elementwise
+    passes, not the math, are what RoPE costs.
+    """
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((torch.addcmul(x1 * cos, x2, sin, value=-1), torch.addcmul(x2 * cos, x1, sin)), dim=-1)

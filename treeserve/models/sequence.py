@@ -22,7 +22,7 @@ class PagedSequence:
 
     Pages are allocated up front; with ``shuffle_seed`` they are used in a random order, so page
     tables are non-contiguous (as they are in a busy server). ``extend`` feeds new tokens and
-    returns their logits; ``length`` counts the tokens whose K/V is cached.
+    returns their logits; ``truncate`` rolls back; ``length`` counts the tokens whose K/V is cached.
     """
 
     __slots__ = ("model", "pool", "page_size", "max_len", "_pages", "_slots", "length")
@@ -57,6 +57,12 @@ class PagedSequence:
         offsets = torch.arange(page_size, device=pages.device)
         self._slots = (pages[:, None] * page_size + offsets).reshape(-1)
         self.length = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget every token from ``length`` on (their slots are overwritten by the next extend)."""
+        if not isinstance(length, int) or not 0 <= length <= self.length:
+            raise ValueError(f"length must be an int in [0, {self.length}], got {length!r}")
+        self.length = length
 
     @torch.inference_mode()
     def extend(self, token_ids: Sequence[int] | torch.Tensor, all_logits: bool = False) -> torch.Tensor:

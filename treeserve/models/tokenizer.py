@@ -141,7 +141,11 @@ class Tokenizer:
             for i, t in enumerate(tokens)
         }
         merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
-        backend = _Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        try:
+            bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+        except Exception as exc:  # tokenizers raises a bare Exception for inconsistent merges
+            raise ValueError(f"GGUF tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {exc}") from exc
+        backend = _Backend(bpe)
         split = _GGUF_SPLITS[pre]
         backend.pre_tokenizer = (
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
