@@ -17,10 +17,12 @@ from typing import Any
 import torch
 
 from treeserve._utils import log_once
+from treeserve.compile import compile_model
+from treeserve.graph_runner import DecodeGraphRunner
 from treeserve.kvcache import KVPool, RadixCache, ReqToTokenTable
 from treeserve.runner import CausalLM, ModelRunner
 from treeserve.sampling import SamplingParams
-from treeserve.scheduler import FinishReason, Request, Scheduler, SchedulerConfig, StopChecker
+from treeserve.scheduler import FinishReason, NgramDrafter, Request, Scheduler, SchedulerConfig, StopChecker
 
 Prompt = str | Sequence[int]
 
@@ -32,6 +34,14 @@ class EngineConfig:
     ``kv_cache_tokens``: KV pool capacity in tokens (rounded up to whole pages).
     ``max_model_len``: prompt + output cap per request; ``None`` = the model's, at most 4096.
     ``seed``: seeds the per-request seeds of unseeded requests (``None`` = fresh each run).
+    ``cuda_graph``: serve decode steps from static, bucket-padded buffers captured as CUDA graphs
+    (``None`` = on when ``device`` is CUDA; ``True`` on CPU runs the same static path eagerly).
+    ``cuda_graph_max_batch``: the largest decode batch served that way.
+    ``compile``: ``torch.compile`` the model forward of those decode steps.
+    ``speculative``: ``"ngram"`` (prompt lookup over the request's own tokens) or ``None``;
+    ``num_speculative_tokens`` draft nodes per step at most; ``speculative_tree_width``: 1 for
+    chain drafts, more for token trees (that many alternative continuations); ``ngram_min`` /
+    ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first).
     """
 
     dtype: str = "float32"
@@ -44,11 +54,25 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     num_threads: int | None = None
     seed: int | None = None
+    cuda_graph: bool | None = None
+    cuda_graph_max_batch: int = 256
+    compile: bool = False
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_tree_width: int = 1
+    ngram_min: int = 2
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        for name in ("page_size", "kv_cache_tokens", "max_batched_tokens", "max_running"):
+        for name in ("page_size", "kv_cache_tokens", "max_batched_tokens", "max_running", "cuda_graph_max_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"speculative must be None or 'ngram', got {self.speculative!r}")
+        for name in ("num_speculative_tokens", "speculative_tree_width", "ngram_min", "ngram_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -56,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
+        if self.cuda_graph not in (None, True, False) or not isinstance(self.compile, bool):
+            raise TypeError(f"cuda_graph must be a bool or None and compile a bool, got {self.cuda_graph!r}, {self.compile!r}")
 
 
 @dataclass(slots=True)
@@ -103,6 +129,9 @@ class EngineMetrics:
     tpot_sum: float = 0.0
     tpot_count: int = 0
     kv_usage: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
 
     @property
     def throughput(self) -> float:
@@ -123,9 +152,20 @@ class EngineMetrics:
     def mean_tpot(self) -> float:
         return self.tpot_sum / self.tpot_count if self.tpot_count else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the bonus token)."""
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for name in ("throughput", "prefix_cache_hit_rate", "mean_ttft", "mean_tpot"):
+        for name in ("throughput", "prefix_cache_hit_rate", "mean_ttft", "mean_tpot", "acceptance_rate",
+                     "mean_accepted_length"):
             d[name] = getattr(self, name)
         return d
 
@@ -167,13 +207,29 @@ class LLM:
                 max_batched_tokens=cfg.max_batched_tokens,
                 max_running=cfg.max_running,
                 max_model_len=max_len,
+                num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0,
             ),
             self.kv.allocator,
             self.radix,
             self.table,
             StopChecker(eos, detok),
+            drafter=(
+                NgramDrafter(cfg.ngram_max, cfg.ngram_min, cfg.speculative_tree_width)
+                if cfg.speculative == "ngram"
+                else None
+            ),
         )
-        self.runner = ModelRunner(self.model, self.kv, self.table, self.vocab_size, eos, cfg.device)
+        decode_graph = None
+        use_graph = cfg.cuda_graph if cfg.cuda_graph is not None else torch.device(cfg.device).type == "cuda"
+        if use_graph or cfg.compile:
+            forward = compile_model(self.model) if cfg.compile else self.model
+            decode_graph = DecodeGraphRunner(
+                self.model, self.kv, self.table, self.vocab_size, eos, cfg.device,
+                max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running),
+                use_cuda_graph=use_graph and torch.device(cfg.device).type == "cuda", forward=forward,
+            )  # fmt: skip
+            decode_graph.capture()
+        self.runner = ModelRunner(self.model, self.kv, self.table, self.vocab_size, eos, cfg.device, decode_graph)
         self.metrics = EngineMetrics()
         self._seed_gen = torch.Generator()
         self._seed_gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
@@ -261,12 +317,14 @@ class LLM:
         m.busy_seconds += now - t0
         for item, s in zip(batch.items, sampled):
             if s is not None:
-                m.generated_tokens += 1
+                m.generated_tokens += 1 + len(s.accepted)
                 if item.req.metrics.first_token is None:
                     item.req.metrics.first_token = now
         for req in finished:
             self._account_finished(req)
         m.preemptions = self.scheduler.num_preemptions
+        spec = self.scheduler.spec
+        m.draft_tokens, m.accepted_tokens, m.verify_steps = spec.proposed, spec.accepted, spec.steps
         alloc = self.kv.allocator
         m.kv_usage = 1.0 - alloc.num_free / alloc.capacity
         return finished

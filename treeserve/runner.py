@@ -12,9 +12,10 @@ from typing import Protocol
 
 import torch
 
-from treeserve.kvcache import AttentionMetadata, KVPool, ReqToTokenTable
-from treeserve.sampling import SamplingBatch, sample
-from treeserve.scheduler import SampledToken, ScheduledBatch
+from treeserve.graph_runner import DecodeGraphRunner, to_sampled_tokens
+from treeserve.kvcache import AttentionMetadata, KVPool, ReqToTokenTable, compact_tree_path, rollback_slots
+from treeserve.sampling import SamplingBatch, sample, verify
+from treeserve.scheduler import Request, SampledToken, ScheduledBatch, ScheduledItem
 
 
 class CausalLM(Protocol):
@@ -36,6 +37,8 @@ class ModelRunner:
 
     ``attention_backend`` is passed to every attention call ("auto" picks flashinfer > triton on
     CUDA, torch on CPU). ``eos_token_ids`` feed ``min_new_tokens`` suppression in sampling.
+    ``decode_graph``, when given, serves the decode-only batches it accepts (static buffers,
+    CUDA graphs); every other batch takes the eager path below.
     """
 
     def __init__(
@@ -46,8 +49,10 @@ class ModelRunner:
         vocab_size: int,
         eos_token_ids: Sequence[int] = (),
         device: torch.device | str = "cpu",
+        decode_graph: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
+        self.decode_graph = decode_graph
         self.kv = kv
         self.table = table
         self.vocab_size = vocab_size
@@ -60,42 +65,126 @@ class ModelRunner:
         """Compute every item of ``batch`` and sample the rows that end their pending tokens."""
         if not batch.items:
             return []
+        if self.decode_graph is not None:
+            done = self.decode_graph.run(batch)
+            if done is not None:
+                return list(done)
         items = batch.items
         ps = self.page_size
         ids: list[int] = []
-        pos_starts: list[int] = []
+        positions: list[int] = []
         qo_lens: list[int] = []
         kv_lens: list[int] = []
         rows: list[int] = []
+        parents: list[list[int] | None] = []
+        logit_rows: list[int] = []
         for it in items:
-            ids.extend(it.req.all_ids[it.start : it.start + it.num_tokens])
-            pos_starts.append(it.start)
-            qo_lens.append(it.num_tokens)
-            kv_lens.append(it.start + it.num_tokens)
-            rows.append(it.req.row)
+            req, start, n = it.req, it.start, it.num_tokens
+            offset = len(ids)
+            if it.draft is None:
+                ids.extend(req.all_ids[start : start + n])
+                positions.extend(range(start, start + n))
+                parents.append(None)
+                if it.sample:
+                    logit_rows.append(offset + n - 1)
+            else:  # pending token, then the draft nodes at their tree depths
+                ids.append(req.all_ids[start])
+                ids.extend(it.draft.tokens)
+                positions.append(start)
+                positions.extend(start + d for d in it.draft.depths())
+                parents.append([-1] + [p + 1 for p in it.draft.parents])
+                logit_rows.extend(range(offset, offset + n))
+            qo_lens.append(n)
+            kv_lens.append(start + n)
+            rows.append(req.row)
         dev = self.device
+        table = self.table.table
         qo = torch.tensor(qo_lens, dtype=torch.long)
-        row_t = torch.tensor(rows, dtype=torch.long).repeat_interleave(qo)
+        row_t = torch.tensor(rows, dtype=torch.long)
+        starts = torch.tensor([it.start for it in items], dtype=torch.long)
         offsets = torch.arange(int(qo.sum())) - torch.repeat_interleave(torch.cumsum(qo, 0) - qo, qo)
-        positions = torch.tensor(pos_starts, dtype=torch.long).repeat_interleave(qo) + offsets
-        out_slots = self.table.table[row_t.to(self.table.table.device), positions.to(self.table.table.device)]
+        # KV goes to consecutive slots after the pending token's (draft nodes in node order).
+        out_slots = table[row_t.repeat_interleave(qo), starts.repeat_interleave(qo) + offsets]
         width = -(-max(kv_lens) // ps) * ps
-        slot_rows = self.table.table[torch.tensor(rows, dtype=torch.long), :width]
-        meta = AttentionMetadata.build(qo_lens, kv_lens, slot_rows, ps, device=dev)
-        sample_rows = [i for i, it in enumerate(items) if it.sample]
-        ends = torch.cumsum(qo, 0) - 1
-        logits_indices = ends[sample_rows] if sample_rows else ends[:0]
+        tree = parents if any(p is not None for p in parents) else None
+        meta = AttentionMetadata.build(qo_lens, kv_lens, table[row_t, :width], ps, tree_parents=tree, device=dev)
         logits = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
-            positions.to(dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv,
             out_slots.to(dev),
             meta,
-            logits_indices.to(dev),
+            torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
         results: list[SampledToken | None] = [None] * len(items)
-        if not sample_rows:
-            return results
+        plain = [i for i, it in enumerate(items) if it.sample and it.draft is None]
+        drafted = [i for i, it in enumerate(items) if it.draft is not None]
+        row_of_item = torch.cumsum(torch.tensor([(it.num_tokens if it.draft else 1) if it.sample else 0 for it in items]), 0)
+        if plain:
+            idx = (row_of_item[plain] - 1).to(dev)
+            for i, token in zip(plain, self._sample(logits.index_select(0, idx), [items[i] for i in plain])):
+                results[i] = token
+        if drafted:
+            for i, token in zip(drafted, self._verify(logits, row_of_item, [items[i] for i in drafted], drafted)):
+                results[i] = token
+        return results
+
+    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        return SamplingBatch.build(
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            [r.all_ids for r in reqs],
+            self.vocab_size,
+            self.device,
+            eos_token_ids=self.eos_token_ids,
+            num_generated=[len(r.output_ids) for r in reqs],
+        )
+
+    def _sample(self, logits: torch.Tensor, items: list[ScheduledItem]) -> list[SampledToken]:
+        reqs = [it.req for it in items]
+        gen_positions = torch.tensor([r.num_tokens for r in reqs], dtype=torch.long, device=self.device)
+        out = sample(logits, self._sampling_batch(reqs), gen_positions)
+        return to_sampled_tokens(out, [r.params.logprobs for r in reqs])  # host sync
+
+    def _verify(
+        self, logits: torch.Tensor, row_end: torch.Tensor, items: list[ScheduledItem], idx: list[int]
+    ) -> list[SampledToken]:
+        """Verify the drafted items, compact their accepted KV, return their tokens."""
+        dev = self.device
+        reqs = [it.req for it in items]
+        sizes = [it.num_tokens for it in items]  # 1 + draft nodes
+        ends = row_end[idx]
+        rows = torch.cat([torch.arange(int(e) - s, int(e)) for e, s in zip(ends, sizes)]).to(dev)
+        m = max(sizes) - 1
+        draft_tokens = torch.zeros(len(items), m, dtype=torch.long)
+        draft_parents = torch.full((len(items), m), -1, dtype=torch.long)
+        draft_slots = torch.zeros(len(items), m, dtype=torch.long)
+        for b, it in enumerate(items):
+            k = len(it.draft)
+            draft_tokens[b, :k] = torch.tensor(it.draft.tokens)
+            draft_parents[b, :k] = torch.tensor(it.draft.parents)
+            draft_slots[b, :k] = self.table.table[it.req.row, it.start + 1 : it.start + 1 + k]
+        num_draft = torch.tensor([s - 1 for s in sizes], dtype=torch.long)
+        positions = torch.tensor([r.num_tokens for r in reqs], dtype=torch.long, device=dev)
+        out = verify(
+            logits.index_select(0, rows),
+            self._sampling_batch(reqs),
+            draft_tokens.to(dev),
+            draft_parents.to(dev),
+            num_draft.to(dev),
+            positions,
+        )
+        plan = rollback_slots(draft_slots.to(dev), num_draft.to(dev), out.path)
+        if plan.src_slots.numel():
+            compact_tree_path(self.kv.k_caches, self.kv.v_caches, plan.src_slots, plan.dst_slots)
+        tokens = out.tokens.tolist()  # host sync
+        accepted = out.accept_len.tolist()
+        valid = out.valid.tolist()
+        nan = float("nan")
+        return [
+            SampledToken(tokens[b][a], nan, None, tuple(tokens[b][:a])) if valid[b] else SampledToken(-1, nan, None)
+            for b, a in enumerate(accepted)
+        ]
         reqs = [items[i].req for i in sample_rows]
         sbatch = SamplingBatch.build(
             [r.params for r in reqs],
@@ -108,13 +197,7 @@ class ModelRunner:
         )
         gen_positions = torch.tensor([r.num_tokens for r in reqs], dtype=torch.long, device=dev)
         out = sample(logits, sbatch, gen_positions)
-        tokens = out.tokens.tolist()  # the one host sync of the step
-        logprobs = out.logprobs.tolist()
-        want_top = [r.params.logprobs for r in reqs]
-        top_ids = out.top_ids.tolist() if any(want_top) else None
-        top_lps = out.top_logprobs.tolist() if any(want_top) else None
-        for j, i in enumerate(sample_rows):
-            k = want_top[j] or 0
-            top = dict(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids is not None else None
-            results[i] = SampledToken(tokens[j], logprobs[j], top)
+        sampled = to_sampled_tokens(out, [r.params.logprobs for r in reqs])  # the one host sync
+        for i, token in zip(sample_rows, sampled):
+            results[i] = token
         return results

@@ -5,6 +5,7 @@ Never imports ``treeserve.models``: the model is reached only through the runner
 
 from __future__ import annotations
 
+from treeserve.scheduler.drafter import Drafter, DraftTree, NgramDrafter
 from treeserve.scheduler.request import FinishReason, Request, RequestMetrics, RequestState
 from treeserve.scheduler.scheduler import (
     SampledToken,
@@ -13,11 +14,16 @@ from treeserve.scheduler.scheduler import (
     ScheduledItem,
     Scheduler,
     SchedulerConfig,
+    SpecStats,
     derive_seed,
 )
 from treeserve.scheduler.stop import StopChecker
 
 __all__ = [
+    "DraftTree",
+    "Drafter",
+    "NgramDrafter",
+    "SpecStats",
     "FinishReason",
     "Request",
     "RequestMetrics",

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 from treeserve.kvcache import PageAllocator, RadixCache, ReqToTokenTable, pages_to_slots
 from treeserve.sampling import SamplingParams
+from treeserve.scheduler.drafter import DraftTree, Drafter
 from treeserve.scheduler.request import FinishReason, Request, RequestState
 from treeserve.scheduler.stop import StopChecker
 
@@ -51,13 +52,15 @@ class SchedulerConfig:
     ``max_running``: most requests holding KV at once. ``max_model_len``: prompt + output cap.
     ``lpm_window``: waiting requests ordered by longest cached prefix when the queue is at most
     this long (FCFS beyond, where matching every request each step would cost too much).
-    ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
+    ``num_speculative_tokens``: most draft nodes per request and step (0 = no speculation; needs
+    a drafter). ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
     being prefilled (and not yet cached) waits for that prefill instead of duplicating it.
     """
 
     max_batched_tokens: int = 512
     max_running: int = 64
     max_model_len: int = 2048
+    num_speculative_tokens: int = 0
     lpm_window: int = 128
     min_shared_prefix: int = 32
 
@@ -66,18 +69,24 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("lpm_window", "min_shared_prefix"):
+        for name in ("lpm_window", "min_shared_prefix", "num_speculative_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 class ScheduledItem(NamedTuple):
-    """Compute tokens ``[start, start + num_tokens)`` of ``req``; sample a token if ``sample``."""
+    """Compute tokens ``[start, start + num_tokens)`` of ``req``; sample a token if ``sample``.
+
+    With a ``draft`` (speculative decoding), the item computes the pending token plus the draft
+    nodes (``num_tokens == 1 + len(draft)``), laid out in node order after the pending token's
+    slot; the runner verifies them and compacts the accepted path's KV.
+    """
 
     req: Request
     start: int
     num_tokens: int
     sample: bool
+    draft: DraftTree | None = None
 
 
 @dataclass(slots=True)
@@ -93,11 +102,28 @@ class ScheduledBatch:
 
 
 class SampledToken(NamedTuple):
-    """What the runner returns for a sampled row."""
+    """What the runner returns for a sampled row: ``accepted`` draft tokens (their KV already
+    compacted to follow the pending token), then ``token`` (sampled, or the verification's
+    bonus/correction token). ``logprob`` belongs to ``token``."""
 
     token: int
     logprob: float
     top: dict[int, float] | None
+    accepted: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding counters: draft nodes proposed / accepted, verify steps."""
+
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        self.steps += 1
 
 
 @dataclass(slots=True, eq=False)
@@ -124,8 +150,10 @@ class Scheduler:
         radix: RadixCache,
         table: ReqToTokenTable,
         stop_checker: StopChecker,
+        drafter: Drafter | None = None,
     ) -> None:
         self.config = config
+        self.drafter = drafter
         self.allocator = allocator
         self.radix = radix
         self.table = table
@@ -139,6 +167,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.spec = SpecStats()
         self._rids = itertools.count()
 
     # ------------------------------------------------------------------ public API
@@ -193,15 +222,22 @@ class Scheduler:
         """Pick this step's work: running requests first (oldest first), then admissions."""
         batch = ScheduledBatch()
         budget = self.config.max_batched_tokens
-        for req in list(self.running):
+        running = list(self.running)
+        for i, req in enumerate(running):
             if budget <= 0:
                 break
             if req.state is not RequestState.RUNNING:
                 continue  # paused earlier in this loop to make room
-            n = min(req.num_tokens - req.num_computed, budget)
-            if not self._reserve(req, req.num_computed + n, preempt=True):
-                continue  # req itself was paused
-            batch.items.append(ScheduledItem(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
+            draft = self._draft_for(req, budget, headroom=len(running) - i - 1)
+            if draft is not None:
+                n = 1 + len(draft)
+            else:
+                n = min(req.num_tokens - req.num_computed, budget)
+                if not self._reserve(req, req.num_computed + n, preempt=True):
+                    continue  # req itself was paused
+            batch.items.append(
+                ScheduledItem(req, req.num_computed, n, req.num_computed + n >= req.num_tokens, draft)
+            )
             budget -= n
         if budget > 0:
             self._admit(batch, budget)
@@ -221,7 +257,10 @@ class Scheduler:
             req = item.req
             if req.state is not RequestState.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed = item.start + item.num_tokens
+            if item.draft is None:
+                req.num_computed = item.start + item.num_tokens
+            else:  # the pending token and the accepted draft nodes now have KV
+                req.num_computed = item.start + 1 + (len(out.accepted) if out is not None else 0)
             if not item.sample or out is None:
                 continue
             if out.token < 0:  # the sampler flags rows whose logits were NaN/inf
@@ -229,9 +268,24 @@ class Scheduler:
                 req.error = "the model produced invalid logits (NaN or inf) for this request"
                 finished.append(req)
                 continue
-            req.output_ids.append(out.token)
-            req.output_logprobs.append(out.logprob)
-            if out.top is not None:
+            if item.draft is not None:
+                self.spec.record(len(item.draft), len(out.accepted))
+            reason = self._commit_tokens(req, out)
+            if reason is not None:
+                self._finish(req, reason)
+                finished.append(req)
+            elif item.draft is not None:
+                self._trim_pages(req)
+        return finished
+
+    def _commit_tokens(self, req: Request, out: SampledToken) -> FinishReason | None:
+        """Append ``out``'s tokens one by one, stopping at the first stop condition."""
+        nan = float("nan")
+        for j, token in enumerate((*out.accepted, out.token)):
+            last = j == len(out.accepted)
+            req.output_ids.append(token)
+            req.output_logprobs.append(out.logprob if last else nan)
+            if last and out.top is not None:
                 req.output_top_logprobs.append(out.top)
             if len(req.output_ids) == 1:
                 self._publish_prompt(req)
@@ -239,9 +293,8 @@ class Scheduler:
             if reason is None and req.num_tokens >= self.config.max_model_len:
                 reason = FinishReason.LENGTH
             if reason is not None:
-                self._finish(req, reason)
-                finished.append(req)
-        return finished
+                return reason
+        return None
 
     def abort(self, req: Request, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
         """Finish ``req`` now, from any state, releasing everything it holds."""
@@ -278,6 +331,43 @@ class Scheduler:
         for r in self.waiting:
             if r.row != 0 or r.num_pages or r.lock is not None:
                 raise AssertionError(f"waiting request {r.rid} still holds KV")
+
+    # ------------------------------------------------------------------ speculation
+    def _draft_for(self, req: Request, budget: int, headroom: int) -> DraftTree | None:
+        """A draft for a decoding ``req`` whose pages can be had without preempting anyone.
+
+        Drafts shrink first: with no pages to spare (``headroom`` pages stay obtainable for the
+        requests after this one) the request decodes plainly this step.
+        """
+        k = self.config.num_speculative_tokens
+        if self.drafter is None or k == 0 or req.num_tokens - req.num_computed != 1:
+            return None
+        if req.params.logprobs is not None:
+            return None  # verification reports no top logprobs: such requests decode plainly
+        room = min(
+            k,
+            budget - 1,
+            req.params.max_new_tokens - len(req.output_ids) - 1,
+            self.config.max_model_len - req.num_tokens - 1,
+        )
+        if room <= 0:
+            return None
+        draft = self.drafter.propose(req.all_ids, room)
+        if not draft:
+            return None
+        if not self._reserve(req, req.num_computed + 1 + len(draft), preempt=False, headroom=headroom):
+            return None
+        return draft
+
+    def _trim_pages(self, req: Request) -> None:
+        """Free the pages of rejected draft slots: keep just enough for ``req``'s tokens."""
+        keep = self._pages_for(req.num_tokens - req.num_cached)
+        extra = req.num_pages - keep
+        if extra > 0:
+            start = req.num_cached + keep * self.page_size
+            slots = self.table.table[req.row, start : start + extra * self.page_size : self.page_size]
+            self.allocator.free(slots // self.page_size)
+            req.num_pages = keep
 
     # ------------------------------------------------------------------ admission
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
@@ -470,6 +560,7 @@ class Scheduler:
 __all__ = [
     "SampleGroup",
     "SampledToken",
+    "SpecStats",
     "ScheduledBatch",
     "ScheduledItem",
     "Scheduler",

@@ -1,0 +1,136 @@
+"""Speculative decoding end to end (n-gram drafts, chain and tree) on a tiny random model."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from treeserve import LLM, SamplingParams
+from treeserve.kvcache import AttentionMetadata, KVPool
+from treeserve.models import random_model, tiny_config
+
+from .test_engine import assert_drained, make_llm
+
+
+@pytest.fixture(scope="module")
+def loopy() -> torch.nn.Module:
+    # Few distinct tokens and peaked logits: generations fall into loops, so n-gram drafts hit.
+    return random_model(tiny_config("llama", vocab_size=32, eos_token_ids=(2,)), seed=3, init_std=0.5)
+
+
+def repetitive_prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(3, 32) for _ in range(rng.randint(2, 5))]
+        out.append((motif * 6)[: rng.randint(6, 24)] + [rng.randrange(3, 32)])
+    return out
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(speculative_tree_width=1),
+        dict(speculative_tree_width=3, num_speculative_tokens=6),
+        dict(speculative_tree_width=2, page_size=4, kv_cache_tokens=200, max_running=8),  # preemption
+    ],
+)
+def test_greedy_identical_with_and_without_speculation(loopy, kw) -> None:
+    prompts = repetitive_prompts(1, 16)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    base_kw = {k: v for k, v in kw.items() if k in ("page_size", "kv_cache_tokens", "max_running")}
+    plain = make_llm(loopy, **base_kw).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(loopy, speculative="ngram", **kw)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    m = llm.metrics
+    assert m.draft_tokens > 0 and m.accepted_tokens > 0, "n-gram drafts should be proposed and accepted"
+    assert m.mean_accepted_length > 1.0
+    assert_drained(llm)
+    if "kv_cache_tokens" in kw:
+        assert m.preemptions > 0
+
+
+def committed_paths(llm: LLM) -> list[list[int]]:
+    """Token sequences of every root-to-leaf path of the radix tree."""
+    paths, stack = [], [(llm.radix._root, [])]
+    while stack:
+        node, prefix = stack.pop()
+        seq = prefix + list(node.key)
+        if not node.children:
+            paths.append(seq)
+        stack.extend((c, seq) for c in node.children.values())
+    return paths
+
+
+def fresh_prefill_kv(model, tokens: list[int]) -> list[torch.Tensor]:
+    """Per-layer K of ``tokens`` computed by one causal prefill into a scratch pool."""
+    c = model.config
+    n = len(tokens)
+    kv = KVPool(c.num_layers, n + 1, 1, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    slots = torch.arange(1, n + 1)
+    meta = AttentionMetadata.build([n], [n], slots[None, :], 1)
+    with torch.inference_mode():
+        model(torch.tensor(tokens), torch.arange(n), kv, slots, meta, torch.tensor([n - 1]))
+    return [k[1 : n + 1, 0] for k in kv.k_caches]
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_kv_matches_fresh_prefill_after_every_verify(loopy, width: int) -> None:
+    llm = make_llm(loopy, speculative="ngram", speculative_tree_width=width, num_speculative_tokens=6)
+    prompts = repetitive_prompts(5, 6)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    outs = [llm._submit(p, sp) for p in prompts]
+    seqs_seen: list[list[int]] = []
+    while llm.scheduler.has_work():
+        llm._step()
+        llm.scheduler.check_invariants()
+        for req in llm.scheduler.running:
+            seqs_seen.append(req.all_ids)
+            n = req.num_computed
+            slots = llm.table.table[req.row, :n]
+            ref = fresh_prefill_kv(loopy, req.all_ids[:n])
+            for layer, k_ref in enumerate(ref):
+                got = llm.kv.k_caches[layer].view(-1, *k_ref.shape[1:])[slots]
+                torch.testing.assert_close(got, k_ref, rtol=1e-4, atol=1e-4)
+        for path in committed_paths(llm):
+            assert any(s[: len(path)] == path for s in seqs_seen + [r.all_ids for _, rs in outs for r in rs])
+    assert llm.metrics.accepted_tokens > 0
+    assert_drained(llm)
+
+
+def two_token_counts(llm: LLM, prompt: list[int], n: int, seed0: int) -> list[tuple[int, int]]:
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=seed0 + i, max_new_tokens=3, ignore_eos=True) for i in range(n)
+    ]
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    # With 3 new tokens the step after the first one may draft (and verify) the second.
+    return [tuple(o.outputs[0].token_ids[:2]) for o in outs]
+
+
+def test_sampling_law_unchanged_by_speculation() -> None:
+    """Two-sample chi-square on the joint law of the first two tokens (different seeds per arm).
+
+    A 12-token vocabulary makes any drafted token likely enough to be accepted often; with
+    ``ngram_min=1`` every first token seen in the prompt gets a draft for the second.
+    """
+    model = random_model(tiny_config("llama", vocab_size=12, eos_token_ids=(2,)), seed=4, init_std=0.3)
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 5, 7, 9, 11, 4, 6, 8, 10]
+    n = 1200
+    plain = two_token_counts(make_llm(model, max_running=64), prompt, n, seed0=0)
+    llm = make_llm(model, speculative="ngram", ngram_min=1, max_running=64)
+    spec = two_token_counts(llm, prompt, n, seed0=10**6)
+    assert llm.metrics.accepted_tokens > 0, "drafts must be accepted for the test to mean anything"
+    keys = sorted(set(plain) | set(spec))
+    table = np.array([[plain.count(k) for k in keys], [spec.count(k) for k in keys]])
+    # merge sparse cells so the chi-square approximation holds
+    big = table.sum(0) >= 10
+    merged = np.concatenate([table[:, big], table[:, ~big].sum(1, keepdims=True)], axis=1)
+    merged = merged[:, merged.sum(0) > 0]
+    _, p, _, _ = stats.chi2_contingency(merged)
+    assert p > 1e-3, f"speculation changed the law of the first two tokens (p={p:.2e})"
+    print(f"accepted {llm.metrics.accepted_tokens} of {llm.metrics.draft_tokens} drafts, p={p:.3f}")

@@ -1,0 +1,119 @@
+"""Drafters for speculative decoding: propose a token tree after a request's last token.
+
+A draft is a :class:`DraftTree`: node ``k`` holds ``tokens[k]`` and its parent ``parents[k]``
+(``-1`` = the request's last token, ``parents[k] < k``); a chain has ``parents == [-1, 0, 1, ...]``.
+Drafters are deterministic (point-mass drafts) unless they return ``probs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class DraftTree:
+    """Draft nodes in topological order; ``probs [n, V]`` the laws they were drawn from, or None."""
+
+    tokens: list[int]
+    parents: list[int]
+    probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"tokens ({len(self.tokens)}) and parents ({len(self.parents)}) differ in length")
+        for k, p in enumerate(self.parents):
+            if not -1 <= p < k:
+                raise ValueError(f"parents[{k}] = {p} must lie in [-1, {k - 1}]")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Depth of each node (children of the root have depth 1)."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
+
+
+class Drafter(Protocol):
+    """Proposes at most ``max_tokens`` draft nodes continuing ``tokens`` (None or empty: no draft)."""
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> DraftTree | None: ...
+
+
+class NgramDrafter:
+    """Prompt lookup: find earlier occurrences of the last ``n`` tokens (``max_n`` down to
+    ``min_n``) in the request's own prompt and output, and propose what followed them.
+
+    ``width == 1`` proposes a chain (the continuation of the most recent match); ``width > 1``
+    merges the continuations of up to ``width`` most recent distinct matches, each cut to
+    ``max_tokens // matches`` tokens, into a tree (shared prefixes become one path, divergences
+    siblings), at most ``max_tokens`` nodes in all.
+    """
+
+    def __init__(self, max_n: int = 4, min_n: int = 2, width: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n} max_n={max_n}")
+        if width < 1:
+            raise ValueError(f"width must be >= 1, got {width}")
+        self.max_n, self.min_n, self.width = max_n, min_n, width
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> DraftTree | None:
+        if max_tokens <= 0 or len(tokens) < self.min_n + 1:
+            return None
+        arr = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
+            starts = self._match_starts(arr, n)
+            if starts.size:
+                conts = self._continuations(arr, starts + n, max_tokens)
+                if conts:
+                    depth = max(1, max_tokens // len(conts))  # split the budget between branches
+                    return self._merge([c[:depth] for c in conts], max_tokens)
+        return None
+
+    @staticmethod
+    def _match_starts(arr: np.ndarray, n: int) -> np.ndarray:
+        """Start indices ``i < len - n`` with ``arr[i:i+n] == arr[-n:]``, most recent first."""
+        tail = arr[-n:]
+        cand = np.flatnonzero(arr[: len(arr) - n] == tail[0])
+        for j in range(1, n):
+            cand = cand[arr[cand + j] == tail[j]]
+        return cand[::-1]
+
+    def _continuations(self, arr: np.ndarray, ends: np.ndarray, max_tokens: int) -> list[list[int]]:
+        conts: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for e in ends:
+            cont = arr[e : e + max_tokens].tolist()
+            key = tuple(cont)
+            if cont and key not in seen:
+                seen.add(key)
+                conts.append(cont)
+                if len(conts) == self.width:
+                    break
+        return conts
+
+    @staticmethod
+    def _merge(conts: list[list[int]], max_tokens: int) -> DraftTree:
+        tokens: list[int] = []
+        parents: list[int] = []
+        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        for cont in conts:
+            parent = -1
+            for t in cont:
+                node = children.get((parent, t))
+                if node is None:
+                    if len(tokens) == max_tokens:
+                        break
+                    node = len(tokens)
+                    tokens.append(t)
+                    parents.append(parent)
+                    children[(parent, t)] = node
+                parent = node
+        return DraftTree(tokens, parents)
