@@ -1,8 +1,11 @@
 """``torch.compile`` of the model forward, with compile time and compile count reported.
 
-The forward is compiled with static shapes (``dynamic=False``): the decode graph runner pads every
-step to a batch-size bucket, so each bucket compiles once and later steps of any batch size
-inside it reuse that code. The recompile limit is raised to cover one entry per bucket.
+The decode graph runner pads every step to a batch-size bucket, so the compiled code sees one
+set of shapes per bucket. The forward is compiled with ``dynamic=True`` all the same: the torch
+attention backend reads KV lengths on the host (a graph break), and with static compilation the
+resumed code would be specialized on those integers, recompiling at almost every step. Dynamic
+compilation treats them (and the batch dimension) as symbols from the first compile, so steps
+reuse the compiled code; the recompile limit is raised so a few special cases (size 1) fit too.
 """
 
 from __future__ import annotations
@@ -18,21 +21,22 @@ from treeserve.kvcache import AttentionMetadata, KVPool
 __all__ = ["CompiledForward", "compile_model"]
 
 _RECOMPILE_LIMIT = 64
-"""Compiled entries allowed per frame: >= the number of decode buckets (35 up to batch 256)."""
+"""Compiled entries allowed per frame (Dynamo's default, 8, is easily reached by the resumed
+frames after graph breaks once buckets 1, 2 and larger ones specialize differently)."""
 
 
 class CompiledForward:
     """Callable with the model forward's signature, running ``torch.compile(model)``.
 
-    ``compile_seconds`` sums the wall time of calls during which Dynamo compiled a new graph (the
-    first call of each bucket); ``num_compiles`` counts those graphs. ``config`` is the model's.
+    ``compile_seconds`` sums the wall time of calls during which Dynamo compiled a new graph;
+    ``num_compiles`` counts those graphs. ``config`` is the model's.
     """
 
     def __init__(self, model: torch.nn.Module, backend: str = "inductor", mode: str | None = None) -> None:
         self.model = model
         self.config = getattr(model, "config", None)
         self.backend = backend
-        self._compiled = torch.compile(model, backend=backend, mode=mode, dynamic=False)
+        self._compiled = torch.compile(model, backend=backend, mode=mode, dynamic=True)
         self.compile_seconds = 0.0
         self.num_compiles = 0
 

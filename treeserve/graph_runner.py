@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from treeserve.kvcache import AttentionMetadata, KVPool, ReqToTokenTable
 from treeserve.kvcache._backend import graph_safe_backends
-from treeserve.sampling import MAX_LOGPROBS, SampleOutput, SamplingBatch, sample
+from treeserve.sampling import MAX_LOGPROBS, SampleOutput, SamplingBatch, SamplingParams, sample
 from treeserve.scheduler import SampledToken, ScheduledBatch
 
 if TYPE_CHECKING:
@@ -168,16 +168,12 @@ class DecodeGraphRunner:
             num_qo_tokens=size,
         )
 
-    def _sampling_batch(self, size: int, max_top_k: int) -> SamplingBatch:
-        """The sampling view of bucket ``size``: fixed flags and widths, values from the buffers.
-
-        ``max_top_k`` only sizes the torch backend's candidate set; the CUDA (triton) backend
-        does not read it, so a captured graph serves any top_k.
-        """
-        dev, f32 = self.device, torch.float32
-        empty = torch.empty(0, dtype=torch.int64, device=dev)
-        return SamplingBatch(
-            vocab_size=self.vocab_size,
+    def _sampling_batch(self, size: int, flags: SamplingBatch) -> SamplingBatch:
+        """The sampling view of bucket ``size``: per-row values from the buffers, host-side flags
+        (which stages run, candidate widths) from ``flags``, widths fixed by the buffers."""
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        return replace(
+            flags,
             temperature=self.temperature[:size],
             greedy=self.greedy[:size],
             top_k=self.top_k[:size],
@@ -188,20 +184,25 @@ class DecodeGraphRunner:
             presence_penalty=self._zeros[:size],
             hist_rows=empty,
             hist_tokens=empty,
-            hist_weight=empty.to(f32),
-            hist_output=empty.to(f32),
+            hist_weight=empty.float(),
+            hist_output=empty.float(),
             bias_ids=empty.view(size, 0),
-            bias_values=empty.to(torch.float64).view(size, 0),
+            bias_values=empty.double().view(size, 0),
             allowed=None,
             ban_ids=self.ban_ids[:size],
             min_tokens_left=self.min_tokens_left[:size],
             seeds=self.seeds[:size],
             num_logprobs=self.num_logprobs,
-            max_top_k=max_top_k,
-            has_penalties=False,
-            any_greedy=True,
-            any_top_p=True,
         )
+
+    def _capture_flags(self) -> SamplingBatch:
+        """Flags that switch every stage a graph serves on (greedy rows, top-k/p, min-p, logprobs),
+        so one captured graph is right for any step; the stages are no-ops on rows not using them."""
+        params = [
+            SamplingParams(temperature=1.0, top_p=0.5, min_p=0.1, logprobs=self.num_logprobs),
+            SamplingParams(temperature=0.0),
+        ]
+        return SamplingBatch.build(params, [0, 0], [[0], [0]], self.vocab_size, self.device)
 
     # ------------------------------------------------------------------ public API
     def bucket_for(self, batch_size: int) -> int:
@@ -221,17 +222,18 @@ class DecodeGraphRunner:
             return
         t0 = time.perf_counter()
         pool = None
+        flags = self._capture_flags()
         with graph_safe_backends():
             for size in reversed(self.buckets):
                 self._load_padding(size)
                 stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
-                    self._compute(size, self._meta(size), self._sampling_batch(size, 0))
+                    self._compute(size, self._meta(size), self._sampling_batch(size, flags))
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = self._compute(size, self._meta(size), self._sampling_batch(size, 0))
+                    out = self._compute(size, self._meta(size), self._sampling_batch(size, flags))
                 pool = graph.pool()
                 self.graphs[size] = _Graph(graph, out)
         torch.cuda.synchronize(self.device)
@@ -278,7 +280,7 @@ class DecodeGraphRunner:
             graph.graph.replay()
             out = graph.output
         else:
-            out = self._compute(size, self._meta(size), self._sampling_batch(size, sbatch.max_top_k))
+            out = self._compute(size, self._meta(size), self._sampling_batch(size, sbatch))
         self.num_steps += 1
         return to_sampled_tokens(out, [r.params.logprobs for r in reqs])
 

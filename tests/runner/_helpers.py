@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from treeserve.graph_runner import DecodeGraphRunner
@@ -23,9 +24,10 @@ MAX_LEN = 96
 MAX_PROMPT = 40
 
 
-def tiny_model() -> LlamaForCausalLM:
-    """Peaked logits (init_std 0.3) so rounding never flips a greedy token."""
-    return random_model(tiny_config("llama", eos_token_ids=(2,)), seed=0, init_std=0.3)
+def tiny_model(init_std: float = 0.3, device: str = "cpu", num_layers: int = 2) -> LlamaForCausalLM:
+    """Peaked logits by default (init_std 0.3) so rounding never flips a greedy token."""
+    cfg = tiny_config("llama", eos_token_ids=(2,), num_layers=num_layers)
+    return random_model(cfg, seed=0, init_std=init_std, device=device)
 
 
 class LogitsRecorder:
@@ -64,23 +66,26 @@ class Bench:
             self.next_rid += 1
             req.row = self.table.alloc()
             pages = self.kv.allocator.alloc(-(-MAX_LEN // ps))
-            self.table.write(req.row, 0, pages_to_slots(pages, ps)[:MAX_LEN])
+            self.table.write(req.row, 0, pages_to_slots(pages, ps)[:MAX_LEN].to(self.table.device))
             if length > 1:
                 self.eager.run(ScheduledBatch([ScheduledItem(req, 0, length - 1, False)]))
             reqs.append(req)
         return reqs
 
 
-def make_bench(model: LlamaForCausalLM, page_size: int, max_batch: int, max_requests: int = 40, forward=None) -> Bench:
-    cfg = model.config
+def make_bench(
+    model: LlamaForCausalLM, page_size: int, max_batch: int, max_requests: int = 40, forward=None
+) -> Bench:
+    """Everything on the model's device; the graph runner captures when that is CUDA."""
+    cfg, dev = model.config, model.device
     num_pages = max_requests * -(-MAX_LEN // page_size) + 1
-    kv = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-    table = ReqToTokenTable(max_requests, MAX_LEN)
+    kv = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, dev)
+    table = ReqToTokenTable(max_requests, MAX_LEN, dev)
     eager_rec = LogitsRecorder(model)
     graph_rec = LogitsRecorder(forward if forward is not None else model)
     eos = list(cfg.eos_token_ids)
-    eager = ModelRunner(eager_rec, kv, table, cfg.vocab_size, eos)
-    graph = DecodeGraphRunner(model, kv, table, cfg.vocab_size, eos, max_batch=max_batch, forward=graph_rec)
+    eager = ModelRunner(eager_rec, kv, table, cfg.vocab_size, eos, dev)
+    graph = DecodeGraphRunner(model, kv, table, cfg.vocab_size, eos, dev, max_batch=max_batch, forward=graph_rec)
     return Bench(model, kv, table, eager, eager_rec, graph, graph_rec)
 
 
@@ -93,3 +98,28 @@ def commit(reqs: list[Request], tokens: list[int]) -> None:
     """Append each sampled token, as the scheduler would."""
     for r, t in zip(reqs, tokens):
         r.output_ids.append(t)
+
+
+def step_and_compare(bench: Bench, reqs: list[Request], atol: float = 2e-5) -> list[int]:
+    """One decode step through both runners; tokens, logprobs and top logprobs must agree, and so
+    must the logits when the graph runner runs eagerly (a replay does not re-run the recorder)."""
+    batch = decode_batch(reqs)
+    ref = bench.eager.run(batch)
+    ref_logits = bench.eager_rec.last
+    got = bench.graph.run(batch)
+    assert got is not None, "a pure decode batch of eligible requests must be served"
+    n = len(reqs)
+    if not bench.graph.graphs:
+        padded = bench.graph_rec.last
+        assert padded.shape[0] == bench.graph.bucket_for(n)
+        torch.testing.assert_close(padded[:n], ref_logits, atol=atol, rtol=1e-5)
+    assert [t.token for t in got] == [t.token for t in ref]
+    torch.testing.assert_close(
+        torch.tensor([t.logprob for t in got]), torch.tensor([t.logprob for t in ref]), atol=5 * atol + 1e-4, rtol=1e-4
+    )
+    for g, r in zip(got, ref):
+        assert (g.top is None) == (r.top is None)
+        if g.top is not None:
+            assert list(g.top) == list(r.top)
+            assert list(g.top.values()) == pytest.approx(list(r.top.values()), abs=5 * atol + 1e-4)
+    return [t.token for t in got]

@@ -13,7 +13,7 @@ from treeserve.graph_runner import DecodeGraphRunner, decode_buckets
 from treeserve.sampling import SamplingParams
 from treeserve.scheduler import ScheduledBatch, ScheduledItem
 
-from ._helpers import Bench, commit, decode_batch, make_bench, tiny_model
+from ._helpers import commit, decode_batch, make_bench, step_and_compare, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -37,28 +37,6 @@ def mixed_params(rng: random.Random, n: int) -> list[SamplingParams]:
             )
         )
     return out
-
-
-def step_and_compare(bench: Bench, reqs: list) -> list[int]:
-    """One decode step through both runners; logits, tokens and logprobs must agree."""
-    batch = decode_batch(reqs)
-    ref = bench.eager.run(batch)
-    ref_logits = bench.eager_rec.last
-    got = bench.graph.run(batch)
-    assert got is not None, "a pure decode batch of eligible requests must be served"
-    n = len(reqs)
-    padded = bench.graph_rec.last
-    assert padded.shape[0] == bench.graph.bucket_for(n)
-    torch.testing.assert_close(padded[:n], ref_logits, atol=2e-5, rtol=1e-5)
-    assert [t.token for t in got] == [t.token for t in ref]
-    torch.testing.assert_close(
-        torch.tensor([t.logprob for t in got]), torch.tensor([t.logprob for t in ref]), atol=1e-4, rtol=1e-4
-    )
-    for g, r in zip(got, ref):
-        assert (g.top is None) == (r.top is None)
-        if g.top is not None:
-            assert list(g.top) == list(r.top)
-    return [t.token for t in got]
 
 
 def test_buckets_small_then_multiples_of_8() -> None:
