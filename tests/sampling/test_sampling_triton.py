@@ -1,4 +1,5 @@
-"""Triton kernels (interpreter on CPU) against the torch reference, given the same inputs/uniforms."""
+"""Triton kernels (interpreter on CPU, compiled on CUDA) against the torch reference, given the same
+inputs/uniforms."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from treeserve.sampling.processing import thresholds
 from treeserve.sampling.tree_walk import walk_tree
 from treeserve.sampling.triton_kernels import thresholds_triton, walk_tree_triton
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs under TRITON_INTERPRET=1
 
 
 @st.composite
@@ -34,7 +35,8 @@ def filter_rows(draw: st.DrawFn):
         )
         for _ in range(rows)
     ]
-    return x, SamplingBatch.build(params, list(range(rows)), [[]] * rows, vocab), draw(st.sampled_from([None, 16]))
+    batch = SamplingBatch.build(params, list(range(rows)), [[]] * rows, vocab, device=DEVICE)
+    return x.to(DEVICE), batch, draw(st.sampled_from([None, 16]))
 
 
 @settings(max_examples=12)
@@ -51,7 +53,7 @@ def test_threshold_kernel_matches_sorted_reference(case) -> None:
 def test_triton_backend_process_and_sample_match_torch(case, pos: int) -> None:
     x, batch, _ = case
     assert torch.equal(process_logits(x, batch, backend="triton"), process_logits(x, batch, backend="torch"))
-    positions = torch.full((batch.num_rows,), pos)
+    positions = torch.full((batch.num_rows,), pos, device=DEVICE)
     a = sample(x, batch, positions, backend="triton")
     b = sample(x, batch, positions, backend="torch")
     assert torch.equal(a.tokens, b.tokens)
@@ -78,11 +80,15 @@ def walk_case(draw: st.DrawFn):
     return target, draft, tokens, parents, num_draft, u
 
 
+def on_device(case):
+    return tuple(None if t is None else t.to(DEVICE) for t in case)
+
+
 @settings(max_examples=15)
 @given(case=walk_case())
 def test_walk_kernel_matches_reference(case) -> None:
     want = walk_tree(*case)
-    got = walk_tree_triton(*case)
+    got = type(want)(*(t.cpu() for t in walk_tree_triton(*on_device(case))))
     for name in ("accepted", "path", "accept_len", "last_node", "pristine"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     torch.testing.assert_close(got.residual, want.residual, rtol=1e-12, atol=1e-15)
@@ -92,13 +98,13 @@ def test_walk_kernel_matches_reference(case) -> None:
 def test_verify_triton_backend_matches_torch() -> None:
     vocab, b = 11, 3
     params = [SamplingParams(top_p=0.9), SamplingParams(temperature=0), SamplingParams(top_k=4, presence_penalty=0.5)]
-    batch = SamplingBatch.build(params, [1, 2, 3], [[1, 2]] * b, vocab)
-    tokens = torch.tensor([[1, 2, 3], [4, 4, 0], [5, 0, 0]])
-    parents = torch.tensor([[-1, 0, 0], [-1, -1, 0], [-1, 0, 0]])
-    nd = torch.tensor([3, 2, 1])
-    target = torch.randn(9, vocab, dtype=torch.float64)
-    probs = torch.softmax(torch.randn(6, vocab, dtype=torch.float64), -1)
-    pos = torch.tensor([3, 4, 5])
+    batch = SamplingBatch.build(params, [1, 2, 3], [[1, 2]] * b, vocab, device=DEVICE)
+    tokens = torch.tensor([[1, 2, 3], [4, 4, 0], [5, 0, 0]], device=DEVICE)
+    parents = torch.tensor([[-1, 0, 0], [-1, -1, 0], [-1, 0, 0]], device=DEVICE)
+    nd = torch.tensor([3, 2, 1], device=DEVICE)
+    target = torch.randn(9, vocab, dtype=torch.float64, device=DEVICE)
+    probs = torch.softmax(torch.randn(6, vocab, dtype=torch.float64, device=DEVICE), -1)
+    pos = torch.tensor([3, 4, 5], device=DEVICE)
     for draft in (None, probs):
         a = verify(target, batch, tokens, parents, nd, pos, draft_probs=draft, backend="triton")
         t = verify(target, batch, tokens, parents, nd, pos, draft_probs=draft, backend="torch")

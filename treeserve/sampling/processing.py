@@ -17,8 +17,10 @@ Order (per row, batched, no Python loop over rows):
 Thresholds are found without sorting the vocabulary: ``torch.topk`` with a bound
 ``K = max(256, max top_k, logprobs)`` and a cumulative sum over those K candidates; a row whose
 answer is not inside its candidates (a flat distribution, ties at the K-th value) is redone with
-8x more candidates, then a full sort (a host sync; the CPU path accepts it, the kernels do not
-need it).
+8x more candidates, or directly with a full sort when the candidates held under half the mass
+top-p needs (host syncs, on those rows only). That is the ``torch`` backend, the CPU default.
+The ``triton`` backend (CUDA default) finds the same thresholds with a sort-free kernel and no
+host sync (``triton_kernels``).
 """
 
 from __future__ import annotations
@@ -173,20 +175,20 @@ def filter_logits(
     """
     scaled = scale_logits(logits, batch)
     vocab = batch.vocab_size
-    if not batch.any_filter:  # every token is kept: no threshold to find
+    if not batch.any_filter or backend == "triton":
+        # Candidates only serve the reported top logprobs (and the row max); every row is drawn
+        # from its full row.
         if batch.num_logprobs:
             cand, cand_ids = torch.topk(scaled, batch.num_logprobs, dim=1)
         else:
             cand, cand_ids = scaled.max(dim=1, keepdim=True)
         valid = torch.isfinite(cand[:, 0])
-        threshold = torch.full_like(cand[:, 0], float("-inf"))
-        return Filtered(scaled, threshold, cand, cand_ids, torch.zeros_like(valid), valid)
-    if backend == "triton":
-        from treeserve.sampling.triton_kernels import thresholds_triton
+        if batch.any_filter:
+            from treeserve.sampling.triton_kernels import thresholds_triton
 
-        cand, cand_ids = torch.topk(scaled, max(batch.num_logprobs, 1), dim=1)
-        valid = torch.isfinite(cand[:, 0])
-        threshold = thresholds_triton(scaled, batch.top_k, batch.top_p, batch.min_p).to(scaled.dtype)
+            threshold = thresholds_triton(scaled, batch.top_k, batch.top_p, batch.min_p).to(scaled.dtype)
+        else:
+            threshold = torch.full_like(cand[:, 0], float("-inf"))
         return Filtered(scaled, threshold, cand, cand_ids, torch.zeros_like(valid), valid)
     candidates = CANDIDATES if candidates is None else candidates
     cand, cand_ids = _top_candidates(scaled, min(vocab, max(candidates, batch.max_top_k, batch.num_logprobs)))
