@@ -164,12 +164,10 @@ def _refine(
     return threshold
 
 
-def filter_logits(
-    logits: torch.Tensor, batch: SamplingBatch, candidates: int | None = None, backend: str = "torch"
-) -> Filtered:
+def filter_logits(logits: torch.Tensor, batch: SamplingBatch, backend: str = "torch") -> Filtered:
     """Stages 1-5 without materializing the mask (``sample`` uses candidates when they suffice).
 
-    ``candidates`` overrides the module's ``CANDIDATES`` bound. ``backend="triton"`` finds the
+    The candidate bound is the module's ``CANDIDATES``. ``backend="triton"`` finds the
     thresholds with the sort-free kernel (no host sync; ``fits`` is then all False and the
     candidates are only the top logprobs).
     """
@@ -190,8 +188,7 @@ def filter_logits(
         else:
             threshold = torch.full_like(cand[:, 0], float("-inf"))
         return Filtered(scaled, threshold, cand, cand_ids, torch.zeros_like(valid), valid)
-    candidates = CANDIDATES if candidates is None else candidates
-    cand, cand_ids = _top_candidates(scaled, min(vocab, max(candidates, batch.max_top_k, batch.num_logprobs)))
+    cand, cand_ids = _top_candidates(scaled, min(vocab, max(CANDIDATES, batch.max_top_k, batch.num_logprobs)))
     k = cand.shape[1]
     valid = torch.isfinite(cand[:, 0])
     cand = torch.where(valid[:, None], cand, torch.zeros_like(cand))
