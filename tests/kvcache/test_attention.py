@@ -153,7 +153,12 @@ def test_chain_tree_mask_is_causal() -> None:
 
 @pytest.mark.parametrize(
     ("parents", "match"),
-    [([0], r"parents\[0\] = 0"), ([-1, 1], r"parents\[1\] = 1"), ([-1, 2, 0], r"parents\[1\] = 2"), ([-2], r"\[-1, -1\]")],
+    [
+        ([0], r"parents\[0\] = 0"),
+        ([-1, 1], r"parents\[1\] = 1"),
+        ([-1, 2, 0], r"parents\[1\] = 2"),
+        ([-2], r"\[-1, -1\]"),
+    ],
 )
 def test_tree_mask_rejects_non_topological(parents: list[int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -249,7 +254,9 @@ def test_triton_rejects_float64() -> None:
         ([6, 1, 4], [70, 20, 4], [[-1, 0, 0, 1, 1, 2], None, [-1, 0, 1, 1]]),
     ],
 )
-def test_gpu_backends_match_reference(backend: str, dtype: torch.dtype, qo: list, kv: list, parents: list | None) -> None:
+def test_gpu_backends_match_reference(
+    backend: str, dtype: torch.dtype, qo: list, kv: list, parents: list | None
+) -> None:
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     batch = make_batch(11, qo, kv, 16, 2, 4, 64, parents=parents, dtype=dtype)
@@ -284,4 +291,5 @@ def test_auto_backend_is_torch_on_cpu_and_logged(caplog: pytest.LogCaptureFixtur
         out = run(batch, "auto")
         run(batch, "auto")
     assert torch.equal(out, run(batch, "torch"))
-    assert [r.getMessage() for r in caplog.records].count("treeserve.kvcache.paged_attention: backend=torch on cpu") == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages.count("treeserve.kvcache.paged_attention: backend=torch on cpu") == 1

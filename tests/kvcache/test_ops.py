@@ -29,7 +29,9 @@ def caches(num_pages: int, page_size: int, h: int, d: int, dtype: torch.dtype = 
     d=st.sampled_from([4, 8]),
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
 )
-def test_store_kv_matches_plain_loop(data: st.DataObject, backend: str, page_size: int, h: int, d: int, index_dtype: torch.dtype) -> None:
+def test_store_kv_matches_plain_loop(
+    data: st.DataObject, backend: str, page_size: int, h: int, d: int, index_dtype: torch.dtype
+) -> None:
     num_pages = data.draw(st.integers(2, 5))
     total = num_pages * page_size
     slots = data.draw(st.lists(st.integers(0, total - 1), max_size=min(total, 12), unique=True))
@@ -84,7 +86,9 @@ def test_store_kv_rejects_bad_input_without_writing() -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(data=st.data(), page_size=st.sampled_from([1, 4]), layers=st.integers(1, 3))
-def test_compact_reads_every_source_before_writing(data: st.DataObject, backend: str, page_size: int, layers: int) -> None:
+def test_compact_reads_every_source_before_writing(
+    data: st.DataObject, backend: str, page_size: int, layers: int
+) -> None:
     num_pages = 4
     total = num_pages * page_size
     dst = data.draw(st.lists(st.integers(0, total - 1), max_size=min(total, 10), unique=True))
@@ -97,7 +101,7 @@ def test_compact_reads_every_source_before_writing(data: st.DataObject, backend:
         for s, t in zip(src, dst):  # oracle: copy from a snapshot of the original cache
             wk.view(-1, 2, 4)[t] = kc.view(-1, 2, 4)[s]
             wv.view(-1, 2, 4)[t] = vc.view(-1, 2, 4)[s]
-    compact_tree_path(kcs, vcs, torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long), backend=backend)
+    compact_tree_path(kcs, vcs, torch.tensor(src).long(), torch.tensor(dst).long(), backend=backend)
     for (wk, wv), kc, vc in zip(want, kcs, vcs):
         assert torch.equal(kc, wk) and torch.equal(vc, wv)
 
@@ -209,4 +213,4 @@ def test_rollback_rejects_bad_types() -> None:
     with pytest.raises(TypeError, match="draft_slots must be int32 or int64"):
         rollback_slots(torch.zeros(2, 2), torch.tensor([1, 1]), torch.tensor([1, 1]))
     with pytest.raises(ValueError, match="accepted must be"):
-        rollback_slots(torch.zeros(2, 2, dtype=torch.long), torch.tensor([1, 1]), torch.zeros(2, 2, 2, dtype=torch.long))
+        rollback_slots(torch.zeros(2, 2).long(), torch.tensor([1, 1]), torch.zeros(2, 2, 2).long())

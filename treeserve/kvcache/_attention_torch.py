@@ -134,7 +134,8 @@ def paged_attention_torch(
         k = k_cache.view(-1, hkv, d).index_select(0, grp.kv_slots).view(grp.bsz, grp.max_kv, hkv, d)
         v = v_cache.view(-1, hkv, d).index_select(0, grp.kv_slots).view(grp.bsz, grp.max_kv, hkv, d)
         qp = q if grp.q_index is None else q.index_select(0, grp.q_index)
-        qb = qp.reshape(grp.bsz, grp.max_qo, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(grp.bsz, hkv, g * grp.max_qo, d)
+        qb = qp.reshape(grp.bsz, grp.max_qo, hkv, g, d).permute(0, 2, 3, 1, 4)
+        qb = qb.reshape(grp.bsz, hkv, g * grp.max_qo, d)
         o = F.scaled_dot_product_attention(
             qb,
             k.transpose(1, 2),

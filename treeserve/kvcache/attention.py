@@ -78,7 +78,9 @@ def _pages_from_slot_rows(
 ) -> tuple[torch.Tensor, list[int]]:
     """Page ids of every request from ``ReqToTokenTable`` rows of per-token slots (validated)."""
     if rows.dim() != 2 or rows.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"page table rows must be a 2-D int tensor [B, max_context_len], got {rows.dtype} {tuple(rows.shape)}")
+        raise TypeError(
+            f"page table rows must be a 2-D int tensor [B, max_context_len], got {rows.dtype} {tuple(rows.shape)}"
+        )
     bsz, width = rows.shape
     if bsz != len(kv_lens):
         raise ValueError(f"page table rows has {bsz} rows, expected B={len(kv_lens)}")
@@ -253,7 +255,9 @@ def _check_attention_inputs(
     if q.dtype != k_cache.dtype:
         raise TypeError(f"q dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
     if q.device != k_cache.device or meta.device != k_cache.device:
-        raise ValueError(f"q ({q.device}), caches ({k_cache.device}) and metadata ({meta.device}) must share a device")
+        raise ValueError(
+            f"q ({q.device}), caches ({k_cache.device}) and metadata ({meta.device}) must share a device"
+        )
     if ps != meta.page_size:
         raise ValueError(f"cache page_size {ps} differs from the metadata page_size {meta.page_size}")
     key = ("pages_checked", k_cache.shape[0])
