@@ -135,6 +135,22 @@ def test_metadata_layout() -> None:
     assert meta.qo_indptr.dtype == meta.kv_page_indices.dtype == torch.int32
 
 
+@given(batch=paged_batches())
+def test_metadata_invariants_and_input_forms_agree(batch: PagedBatch) -> None:
+    """Page lists and ReqToTokenTable slot rows describe the same layout; FlashInfer's invariants hold."""
+    from_lists, from_rows = build_meta(batch), build_meta(batch, slot_rows=True)
+    for name in ("qo_indptr", "kv_indptr", "kv_page_indices", "kv_last_page_len"):
+        assert torch.equal(getattr(from_lists, name), getattr(from_rows, name)), name
+    ps = batch.page_size
+    pages_per_req = (from_lists.kv_indptr[1:] - from_lists.kv_indptr[:-1]).tolist()
+    assert pages_per_req == [-(-k // ps) for k in batch.kv_lens]
+    last = from_lists.kv_last_page_len.tolist()
+    assert all(1 <= x <= ps for x in last)
+    assert [(n - 1) * ps + x for n, x in zip(pages_per_req, last)] == batch.kv_lens
+    assert from_lists.kv_page_indices.tolist() == [p for pl in batch.page_lists for p in pl]
+    assert from_lists.qo_indptr[-1] == from_lists.num_qo_tokens == sum(batch.qo_lens)
+
+
 # ---------------------------------------------------------------- build_tree_mask
 
 
