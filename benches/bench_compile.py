@@ -1,0 +1,87 @@
+"""torch.compile vs eager for one decode step of the embedded SmolLM2-135M (bf16, CPU).
+
+Both run the decode graph runner's static, bucket-padded path (on CPU it runs eagerly); only the
+model forward differs: ``model`` itself vs ``treeserve.compile.compile_model(model)`` (inductor).
+Reports the compile time and the per-step ratio; the engine keeps ``compile=False`` by default
+unless the compiled step is faster here. Set ``TREESERVE_BENCH_QUICK=1`` for fewer rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from treeserve.compile import compile_model
+from treeserve.graph_runner import DecodeGraphRunner
+from treeserve.kvcache import KVPool, ReqToTokenTable, pages_to_slots
+from treeserve.runner import ModelRunner
+from treeserve.sampling import SamplingParams
+from treeserve.scheduler import Request, ScheduledBatch, ScheduledItem
+
+QUICK = os.environ.get("TREESERVE_BENCH_QUICK") == "1"
+THREADS = int(os.environ.get("TREESERVE_BENCH_THREADS", "2"))
+BATCH = int(os.environ.get("TREESERVE_BENCH_BATCH", "8"))
+PROMPT, MAX_LEN = 128, 256
+ROUNDS = 5 if QUICK else 20
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """SmolLM2 with ``BATCH`` requests prefilled to ``PROMPT`` tokens, and their decode batch."""
+    from treeserve.models import load
+
+    torch.set_num_threads(THREADS)
+    model, _ = load("smollm2-135m-instruct", dtype=torch.bfloat16)
+    cfg = model.config
+    kv = KVPool(cfg.num_layers, BATCH * MAX_LEN + 1, 1, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
+    table = ReqToTokenTable(BATCH, MAX_LEN)
+    eager = ModelRunner(model, kv, table, cfg.vocab_size, cfg.eos_token_ids)
+    rng = random.Random(0)
+    reqs = []
+    for i in range(BATCH):
+        req = Request(i, [rng.randrange(cfg.vocab_size) for _ in range(PROMPT)], SamplingParams(temperature=0.0), 0)
+        req.row = table.alloc()
+        table.write(req.row, 0, pages_to_slots(kv.allocator.alloc(MAX_LEN), 1))
+        eager.run(ScheduledBatch([ScheduledItem(req, 0, PROMPT - 1, False)]))
+        reqs.append(req)
+    batch = ScheduledBatch([ScheduledItem(r, PROMPT - 1, 1, True) for r in reqs])
+    return model, kv, table, batch
+
+
+def _step_seconds(runner: DecodeGraphRunner, batch: ScheduledBatch, rounds: int) -> float:
+    """Median wall time of one decode step (the same step, rewritten in place)."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        assert runner.run(batch) is not None
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def test_decode_step_compiled_vs_eager(benchmark, setup) -> None:
+    model, kv, table, batch = setup
+    cfg = model.config
+    eager = DecodeGraphRunner(model, kv, table, cfg.vocab_size, cfg.eos_token_ids, max_batch=BATCH)
+    compiled_fwd = compile_model(model)
+    compiled = DecodeGraphRunner(model, kv, table, cfg.vocab_size, cfg.eos_token_ids, max_batch=BATCH, forward=compiled_fwd)
+    ref = eager.run(batch)
+    got = compiled.run(batch)  # compiles
+    for _ in range(2):  # warm-up: any late recompiles happen here
+        compiled.run(batch)
+    compile_s, compiles = compiled_fwd.compile_seconds, compiled_fwd.num_compiles
+    matches = sum(a.token == b.token for a, b in zip(ref, got))
+    eager_s = _step_seconds(eager, batch, ROUNDS)
+    compiled_s = benchmark.pedantic(_step_seconds, args=(compiled, batch, ROUNDS), rounds=1, iterations=1)
+    ratio = eager_s / compiled_s
+    print(
+        f"\ndecode step batch {BATCH} bf16 {THREADS} threads: eager {eager_s * 1e3:.1f} ms, "
+        f"compiled {compiled_s * 1e3:.1f} ms -> {ratio:.2f}x; compile {compile_s:.1f}s "
+        f"({compiles} graphs); greedy tokens equal {matches}/{BATCH}"
+    )
+    benchmark.extra_info.update(ratio=ratio, compile_seconds=compile_s, eager_ms=eager_s * 1e3)
+    assert compiled_fwd.num_compiles == compiles, "recompiled during timed steps"
+    assert matches >= BATCH - 1  # bf16: a near-tie may flip one greedy token
