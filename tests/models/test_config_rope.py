@@ -114,3 +114,12 @@ def test_rope_rotation_matches_float64_reference(pos, head_dim):
     expected = torch.cat([rotated.real, rotated.imag], dim=-1)
     torch.testing.assert_close(apply_rope(x, cos, sin), expected, rtol=0, atol=1e-6 * (1 + pos))
     assert math.isclose(float(table[pos, 0, 0]), math.cos(pos), abs_tol=1e-5)
+
+
+def test_sliding_window_caps_context():
+    base = tiny_config("mistral").to_hf()
+    assert ModelConfig.from_hf({**base, "sliding_window": 128}).max_position_embeddings == 128
+    assert ModelConfig.from_hf({**base, "sliding_window": 4096}).max_position_embeddings == 512
+    qwen = tiny_config("qwen2").to_hf() | {"sliding_window": 64}
+    assert ModelConfig.from_hf(qwen).max_position_embeddings == 512  # window unused by default
+    assert ModelConfig.from_hf(qwen | {"use_sliding_window": True}).max_position_embeddings == 64

@@ -104,3 +104,10 @@ def test_forward_rejects_mismatched_shapes(case):
     short = KVPool(cfg.num_layers + 1, 4, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     with pytest.raises(ValueError, match="layers"):
         model(ids3, pos3, short, torch.arange(16, 19), meta, torch.tensor([2]))
+
+
+def test_model_rejects_unsupported_dtype():
+    from treeserve.models import LlamaForCausalLM
+
+    with pytest.raises(TypeError, match="dtype must be torch.float32 or torch.bfloat16"):
+        LlamaForCausalLM(tiny_config("llama"), dtype=torch.float16)

@@ -61,12 +61,17 @@ def test_weights_match_transformers_dequantization(smol, hf_smol):
 @pytest.mark.slow
 def test_bf16_top1_agrees_with_fp32(smol):
     """Teacher-forced next-token argmax of the bf16 model agrees with fp32 on >= 98% of positions."""
-    text = " ".join([TEXT, "The scheduler batches prefill chunks and decode steps together.",
-                     "Speculative decoding drafts several tokens and verifies them in one forward pass.",
-                     "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat."])
+    text = " ".join([
+        TEXT,
+        "The scheduler batches prefill chunks and decode steps together.",
+        "Speculative decoding drafts several tokens and verifies them in one forward pass.",
+        "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat.",
+        "In the morning, the town market opens early: farmers sell apples, bread and fresh milk,",
+        "and children walk to school along the river before the bells ring at eight o'clock.",
+    ])
     ids = smol.tokenizer.encode(text)
     bf16 = load("smollm2-135m-instruct", dtype=torch.bfloat16).model
-    assert bf16.dtype == torch.bfloat16
+    assert bf16.dtype == torch.bfloat16 and bf16.lm_head.weight.dtype == torch.float32
     fp32_top = paged_logits(smol.model, ids, [len(ids)], 16).argmax(-1)
     bf16_logits = paged_logits(bf16, ids, [len(ids)], 16)
     assert bf16_logits.dtype == torch.float32

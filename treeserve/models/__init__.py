@@ -12,8 +12,9 @@ from treeserve.models.chat_template import ChatTemplateError
 from treeserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, tiny_config
 from treeserve.models.gguf_loader import load_gguf_model, open_gguf
 from treeserve.models.hf_loader import load_hf_model
-from treeserve.models.llama import LlamaForCausalLM
+from treeserve.models.llama import LlamaForCausalLM, truncated_copy
 from treeserve.models.loader import EMBEDDED_MODELS, LoadedModel, load, resolve_model_path
+from treeserve.models.sequence import PagedSequence
 from treeserve.models.synthetic import random_model, save_hf_dir
 from treeserve.models.tokenizer import StreamDecoder, Tokenizer
 from treeserve.models.weights import MissingTensorError
@@ -26,6 +27,7 @@ __all__ = [
     "LoadedModel",
     "MissingTensorError",
     "ModelConfig",
+    "PagedSequence",
     "StreamDecoder",
     "Tokenizer",
     "load",
@@ -36,4 +38,5 @@ __all__ = [
     "resolve_model_path",
     "save_hf_dir",
     "tiny_config",
+    "truncated_copy",
 ]

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from treeserve._utils import log_once
+
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "tiny_config"]
 
 # Architecture names as they appear in HF ``config.json`` ``model_type`` and in GGUF
@@ -95,6 +97,10 @@ class ModelConfig:
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
         """Parse a HF ``config.json`` dict (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``).
 
+        Attention is always full; a ``sliding_window`` shorter than ``max_position_embeddings``
+        (Mistral v0.1, Qwen2 with ``use_sliding_window``) caps the context at the window, where
+        both agree exactly.
+
         Raises ``ValueError`` naming the architecture when ``model_type`` is not supported and
         naming the key when a required field is missing.
         """
@@ -118,6 +124,14 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         # Qwen2 always has QKV bias (its config has no key for it); Llama/Mistral say when they do.
         bias = arch == "qwen2" or bool(cfg.get("attention_bias", False))
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        window = cfg.get("sliding_window")
+        if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None
+        if window is not None and int(window) < max_pos:
+            # Sequences no longer than the window attend identically with full attention.
+            log_once(f"treeserve.models: {arch} sliding_window={window}: context capped at {window} tokens")
+            max_pos = int(window)
         return cls(
             architecture=arch,
             num_layers=int(need("num_hidden_layers")),
@@ -132,7 +146,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bias,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_pos,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -148,8 +148,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The causal LM. Parameters are created UNINITIALISED on ``device`` in ``dtype``; build
-    models with a loader (``load``, ``load_hf_model``, ``load_gguf_model``) or ``random_model``.
+    """The causal LM. Parameters are created UNINITIALISED on ``device``; build models with a
+    loader (``load``, ``load_hf_model``, ``load_gguf_model``) or ``random_model``.
+
+    Decoder layers compute in ``dtype`` (float32 or bfloat16); the LM head is float32 whatever
+    ``dtype`` is, so logits keep full precision.
 
     ``forward`` is the only entry point (see its docstring); the RoPE table is a non-persistent
     float32 buffer covering ``config.max_position_embeddings`` positions. With
@@ -162,14 +165,18 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
         super().__init__()
         self.config = config
-        with torch.device(device), _default_dtype(dtype):
-            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        with torch.device(device):
+            with _default_dtype(dtype):
+                self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+                self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            # The LM head stays float32 (bf16 logits are rounded to ~0.06 near |logit| 10-20,
+            # which flips near-tie argmaxes); a tied embedding shares that float32 matrix.
+            with _default_dtype(torch.float32 if config.tie_word_embeddings else dtype):
+                self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -177,8 +184,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """Compute dtype of the weights (logits are always float32)."""
-        return self.embed_tokens.weight.dtype
+        """Compute dtype of the decoder layers and KV (the LM head and logits are float32)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
@@ -217,8 +224,27 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.dtype
         cos_sin = self.rope_cache[positions].to(dtype)  # [N, 2, D/2]
         cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids).to(dtype)
         for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches):
             h = layer(h, cos, sin, k_cache, v_cache, out_slots, meta)
-        h = self.norm(h[logits_indices])
-        return self.lm_head(h).float()
+        return self.lm_head(self.norm(h[logits_indices]).float())
+
+
+def truncated_copy(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
+    """A model running only the first ``num_layers`` decoder layers of ``model`` (self-speculation).
+
+    Shares every parameter with ``model`` (no copy); embeddings, final norm and LM head are the
+    target's. ``ValueError`` unless ``1 <= num_layers <= model.config.num_layers``.
+    """
+    total = model.config.num_layers
+    if not isinstance(num_layers, int) or not 1 <= num_layers <= total:
+        raise ValueError(f"num_layers must be an int in [1, {total}], got {num_layers!r}")
+    draft = LlamaForCausalLM.__new__(LlamaForCausalLM)
+    nn.Module.__init__(draft)
+    draft.config = model.config.replace(num_layers=num_layers)
+    draft.embed_tokens = model.embed_tokens
+    draft.layers = nn.ModuleList(list(model.layers)[:num_layers])
+    draft.norm = model.norm
+    draft.lm_head = model.lm_head
+    draft.register_buffer("rope_cache", model.rope_cache, persistent=False)
+    return draft

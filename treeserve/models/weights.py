@@ -84,7 +84,8 @@ def build_model(
     """Materialise a model from HF-named tensors.
 
     ``available`` lists the names the checkpoint holds; ``get(name)`` returns one (any float
-    dtype; it is converted to ``dtype`` on ``device``). Raises ``MissingTensorError`` naming the
+    dtype; it is converted to the parameter's dtype on ``device``: ``dtype`` for the decoder,
+    float32 for the LM head and a tied embedding). Raises ``MissingTensorError`` naming the
     first absent tensor and ``ValueError`` naming a tensor whose shape disagrees with ``config``.
     """
     have = set(available)
@@ -99,13 +100,15 @@ def build_model(
         t = get(name)
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, config expects {shapes[name]}")
-        return t.to(device=device, dtype=dtype)
+        return t
 
+    model = LlamaForCausalLM(config, dtype=dtype, device=device)  # uninitialised parameters
+    target = model.state_dict()
     state = {}
     for ours, hf in _fused_names(config):
         parts = [fetch(n) for n in hf]
-        state[ours] = parts[0] if len(parts) == 1 else torch.cat(parts)
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+        fused = parts[0] if len(parts) == 1 else torch.cat(parts)
+        state[ours] = fused.to(device=device, dtype=target[ours].dtype)
     model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
