@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -26,7 +27,7 @@ from treeserve.kvcache import (
 )
 
 _rng = random.Random(1234)
-BASES = [[_rng.randrange(1000) for _ in range(96)] for _ in range(3)]
+BASES = [[_rng.randrange(1000) for _ in range(96)] for _ in range(2)]
 
 
 def kv_value(prefix: tuple[int, ...]) -> float:
@@ -47,7 +48,7 @@ class MemoryMachine(RuleBasedStateMachine):
     """Drive PageAllocator + KVPool + ReqToTokenTable + RadixCache; subclasses pick the page size."""
 
     PAGE_SIZE = 1
-    NUM_PAGES = 48
+    NUM_PAGES = 40
     BASE_LEN = 24
     SUFFIX_LEN = 8  # the length of the random tail of a sequence and of one decode step
 
@@ -62,6 +63,8 @@ class MemoryMachine(RuleBasedStateMachine):
         self.extra_locks: list[tuple[LockHandle, tuple[int, ...]]] = []
         self.spent: list[LockHandle] = []
         self.ref: dict[tuple[int, ...], int] = {}  # every cached page-aligned prefix -> its last page
+        self.used: dict[tuple[int, ...], int] = {}  # cached prefix -> when last matched or inserted
+        self.clock = 0
 
     # ---------------------------------------------------------------- helpers
 
@@ -71,7 +74,7 @@ class MemoryMachine(RuleBasedStateMachine):
 
     def sequence(self, data: tuple[int, int, list[int]]) -> list[int]:
         base, keep, suffix = data
-        tokens = BASES[base][: keep % (self.BASE_LEN + 1)] + suffix
+        tokens = BASES[base][: self.BASE_LEN * keep // 4] + suffix
         return tokens or [0]
 
     def expected_match(self, tokens: list[int]) -> tuple[int, list[int]]:
@@ -89,16 +92,33 @@ class MemoryMachine(RuleBasedStateMachine):
         assert m.slots.tolist() == pages_to_slots(torch.tensor(pages, dtype=torch.int64), self.PAGE_SIZE).tolist()
         expected_kv = [kv_value(tuple(tokens[: i + 1])) for i in range(length)]
         assert self.k[m.slots].tolist() == expected_kv
+        self.mark_used(tokens, length)
         assert (self.cache.hit_tokens, self.cache.query_tokens) == (hits + length, queries + len(tokens))
         return m
 
+    def mark_used(self, tokens: list[int], length: int) -> None:
+        self.clock += 1
+        for end in range(self.PAGE_SIZE, length + 1, self.PAGE_SIZE):
+            self.used[tuple(tokens[:end])] = self.clock
+
+    def locked_prefixes(self) -> set[tuple[int, ...]]:
+        ps = self.PAGE_SIZE
+        locked = {tuple(r.tokens[:end]) for r in self.running for end in range(ps, r.matched + 1, ps)}
+        return locked | {p[:end] for _, p in self.extra_locks for end in range(ps, len(p) + 1, ps)}
+
     def evict(self, num_tokens: int) -> int:
+        """Evict through the cache and check that exactly least-recently-used unlocked leaves went."""
         freed = self.cache.evict(num_tokens)
         gone = [p for p, page in self.ref.items() if self.alloc.is_free(torch.tensor([page])).item()]
         for prefix in gone:
             del self.ref[prefix]
         assert freed == len(gone) * self.PAGE_SIZE
         assert freed >= num_tokens or self.cache.evictable_tokens == 0
+        assert not set(gone) & self.locked_prefixes()
+        parents = {p[: -self.PAGE_SIZE] for p in self.ref}
+        leaves = [p for p in self.ref if p not in parents and p not in self.locked_prefixes()]
+        if gone and leaves:
+            assert max(self.used.pop(p) for p in gone) <= min(self.used[p] for p in leaves)
         return freed
 
     def alloc_pages(self, n: int) -> torch.Tensor | None:
@@ -121,13 +141,18 @@ class MemoryMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------- rules
 
-    seqs = st.tuples(st.integers(0, 2), st.integers(0, 10**6), st.lists(st.integers(0, 3), max_size=SUFFIX_LEN))
+    # (base, quarters of BASE_LEN kept, random tail): requests share prefixes often
+    seqs = st.tuples(st.integers(0, 1), st.integers(0, 4), st.lists(st.integers(0, 3), max_size=SUFFIX_LEN))
 
-    @rule(data=seqs)
-    def start_request(self, data: tuple[int, int, list[int]]) -> None:
+    @rule(data=seqs, copies=st.integers(1, 2))
+    def start_requests(self, data: tuple[int, int, list[int]], copies: int) -> None:
+        """Start ``copies`` identical requests (two at once compute the same KV: duplicates)."""
+        for _ in range(copies):
+            self.start_request(self.sequence(data))
+
+    def start_request(self, tokens: list[int]) -> None:
         if self.table.num_free == 0:
             return
-        tokens = self.sequence(data)
         m = self.checked_match(tokens)
         handle = self.cache.lock(m.node)
         pages = self.alloc_pages(-(-(len(tokens) - m.length) // self.PAGE_SIZE))
@@ -173,6 +198,7 @@ class MemoryMachine(RuleBasedStateMachine):
         self.spent.append(r.handle)
         for end in range(before + ps, aligned + 1, ps):
             self.ref[tuple(r.tokens[:end])] = own[end // ps - 1]
+        self.mark_used(r.tokens, aligned)
         assert result.cached_tokens == aligned
         assert result.duplicate_tokens == dup * ps
         assert result.freed_pages == dup + (aligned < n)
@@ -217,6 +243,7 @@ class MemoryMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         self.cache.reset()
         self.ref.clear()
+        self.used.clear()
         assert self.alloc.num_free == self.alloc.capacity
 
     # ---------------------------------------------------------------- invariants
@@ -226,11 +253,8 @@ class MemoryMachine(RuleBasedStateMachine):
         own = [r.pages for r in self.running]
         self.cache.check_invariants(torch.cat(own) if own else torch.empty(0, dtype=torch.int64))
         self.table.check_invariants()
-        ps = self.PAGE_SIZE
-        assert self.cache.total_tokens == len(self.ref) * ps
-        locked = {tuple(r.tokens[:end]) for r in self.running for end in range(ps, r.matched + 1, ps)}
-        locked |= {prefix[:end] for _, prefix in self.extra_locks for end in range(ps, len(prefix) + 1, ps)}
-        assert self.cache.protected_tokens == len(locked) * ps
+        assert self.cache.total_tokens == len(self.ref) * self.PAGE_SIZE
+        assert self.cache.protected_tokens == len(self.locked_prefixes()) * self.PAGE_SIZE
 
     @invariant()
     def running_requests_keep_their_kv(self) -> None:
@@ -247,3 +271,6 @@ class PageSize16Machine(MemoryMachine):
 
 TestMemoryPageSize1 = MemoryMachine.TestCase
 TestMemoryPageSize16 = PageSize16Machine.TestCase
+# Longer runs than the default 50 steps: requests must live long enough to collide and be evicted.
+TestMemoryPageSize1.settings = settings(TestMemoryPageSize1.settings, stateful_step_count=100)
+TestMemoryPageSize16.settings = settings(TestMemoryPageSize16.settings, stateful_step_count=100)

@@ -142,6 +142,8 @@ class RadixCache:
     def insert(self, tokens: Tokens, slots: torch.Tensor) -> int:
         """Cache the page-aligned part of ``tokens`` whose KV is at ``slots``; return tokens already cached.
 
+        Marks exactly that part as recently used (splitting an edge it ends inside).
+
         The first ``k`` (returned) tokens were in the tree before; if the caller's slots for them
         differ from the tree's, the caller still owns those pages and must free them. The tree
         takes ownership of the caller's pages for aligned tokens ``k:``; pages past the aligned
@@ -428,11 +430,13 @@ class RadixCache:
         return _Walk(node, pos, values, None, 0)
 
     def _split(self, child: RadixNode, n: int) -> RadixNode:
-        """Cut ``child``'s edge after ``n`` tokens; return the new upper node (same locks and age)."""
+        """Cut ``child``'s edge after ``n`` tokens; return the new upper node.
+
+        Callers touch the path through the upper node right after, which sets its access time.
+        """
         ps = self.page_size
         upper = self._new_node(child.key[:n], child.value[:n].clone(), child.parent)
         upper.lock_ref = child.lock_ref  # every lock at or below child is below upper too
-        upper.last_access = child.last_access
         child.parent.children[child_key(upper.key, 0, ps)] = upper
         child.key = child.key[n:]
         child.value = child.value[n:].clone()
@@ -459,10 +463,10 @@ class RadixCache:
         if bool(self._owned[dup_pages].any()) or bool(self._owned[new_pages].any()):
             raise ValueError("slots lie in pages the cache already owns for other tokens")
         node = walk.node
+        if walk.partial is not None:  # split even when key ends there: touch exactly the key
+            node = self._split(walk.partial, walk.partial_len)
         if cached < len(key):
             new_slots = slots[cached:].clone()
-            if walk.partial is not None:
-                node = self._split(walk.partial, walk.partial_len)
             leaf = self._new_node(key[cached:], new_slots, node)
             node.children[child_key(leaf.key, 0, ps)] = leaf
             self._leaves.discard(node)
@@ -470,8 +474,6 @@ class RadixCache:
             self.num_nodes += 1
             self.evictable_tokens += len(leaf.key)
             node = leaf
-        elif walk.partial is not None:
-            node = walk.partial
         self._touch(node)
         return _Inserted(cached, len(key), dup_pages)
 
