@@ -67,7 +67,7 @@ def test_decode_step_compiled_vs_eager(benchmark, setup) -> None:
     cfg = model.config
     eager = DecodeGraphRunner(model, kv, table, cfg.vocab_size, cfg.eos_token_ids, max_batch=BATCH)
     compiled_fwd = compile_model(model)
-    compiled = DecodeGraphRunner(model, kv, table, cfg.vocab_size, cfg.eos_token_ids, max_batch=BATCH, forward=compiled_fwd)
+    compiled = DecodeGraphRunner(compiled_fwd, kv, table, cfg.vocab_size, cfg.eos_token_ids, max_batch=BATCH)
     ref = eager.run(batch)
     got = compiled.run(batch)  # compiles
     for _ in range(2):  # warm-up: any late recompiles happen here

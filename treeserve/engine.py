@@ -224,9 +224,9 @@ class LLM:
         if use_graph or cfg.compile:
             forward = compile_model(self.model) if cfg.compile else self.model
             decode_graph = DecodeGraphRunner(
-                self.model, self.kv, self.table, self.vocab_size, eos, cfg.device,
+                forward, self.kv, self.table, self.vocab_size, eos, cfg.device,
                 max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running),
-                use_cuda_graph=use_graph and torch.device(cfg.device).type == "cuda", forward=forward,
+                use_cuda_graph=use_graph and torch.device(cfg.device).type == "cuda",
             )  # fmt: skip
             decode_graph.capture()
         self.runner = ModelRunner(self.model, self.kv, self.table, self.vocab_size, eos, cfg.device, decode_graph)

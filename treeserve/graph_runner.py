@@ -78,8 +78,8 @@ class _Graph:
 class DecodeGraphRunner:
     """Runs decode-only batches of at most ``max_batch`` requests from static, bucket-padded buffers.
 
-    ``forward`` is the model call (``model`` itself, or a compiled version of its forward);
-    ``model`` only supplies the config. ``use_cuda_graph``: ``None`` = capture when ``device``
+    ``forward`` is the model call (the model itself, or ``treeserve.compile.compile_model(model)``).
+    ``use_cuda_graph``: ``None`` = capture when ``device``
     is CUDA; ``True`` on a non-CUDA device raises ``ValueError``. Call :meth:`capture` once
     after the KV pool exists (a no-op in eager mode); :meth:`run` then serves steps. Sampling
     gives the same tokens as the eager runner for the same logits: the RNG is keyed by
@@ -90,7 +90,7 @@ class DecodeGraphRunner:
 
     def __init__(
         self,
-        model: CausalLM,
+        forward: CausalLM,
         kv: KVPool,
         table: ReqToTokenTable,
         vocab_size: int,
@@ -98,7 +98,6 @@ class DecodeGraphRunner:
         device: torch.device | str = "cpu",
         max_batch: int = 256,
         use_cuda_graph: bool | None = None,
-        forward: CausalLM | None = None,
         max_logprobs: int = MAX_LOGPROBS,
         max_stop_token_ids: int = 4,
     ) -> None:
@@ -115,8 +114,7 @@ class DecodeGraphRunner:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {max_logprobs}")
         if table.device != self.device or kv.k_caches[0].device != self.device:
             raise ValueError(f"kv ({kv.k_caches[0].device}) and table ({table.device}) must be on {self.device}")
-        self.model = model
-        self.forward = model if forward is None else forward
+        self.forward = forward
         self.kv = kv
         self.table = table
         self.vocab_size = vocab_size

@@ -85,7 +85,7 @@ def make_bench(
     graph_rec = LogitsRecorder(forward if forward is not None else model)
     eos = list(cfg.eos_token_ids)
     eager = ModelRunner(eager_rec, kv, table, cfg.vocab_size, eos, dev)
-    graph = DecodeGraphRunner(model, kv, table, cfg.vocab_size, eos, dev, max_batch=max_batch, forward=graph_rec)
+    graph = DecodeGraphRunner(graph_rec, kv, table, cfg.vocab_size, eos, dev, max_batch=max_batch)
     return Bench(model, kv, table, eager, eager_rec, graph, graph_rec)
 
 

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from treeserve import LLM, SamplingParams
+from treeserve.compile import CompiledForward
 
 from ._helpers import VOCAB, tiny_model
 
@@ -58,6 +59,8 @@ def test_engine_config_fields(model) -> None:
     llm = make_llm(model, cuda_graph=True, cuda_graph_max_batch=300)
     assert llm.runner.decode_graph.max_batch == 12  # never more than max_running
     assert not llm.runner.decode_graph.use_cuda_graph  # CPU: the static path runs eagerly
+    compiled = make_llm(model, compile=True).runner.decode_graph  # compile alone turns the path on
+    assert isinstance(compiled.forward, CompiledForward) and compiled.forward.num_compiles == 0  # lazy
     for bad in (0, -1, 2.5):
         with pytest.raises(ValueError, match="cuda_graph_max_batch"):
             make_llm(model, cuda_graph_max_batch=bad)
