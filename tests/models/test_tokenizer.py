@@ -78,11 +78,11 @@ def test_chat_template_matches_transformers(tok, hf_smol_tokenizer, messages, ad
 def test_chat_template_errors(tok):
     with pytest.raises(ValueError, match=r"messages\[0\]"):
         tok.apply_chat_template([{"content": "no role"}])
-    raising = Tokenizer(tok._backend, "{{ raise_exception('bad role') }}", None, None)
+    raising = Tokenizer(tok.backend, "{{ raise_exception('bad role') }}", None, None)
     with pytest.raises(ChatTemplateError, match="bad role"):
         raising.apply_chat_template([{"role": "user", "content": "x"}])
     with pytest.raises(ValueError, match="no chat_template"):
-        Tokenizer(tok._backend, None, None, None).apply_chat_template([{"role": "user", "content": "x"}])
+        Tokenizer(tok.backend, None, None, None).apply_chat_template([{"role": "user", "content": "x"}])
 
 
 def test_decode_rejects_out_of_range_ids(tok):
@@ -143,3 +143,18 @@ def test_stream_decoder_holds_partial_characters(tok):
     pieces = [dec.push([i]) for i in ids]
     assert len(ids) > 2 and pieces[0] == "a" and pieces[-1].endswith("🚀")
     assert all(p == "" for p in pieces[1:-1]) and dec.finish() == ""
+
+
+def test_load_hf_dir_with_tokenizer(hf_smol_tokenizer, tmp_path):
+    """``load`` on a HF dir pairs model and tokenizer and checks their vocabularies agree."""
+    from treeserve.models import load, random_model, save_hf_dir, tiny_config
+
+    hf_smol_tokenizer.save_pretrained(str(tmp_path))
+    save_hf_dir(random_model(tiny_config("llama", vocab_size=256)), tmp_path)
+    with pytest.raises(ValueError, match="tokenizer has 49152 tokens but the model's vocab_size is 256"):
+        load(tmp_path)
+    config = tiny_config("llama", vocab_size=49152, eos_token_ids=(0, 2))
+    save_hf_dir(random_model(config), tmp_path)
+    model, tokenizer = load(tmp_path)
+    assert model.config == config
+    assert tokenizer.eos_token_ids == (2, 0)  # the tokenizer's EOS first, then the config's others

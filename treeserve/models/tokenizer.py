@@ -84,6 +84,11 @@ class Tokenizer:
         return tid
 
     @property
+    def backend(self) -> _Backend:
+        """The underlying ``tokenizers.Tokenizer`` (shared, do not mutate)."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce (added tokens included)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
