@@ -22,7 +22,16 @@ from treeserve.graph_runner import DecodeGraphRunner
 from treeserve.kvcache import KVPool, RadixCache, ReqToTokenTable
 from treeserve.runner import CausalLM, ModelRunner
 from treeserve.sampling import SamplingParams
-from treeserve.scheduler import FinishReason, NgramDrafter, Request, Scheduler, SchedulerConfig, StopChecker
+from treeserve.scheduler import (
+    DraftModelDrafter,
+    Drafter,
+    FinishReason,
+    NgramDrafter,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    StopChecker,
+)
 
 Prompt = str | Sequence[int]
 
@@ -38,7 +47,9 @@ class EngineConfig:
     (``None`` = on when ``device`` is CUDA; ``True`` on CPU runs the same static path eagerly).
     ``cuda_graph_max_batch``: the largest decode batch served that way.
     ``compile``: ``torch.compile`` the model forward of those decode steps.
-    ``speculative``: ``"ngram"`` (prompt lookup over the request's own tokens) or ``None``;
+    ``speculative``: ``"ngram"`` (prompt lookup over the request's own tokens),
+    ``"draft:<model>"`` (a smaller model sharing the tokenizer, loaded like ``model``; or
+    ``"draft:self:<N>"``, the target's first N layers: self-speculation) or ``None``;
     ``num_speculative_tokens`` draft nodes per step at most; ``speculative_tree_width``: 1 for
     chain drafts, more for token trees (that many alternative continuations); ``ngram_min`` /
     ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first).
@@ -70,8 +81,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.speculative not in (None, "ngram"):
-            raise ValueError(f"speculative must be None or 'ngram', got {self.speculative!r}")
+        spec = self.speculative
+        if not (spec is None or spec == "ngram" or (isinstance(spec, str) and spec.startswith("draft:") and spec[6:])):
+            raise ValueError(f"speculative must be None, 'ngram' or 'draft:<model>', got {spec!r}")
         for name in ("num_speculative_tokens", "speculative_tree_width", "ngram_min", "ngram_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -213,11 +225,7 @@ class LLM:
             self.radix,
             self.table,
             StopChecker(eos, detok),
-            drafter=(
-                NgramDrafter(cfg.ngram_max, cfg.ngram_min, cfg.speculative_tree_width)
-                if cfg.speculative == "ngram"
-                else None
-            ),
+            drafter=self._make_drafter(max_len),
         )
         decode_graph = None
         use_graph = cfg.cuda_graph if cfg.cuda_graph is not None else torch.device(cfg.device).type == "cuda"
@@ -304,6 +312,26 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ------------------------------------------------------------------ internals
+    def _make_drafter(self, max_len: int) -> Drafter | None:
+        cfg = self.config
+        if cfg.speculative is None:
+            return None
+        if cfg.speculative == "ngram":
+            return NgramDrafter(cfg.ngram_max, cfg.ngram_min, cfg.speculative_tree_width)
+        from treeserve.models import load, truncated_copy
+
+        name = cfg.speculative[len("draft:") :]
+        if name.startswith("self:"):
+            draft = truncated_copy(self.model, int(name[len("self:") :]))
+        else:
+            draft, _ = load(name, dtype=self.kv.dtype, device=cfg.device)
+        dc = draft.config
+        if dc.vocab_size != self.vocab_size:
+            raise ValueError(f"draft model vocab {dc.vocab_size} differs from the target's {self.vocab_size}")
+        dtype = next(draft.parameters()).dtype
+        pool = KVPool(dc.num_layers, cfg.kv_cache_tokens + 1, 1, dc.num_kv_heads, dc.head_dim, dtype, cfg.device)
+        return DraftModelDrafter(draft, pool, cfg.max_running, max_len, cfg.speculative_tree_width)
+
     def _step(self) -> list[Request]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()

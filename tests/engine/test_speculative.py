@@ -34,17 +34,22 @@ def repetitive_prompts(seed: int, n: int) -> list[list[int]]:
 @pytest.mark.parametrize(
     "kw",
     [
-        dict(speculative_tree_width=1),
-        dict(speculative_tree_width=3, num_speculative_tokens=6),
-        dict(speculative_tree_width=2, page_size=4, kv_cache_tokens=200, max_running=8),  # preemption
+        dict(speculative="ngram", speculative_tree_width=1),
+        dict(speculative="ngram", speculative_tree_width=3, num_speculative_tokens=6),
+        dict(speculative="ngram", speculative_tree_width=2, page_size=4, kv_cache_tokens=200, max_running=8),
+        dict(speculative="draft:self:1", speculative_tree_width=1),
+        dict(speculative="draft:self:1", speculative_tree_width=3, num_speculative_tokens=5),
+        dict(speculative="draft:self:1", page_size=4, kv_cache_tokens=96, max_running=8),
     ],
+    ids=["ngram-chain", "ngram-tree", "ngram-preempt", "draft-chain", "draft-tree", "draft-preempt"],
 )
 def test_greedy_identical_with_and_without_speculation(loopy, kw) -> None:
-    prompts = repetitive_prompts(1, 16)
-    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    draft_model = kw["speculative"].startswith("draft")  # drafts one request at a time: keep it small
+    prompts = repetitive_prompts(1, 6 if draft_model else 16)
+    params = SamplingParams(temperature=0.0, max_new_tokens=16 if draft_model else 24, ignore_eos=True)
     base_kw = {k: v for k, v in kw.items() if k in ("page_size", "kv_cache_tokens", "max_running")}
     plain = make_llm(loopy, **base_kw).generate(prompts, params, use_tqdm=False)
-    llm = make_llm(loopy, speculative="ngram", **kw)
+    llm = make_llm(loopy, **kw)
     spec = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     m = llm.metrics
@@ -79,9 +84,10 @@ def fresh_prefill_kv(model, tokens: list[int]) -> list[torch.Tensor]:
     return [k[1 : n + 1, 0] for k in kv.k_caches]
 
 
+@pytest.mark.parametrize("spec", ["ngram", "draft:self:1"])
 @pytest.mark.parametrize("width", [1, 3])
-def test_kv_matches_fresh_prefill_after_every_verify(loopy, width: int) -> None:
-    llm = make_llm(loopy, speculative="ngram", speculative_tree_width=width, num_speculative_tokens=6)
+def test_kv_matches_fresh_prefill_after_every_verify(loopy, spec: str, width: int) -> None:
+    llm = make_llm(loopy, speculative=spec, speculative_tree_width=width, num_speculative_tokens=6)
     prompts = repetitive_prompts(5, 6)
     sp = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
     outs = [llm._submit(p, sp) for p in prompts]
@@ -101,6 +107,9 @@ def test_kv_matches_fresh_prefill_after_every_verify(loopy, width: int) -> None:
             assert any(s[: len(path)] == path for s in seqs_seen + [r.all_ids for _, rs in outs for r in rs])
     assert llm.metrics.accepted_tokens > 0
     assert_drained(llm)
+    drafter = llm.scheduler.drafter
+    if hasattr(drafter, "kv"):  # the draft model's own pool is empty again
+        assert drafter.kv.allocator.num_free == drafter.kv.allocator.capacity
 
 
 def two_token_counts(llm: LLM, prompt: list[int], n: int, seed0: int) -> list[tuple[int, int]]:

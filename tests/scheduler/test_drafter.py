@@ -12,7 +12,7 @@ from treeserve.scheduler import DraftTree, NgramDrafter
 def test_chain_follows_most_recent_match() -> None:
     d = NgramDrafter(max_n=3, min_n=1)
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
-    draft = d.propose(tokens, 3)
+    draft = d.propose(0, tokens, 3)
     assert draft.tokens == [7, 8, 5] and draft.parents == [-1, 0, 1]
 
 
@@ -21,16 +21,16 @@ def test_tree_merges_distinct_continuations() -> None:
     tokens = [4, 5, 6, 7, 0, 4, 5, 6, 8, 0, 4, 5, 9, 0, 4, 5]
     # continuations, most recent first: [9, 0, 4, ..], [6, 8, 0, ..], [6, 7, 0, ..]; each gets
     # 6 // 3 = 2 tokens, and the two starting with 6 share that node.
-    draft = d.propose(tokens, 6)
+    draft = d.propose(0, tokens, 6)
     assert draft.tokens == [9, 0, 6, 8, 7] and draft.parents == [-1, 0, -1, 2, 2]
-    deeper = d.propose(tokens, 10)
+    deeper = d.propose(0, tokens, 10)
     assert deeper.tokens == [9, 0, 4, 6, 8, 0, 7, 0] and deeper.parents == [-1, 0, 1, -1, 3, 4, 3, 6]
 
 
 def test_no_match_no_draft() -> None:
     d = NgramDrafter(max_n=3, min_n=2)
-    assert d.propose([1, 2, 3, 4, 5], 4) is None
-    assert d.propose([1, 2, 1, 2], 0) is None
+    assert d.propose(0, [1, 2, 3, 4, 5], 4) is None
+    assert d.propose(0, [1, 2, 1, 2], 0) is None
 
 
 @pytest.mark.parametrize("kw", [dict(max_n=0), dict(min_n=3, max_n=2), dict(width=0)])
@@ -53,7 +53,7 @@ def test_bad_tree() -> None:
 )
 def test_every_path_is_an_observed_continuation(tokens: list[int], k: int, width: int) -> None:
     d = NgramDrafter(max_n=3, min_n=1, width=width)
-    draft = d.propose(tokens, k)
+    draft = d.propose(0, tokens, k)
     if draft is None:
         assert tokens[-1] not in tokens[:-1]
         return

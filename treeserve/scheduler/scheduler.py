@@ -352,7 +352,7 @@ class Scheduler:
         )
         if room <= 0:
             return None
-        draft = self.drafter.propose(req.all_ids, room)
+        draft = self.drafter.propose(req.rid, req.all_ids, room)
         if not draft:
             return None
         if not self._reserve(req, req.num_computed + 1 + len(draft), preempt=False, headroom=headroom):
@@ -530,6 +530,8 @@ class Scheduler:
         and lock."""
         if cache:
             self._cache_computed(req)
+        if self.drafter is not None:
+            self.drafter.release(req.rid)
         self._free_own_pages(req)
         self.radix.unlock(req.lock)
         self.table.free(req.row)
