@@ -87,10 +87,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_torch_attention_vs_naive_loop(benchmark, name: str) -> None:
-    qo, kv, parents, floor = CASES[name]
+@pytest.fixture
+def threads():
+    """Run with ``THREADS`` intra-op threads, restoring the previous count for later benches."""
+    before = torch.get_num_threads()
     torch.set_num_threads(THREADS)
+    yield THREADS
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_attention_vs_naive_loop(benchmark, threads: int, name: str) -> None:
+    qo, kv, parents, floor = CASES[name]
     q, kc, vc, pages, meta, slots, masks = _case(qo, kv, parents)
     first_layer = _min_seconds(
         lambda: paged_attention(q, kc, vc, AttentionMetadata.build(qo, kv, pages, PAGE, parents), backend="torch"), 5
@@ -102,7 +110,7 @@ def test_torch_attention_vs_naive_loop(benchmark, name: str) -> None:
     ratio = naive_s / ours_s
     benchmark.extra_info.update(naive_ms=naive_s * 1e3, ours_ms=ours_s * 1e3, speedup=ratio)
     print(
-        f"\n{name} ({THREADS} thread(s)): torch paged_attention {ours_s * 1e3:.3f} ms/layer "
+        f"\n{name} ({threads} thread(s)): torch paged_attention {ours_s * 1e3:.3f} ms/layer "
         f"(first layer incl. metadata build + plan {first_layer * 1e3:.3f} ms), "
         f"naive loop {naive_s * 1e3:.3f} ms -> {ratio:.2f}x"
     )
