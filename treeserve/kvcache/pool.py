@@ -53,6 +53,9 @@ class PageAllocator:
     State is two tensors: a stack of free page ids (the top ``num_free`` entries are free) and a
     per-page ``free`` mask. ``alloc`` and ``free`` are vectorized (no Python loop per page) and
     validate their input completely before touching state, so a rejected call changes nothing.
+    The mask is read and written with ``index_select`` / ``index_fill_``: on CPU, advanced indexing
+    (``mask[pages]``) of a few thousand ids takes the intra-op-parallel path, which costs
+    milliseconds on a busy machine.
     """
 
     __slots__ = ("num_pages", "page_size", "device", "_stack", "_is_free", "_num_free")
@@ -100,7 +103,7 @@ class PageAllocator:
             raise OutOfPagesError(f"asked for {n} pages, only {self._num_free} of {self.capacity} are free")
         start = self._num_free - n
         pages = self._stack[start : self._num_free].flip(0)
-        self._is_free[pages] = False
+        self._is_free.index_fill_(0, pages, False)
         self._num_free = start
         return pages
 
@@ -121,13 +124,14 @@ class PageAllocator:
                 f"pages must be in [1, num_pages={self.num_pages}) (page 0 is the dummy page), "
                 f"got values in [{lo}, {hi}]"
             )
-        if bool(self._is_free[pages].any()):
-            bad = pages[self._is_free[pages]].tolist()
+        already = self._is_free.index_select(0, pages)
+        if bool(already.any()):
+            bad = pages[already].tolist()
             raise ValueError(f"pages {bad[:8]} are already free (double free)")
         if k > 1 and torch.unique(pages).numel() != k:
             raise ValueError("pages lists the same page more than once")
         self._stack[self._num_free : self._num_free + k] = pages
-        self._is_free[pages] = True
+        self._is_free.index_fill_(0, pages, True)
         self._num_free += k
 
     def is_free(self, pages: torch.Tensor) -> torch.Tensor:
@@ -135,7 +139,7 @@ class PageAllocator:
         _check_page_tensor(pages)
         if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
             raise ValueError(f"pages must be in [0, num_pages={self.num_pages})")
-        return self._is_free[pages.to(self.device)]
+        return self._is_free.index_select(0, pages.to(self.device))
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` unless the free stack and the free mask agree exactly."""

@@ -233,7 +233,7 @@ class RadixCache:
             self._refresh_leaf(parent)
         if pages:
             freed_pages = torch.cat(pages)
-            self._owned[freed_pages] = False
+            self._owned.index_fill_(0, freed_pages, False)
             self.allocator.free(freed_pages)
         return freed
 
@@ -460,7 +460,7 @@ class RadixCache:
         if tree_values:
             dup_pages = dup_pages[dup_pages != torch.cat(tree_values)[::ps] // ps]
         new_pages = own_pages[cached // ps :]
-        if bool(self._owned[dup_pages].any()) or bool(self._owned[new_pages].any()):
+        if bool(self._owned.index_select(0, torch.cat([dup_pages, new_pages])).any()):
             raise ValueError("slots lie in pages the cache already owns for other tokens")
         node = walk.node
         if walk.partial is not None:  # split even when key ends there: touch exactly the key
@@ -470,7 +470,7 @@ class RadixCache:
             leaf = self._new_node(key[cached:], new_slots, node)
             node.children[child_key(leaf.key, 0, ps)] = leaf
             self._leaves.discard(node)
-            self._owned[new_pages] = True
+            self._owned.index_fill_(0, new_pages, True)
             self.num_nodes += 1
             self.evictable_tokens += len(leaf.key)
             node = leaf
