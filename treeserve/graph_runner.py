@@ -3,13 +3,16 @@
 A decode step (one new token per request, every request sampled) is padded to a batch-size
 bucket (``1, 2, 4`` then multiples of 8) and run from buffers that never move: token ids,
 positions, KV slots, the attention metadata (FlashInfer layout: ``kv_indptr`` /
-``kv_page_indices`` / ``kv_last_page_len``, with ``max_kv_len`` fixed to the table's context
-capacity so no shape depends on the step), the sampling parameters and the RNG counters
-(seeds, absolute positions). Padding rows use the dummy table row 0: their token sits at slot 0
-of the dummy page 0 with a KV length of 1, so they write and read nothing else.
+``kv_page_indices`` (sized for every request at full context) / ``kv_last_page_len``; its host
+fields are fixed per bucket, ``max_kv_len`` at the table's context capacity), the sampling
+parameters and the RNG counters (seeds, absolute positions). Padding rows use the dummy table
+row 0: their token sits at slot 0 of the dummy page 0 with a KV length of 1, so they write and
+read nothing else.
 
 On CUDA every bucket is captured, largest first, into one shared memory pool, and a step is a
-few host->device copies plus one ``graph.replay()``. Elsewhere (or with ``use_cuda_graph=False``)
+few host->device copies plus one ``graph.replay()``. Warm-up and capture run inside
+``graph_safe_backends()``, so attention uses the Triton kernel (which reads lengths from the
+buffers on the device) rather than FlashInfer (whose planning reads them on the host). Elsewhere (or with ``use_cuda_graph=False``)
 the very same buffers, padding and buckets run eagerly, which is how CPU tests cover everything
 but the capture itself. Rows whose sampling needs per-step shapes (penalties, logit bias,
 allowed-token lists, more stop ids than ``max_stop_token_ids``) make :meth:`run` return
