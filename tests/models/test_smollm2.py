@@ -38,7 +38,7 @@ def test_config_matches_transformers(smol, hf_smol):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("chunks", [[16], [3, 7, 6], [10] + [1] * 6], ids=["prefill", "chunked", "decode"])
+@pytest.mark.parametrize("chunks", [[16], [3, 7, 6], [12] + [1] * 4], ids=["prefill", "chunked", "decode"])
 def test_logits_match_transformers(smol, ids, ref, chunks, page_size):
     assert rel_err(paged_logits(smol.model, ids, chunks, page_size), ref) <= 1e-4
 
