@@ -105,7 +105,11 @@ class DecodeGraphRunner:
         max_stop_token_ids: int = 4,
     ) -> None:
         self.buckets = decode_buckets(max_batch)
-        self.device = torch.device(device)
+        self.device = kv.k_caches[0].device  # concrete ("cuda:0" where ``device`` may say "cuda")
+        given = torch.device(device)
+        same = given.type == self.device.type and given.index in (None, self.device.index)
+        if not same or table.table.device != self.device:
+            raise ValueError(f"device ({given}), kv ({self.device}) and table ({table.table.device}) must agree")
         if use_cuda_graph is None:
             use_cuda_graph = self.device.type == "cuda"
         if use_cuda_graph and self.device.type != "cuda":
@@ -115,8 +119,6 @@ class DecodeGraphRunner:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if max_logprobs > MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {max_logprobs}")
-        if table.device != self.device or kv.k_caches[0].device != self.device:
-            raise ValueError(f"kv ({kv.k_caches[0].device}) and table ({table.device}) must be on {self.device}")
         self.forward = forward
         self.kv = kv
         self.table = table
