@@ -3,8 +3,9 @@
 Requests are split into at most two groups, decode rows (``qo_len == 1``) and the rest, so a
 chunked-prefill step does not pad every decode request to the chunk length. Each group's KV is
 gathered into a padded ``[b, max_kv_len]`` batch and attended with one
-``scaled_dot_product_attention`` call. GQA is done without repeating K/V: the ``G = Hq / Hkv``
-query heads sharing a KV head are folded into the query axis. Gather indices and masks depend
+``scaled_dot_product_attention`` call. GQA is done without repeating K/V: with an explicit mask
+the ``G = Hq / Hkv`` query heads sharing a KV head are folded into the query axis; a plain causal
+group (equal lengths, no cached prefix) uses SDPA's ``is_causal`` with ``enable_gqa`` instead. Gather indices and masks depend
 only on the metadata, so the first layer of a step derives them and memoizes them in
 ``meta.derived`` for the others. Padding keys point at the request's own first token (always
 written) and padding queries copy a real query, so no NaN or garbage can leak into real rows.
@@ -43,8 +44,6 @@ class _Group:
         key = (g, dtype)
         if key not in self.additive:
             mask = self.mask
-            if mask is None and self.is_causal and g > 1:  # is_causal cannot see the folding
-                mask = torch.ones(self.max_qo, self.max_kv, dtype=torch.bool, device=self.kv_slots.device).tril_()
             if mask is not None:
                 if g > 1 and mask.shape[-2] > 1:  # a 1-row decode mask broadcasts instead
                     mask = mask.repeat(*([1] * (mask.dim() - 2)), g, 1)  # rows ordered (g, i)
@@ -134,17 +133,19 @@ def paged_attention_torch(
         k = k_cache.view(-1, hkv, d).index_select(0, grp.kv_slots).view(grp.bsz, grp.max_kv, hkv, d)
         v = v_cache.view(-1, hkv, d).index_select(0, grp.kv_slots).view(grp.bsz, grp.max_kv, hkv, d)
         qp = q if grp.q_index is None else q.index_select(0, grp.q_index)
-        qb = qp.reshape(grp.bsz, grp.max_qo, hkv, g, d).permute(0, 2, 3, 1, 4)
-        qb = qb.reshape(grp.bsz, hkv, g * grp.max_qo, d)
-        o = F.scaled_dot_product_attention(
-            qb,
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=grp.additive_mask(g, q.dtype),
-            is_causal=grp.is_causal and g == 1,
-            scale=scale,
-        )
-        o = o.view(grp.bsz, hkv, g, grp.max_qo, d).permute(0, 3, 1, 2, 4).reshape(grp.bsz * grp.max_qo, hq, d)
+        if grp.is_causal:  # SDPA's own causal mask, GQA by broadcasting: its fastest kernels
+            qb = qp.reshape(grp.bsz, grp.max_qo, hq, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qb, k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=g > 1
+            )
+            o = o.transpose(1, 2).reshape(grp.bsz * grp.max_qo, hq, d)
+        else:
+            qb = qp.reshape(grp.bsz, grp.max_qo, hkv, g, d).permute(0, 2, 3, 1, 4)
+            qb = qb.reshape(grp.bsz, hkv, g * grp.max_qo, d)
+            o = F.scaled_dot_product_attention(
+                qb, k.transpose(1, 2), v.transpose(1, 2), attn_mask=grp.additive_mask(g, q.dtype), scale=scale
+            )
+            o = o.view(grp.bsz, hkv, g, grp.max_qo, d).permute(0, 3, 1, 2, 4).reshape(grp.bsz * grp.max_qo, hq, d)
         if grp.dst_rows is None:
             return o
         if out is None:
