@@ -83,7 +83,8 @@ class RadixCache:
     """Prefix tree mapping token sequences to KV slots; see the module docstring for ownership.
 
     Counters: ``evictable_tokens`` / ``protected_tokens`` (tree tokens outside / on a locked path),
-    ``total_tokens`` (their sum), ``hit_tokens`` / ``query_tokens`` (matched / looked-up tokens).
+    ``total_tokens`` (their sum), ``hit_tokens`` / ``query_tokens`` (matched / looked-up tokens),
+    ``num_nodes`` (tree nodes, the root excluded).
     With ``disable=True`` nothing is ever cached: matches are empty and inserts keep nothing.
     Token sequences are lists/tuples of ints or 1-D integer tensors.
     """
