@@ -296,3 +296,14 @@ def test_check_invariants_reports_precise_accounting_errors() -> None:
     c.allocator.free(node.value[:1] // 2)  # a tree page freed behind the tree's back
     with pytest.raises(InvariantError, match="also on the allocator's free list"):
         c.check_invariants()
+
+
+def test_heap_of_stale_entries_stays_bounded() -> None:
+    c = make()
+    c.insert([1, 2], slots_for(c, 2))
+    c.insert([3, 4], slots_for(c, 2))
+    for _ in range(500):  # every touch of a leaf pushes a fresh heap entry
+        c.match_prefix([1, 2, 0])
+    assert len(c._heap) <= 2 * 2 + 64 + 1  # noqa: SLF001 - the bound the rebuild keeps
+    c.check_invariants(NO_PAGES)
+    assert c.evict(1) == 2 and tree(c).keys() == {(1, 2)}  # [3,4] is still the LRU leaf
