@@ -158,7 +158,7 @@ def attention_case(name, bsz, kv_len, qo_len, tree, bw):
     pages = [perm[i * per : (i + 1) * per] for i in range(bsz)]
     parents = None
     if tree:
-        par = [-1] + [int(torch.randint(0, i, (1,), generator=GEN, device=DEV)) if i else -1 for i in range(1, qo_len)]
+        par = [-1] + [int(torch.randint(0, i, (1,), generator=GEN, device=DEV)) for i in range(1, qo_len)]
         parents = [par] * bsz
     q = torch.randn(bsz * qo_len, hq, d, device=DEV, generator=GEN).to(dtype)
     nbytes = 2 * bsz * kv_len * hkv * d * k.element_size() + 2 * q.numel() * q.element_size()
