@@ -78,6 +78,7 @@ class ModelRunner:
         rows: list[int] = []
         parents: list[list[int] | None] = []
         logit_rows: list[int] = []
+        logit_end: list[int] = []  # per item: end of its rows in the logits
         for it in items:
             req, start, n = it.req, it.start, it.num_tokens
             offset = len(ids)
@@ -97,6 +98,7 @@ class ModelRunner:
             qo_lens.append(n)
             kv_lens.append(start + n)
             rows.append(req.row)
+            logit_end.append(len(logit_rows))
         dev = self.device
         table = self.table.table
         qo = torch.tensor(qo_lens, dtype=torch.long)
@@ -119,13 +121,15 @@ class ModelRunner:
         results: list[SampledToken | None] = [None] * len(items)
         plain = [i for i, it in enumerate(items) if it.sample and it.draft is None]
         drafted = [i for i, it in enumerate(items) if it.draft is not None]
-        row_of_item = torch.cumsum(torch.tensor([(it.num_tokens if it.draft else 1) if it.sample else 0 for it in items]), 0)
         if plain:
-            idx = (row_of_item[plain] - 1).to(dev)
+            idx = torch.tensor([logit_end[i] - 1 for i in plain], dtype=torch.long, device=dev)
             for i, token in zip(plain, self._sample(logits.index_select(0, idx), [items[i] for i in plain])):
                 results[i] = token
         if drafted:
-            for i, token in zip(drafted, self._verify(logits, row_of_item, [items[i] for i in drafted], drafted)):
+            rows_of = [range(logit_end[i] - items[i].num_tokens, logit_end[i]) for i in drafted]
+            idx = torch.tensor([r for rs in rows_of for r in rs], dtype=torch.long, device=dev)
+            verified = self._verify(logits.index_select(0, idx), [items[i] for i in drafted])
+            for i, token in zip(drafted, verified):
                 results[i] = token
         return results
 
@@ -146,15 +150,12 @@ class ModelRunner:
         out = sample(logits, self._sampling_batch(reqs), gen_positions)
         return to_sampled_tokens(out, [r.params.logprobs for r in reqs])  # host sync
 
-    def _verify(
-        self, logits: torch.Tensor, row_end: torch.Tensor, items: list[ScheduledItem], idx: list[int]
-    ) -> list[SampledToken]:
-        """Verify the drafted items, compact their accepted KV, return their tokens."""
+    def _verify(self, logits: torch.Tensor, items: list[ScheduledItem]) -> list[SampledToken]:
+        """Verify the drafted items (``logits``: each item's root row, then one per draft node),
+        compact their accepted KV, return their tokens."""
         dev = self.device
         reqs = [it.req for it in items]
         sizes = [it.num_tokens for it in items]  # 1 + draft nodes
-        ends = row_end[idx]
-        rows = torch.cat([torch.arange(int(e) - s, int(e)) for e, s in zip(ends, sizes)]).to(dev)
         m = max(sizes) - 1
         draft_tokens = torch.zeros(len(items), m, dtype=torch.long)
         draft_parents = torch.full((len(items), m), -1, dtype=torch.long)
@@ -167,7 +168,7 @@ class ModelRunner:
         num_draft = torch.tensor([s - 1 for s in sizes], dtype=torch.long)
         positions = torch.tensor([r.num_tokens for r in reqs], dtype=torch.long, device=dev)
         out = verify(
-            logits.index_select(0, rows),
+            logits,
             self._sampling_batch(reqs),
             draft_tokens.to(dev),
             draft_parents.to(dev),

@@ -49,6 +49,7 @@ class SamplingBatch:
     max_top_k: int  # largest active top_k (0 if none)
     has_penalties: bool
     any_greedy: bool
+    all_greedy: bool  # every row is greedy: sampling needs no random draw
     any_top_p: bool
     any_filter: bool  # some row uses top_k, top_p or min_p
 
@@ -143,6 +144,7 @@ class SamplingBatch:
                 for p in params
             ),
             any_greedy=any(p.greedy for p in params),
+            all_greedy=all(p.greedy for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_filter=any(k > 0 or p.top_p < 1.0 or p.min_p > 0 for k, p in zip(top_ks, params)),
         )

@@ -92,10 +92,15 @@ def sample(
         raise ValueError(f"positions must have shape [{batch.num_rows}], got {tuple(positions.shape)}")
     backend = resolve_backend(backend, logits.device)
     f = filter_logits(logits, batch, backend=backend)
-    u = uniform(batch.seeds, positions, Purpose.SAMPLE)
-    tokens, lse = draw(f, u, sync_free=backend == "triton")
-    if batch.any_greedy:
-        tokens = torch.where(batch.greedy, f.scaled.argmax(dim=1), tokens)
+    if batch.all_greedy:  # no draw: the argmax, and the kept set's normalizer for the logprobs
+        tokens = f.scaled.argmax(dim=1)
+        kept = f.scaled.masked_fill(f.scaled < f.threshold[:, None], float("-inf"))
+        lse = torch.logsumexp(kept, dim=1).to(torch.float64)
+    else:
+        u = uniform(batch.seeds, positions, Purpose.SAMPLE)
+        tokens, lse = draw(f, u, sync_free=backend == "triton")
+        if batch.any_greedy:
+            tokens = torch.where(batch.greedy, f.scaled.argmax(dim=1), tokens)
     invalid = ~f.valid
     tokens = tokens.masked_fill(invalid, 0)
     chosen = f.scaled.gather(1, tokens[:, None])[:, 0].to(torch.float64) - lse

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import torch
+
 from treeserve.kvcache import PageAllocator, RadixCache, ReqToTokenTable, pages_to_slots
 from treeserve.sampling import SamplingParams
 from treeserve.scheduler.drafter import DraftTree, Drafter
@@ -223,6 +225,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_batched_tokens
         running = list(self.running)
+        self._reserve_decode_slots([r for r in running if r.num_tokens - r.num_computed == 1])
         for i, req in enumerate(running):
             if budget <= 0:
                 break
@@ -473,6 +476,27 @@ class Scheduler:
             )
             req.num_pages += need
         return True
+
+    def _reserve_decode_slots(self, decoding: list[Request]) -> None:
+        """Give every decoding request a slot for its pending token, allocating in one call.
+
+        Pauses the newest running requests while the pages cannot be had (a paused request's
+        own need goes with it). One vectorized allocation and table write for the whole batch.
+        """
+        ps = self.page_size
+        needy = [r for r in decoding if r.num_computed + 1 > r.num_cached + r.num_pages * ps]
+        while needy and not self._obtain(len(needy), 0):
+            self._pause(self.running[-1])
+            needy = [r for r in needy if r.state is RequestState.RUNNING]
+        if not needy:
+            return
+        pages = self.allocator.alloc(len(needy))
+        rows = torch.tensor([r.row for r in needy], dtype=torch.long)
+        starts = torch.tensor([r.num_cached + r.num_pages * ps for r in needy], dtype=torch.long)
+        cols = starts[:, None] + torch.arange(ps)
+        self.table.table[rows[:, None], cols] = pages_to_slots(pages, ps).view(-1, ps)
+        for r in needy:
+            r.num_pages += 1
 
     def _obtain(self, need: int, headroom: int) -> bool:
         """True when ``need`` pages are free (evicting as needed) with ``headroom`` obtainable."""
