@@ -8,7 +8,7 @@ with the same torch thread count:
   ours: ``PagedSequence.truncate`` back to 511 tokens, page_size 1, shuffled pages).
 Ratios (transformers time / ours) go to the printout and ``benchmark.extra_info``; the assertion
 only guards against a gross regression (ours more than 2.5x slower: the fp32 prefill is bounded
-by the torch paged-attention backend, see benches/RESULTS_models.md).
+by the torch paged-attention backend, see benches/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
    Baseline: a whole-tree walk that collects the unlocked leaves and evicts the oldest one.
 
 Ratios are asserted with wide margins (shared, noisy CPU); absolute times are only reported.
-Results and discussion: benches/RESULTS_kvmem.md.
+Results and discussion: benches/RESULTS.md.
 """
 
 from __future__ import annotations
