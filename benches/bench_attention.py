@@ -13,11 +13,11 @@ threads make both sides' timings depend mostly on the neighbours' load).
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 
 import pytest
 import torch
+
+from _timing import min_seconds  # benches/ is on sys.path (no __init__.py)
 
 from treeserve.kvcache import AttentionMetadata, paged_attention
 
@@ -64,15 +64,6 @@ def _naive(q, k_cache, v_cache, slots, masks, qo_lens, kv_lens) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def _min_seconds(fn: Callable[[], object], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _tree_parents(n: int) -> list[int]:
     return [-1] + [(i - 1) // 2 for i in range(1, n)]  # a binary tree in BFS order
 
@@ -100,13 +91,13 @@ def threads():
 def test_torch_attention_vs_naive_loop(benchmark, threads: int, name: str) -> None:
     qo, kv, parents, floor = CASES[name]
     q, kc, vc, pages, meta, slots, masks = _case(qo, kv, parents)
-    first_layer = _min_seconds(
+    first_layer = min_seconds(
         lambda: paged_attention(q, kc, vc, AttentionMetadata.build(qo, kv, pages, PAGE, parents), backend="torch"), 5
     )
     ours = benchmark.pedantic(lambda: paged_attention(q, kc, vc, meta, backend="torch"), rounds=30, warmup_rounds=2)
     torch.testing.assert_close(ours, _naive(q, kc, vc, slots, masks, qo, kv), atol=1e-4, rtol=1e-4)
     ours_s = benchmark.stats.stats.min
-    naive_s = _min_seconds(lambda: _naive(q, kc, vc, slots, masks, qo, kv), 30)
+    naive_s = min_seconds(lambda: _naive(q, kc, vc, slots, masks, qo, kv), 30)
     ratio = naive_s / ours_s
     benchmark.extra_info.update(naive_ms=naive_s * 1e3, ours_ms=ours_s * 1e3, speedup=ratio)
     print(

@@ -14,11 +14,11 @@ by the torch paged-attention backend, see benches/RESULTS.md).
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 
 import pytest
 import torch
+
+from _timing import min_seconds  # benches/ is on sys.path (no __init__.py)
 
 from treeserve.models import load, resolve_model_path
 from treeserve.models.sequence import PagedSequence
@@ -27,15 +27,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CTX = 512
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIN_RATIO = 0.4
-
-
-def _min_seconds(fn: Callable[[], object], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 @pytest.fixture(scope="module", params=list(DTYPES))
@@ -72,7 +63,7 @@ def test_prefill_512(benchmark, models):
 
     torch.testing.assert_close(run_ours(), run_hf().float(), rtol=0.05, atol=0.05 * 30)
     benchmark.pedantic(run_ours, rounds=3, warmup_rounds=1)
-    _report(benchmark, f"prefill {CTX} {name}", benchmark.stats.stats.min, _min_seconds(run_hf, 3))
+    _report(benchmark, f"prefill {CTX} {name}", benchmark.stats.stats.min, min_seconds(run_hf, 3))
 
 
 def test_decode_step_at_512(benchmark, models):
@@ -100,4 +91,4 @@ def test_decode_step_at_512(benchmark, models):
 
     torch.testing.assert_close(run_ours(), run_hf().float(), rtol=0.05, atol=0.05 * 30)
     benchmark.pedantic(run_ours, rounds=20, warmup_rounds=2)
-    _report(benchmark, f"decode step @{CTX} {name}", benchmark.stats.stats.min, _min_seconds(run_hf, 20))
+    _report(benchmark, f"decode step @{CTX} {name}", benchmark.stats.stats.min, min_seconds(run_hf, 20))

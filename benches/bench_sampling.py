@@ -10,24 +10,15 @@ peaked case; the ratio is asserted with a wide margin, never an absolute time.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 
 import pytest
 import torch
 
+from _timing import min_seconds  # benches/ is on sys.path (no __init__.py)
+
 from treeserve.sampling import SamplingBatch, SamplingParams, sample
 
 BATCH = 64
-
-
-def _min_seconds(fn: Callable[[], object], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def sort_based_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -59,7 +50,7 @@ def test_sampling_vs_sort_based_top_p(benchmark, name: str, vocab: int) -> None:
     positions = torch.zeros(BATCH, dtype=torch.int64)
     benchmark.pedantic(lambda: sample(logits, batch, positions, backend="torch"), rounds=5, warmup_rounds=1)
     ours = benchmark.stats.stats.min
-    base = _min_seconds(lambda: sort_based_top_k_top_p(logits, batch.temperature.float(), batch.top_k,
+    base = min_seconds(lambda: sort_based_top_k_top_p(logits, batch.temperature.float(), batch.top_k,
                                                         batch.top_p.float()), 3)
     ratio = base / ours
     benchmark.extra_info.update(ours_ms=ours * 1e3, sort_ms=base * 1e3, speedup=ratio)

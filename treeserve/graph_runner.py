@@ -31,12 +31,12 @@ import torch
 from treeserve.kvcache import AttentionMetadata, KVPool, ReqToTokenTable
 from treeserve.kvcache._backend import graph_safe_backends
 from treeserve.sampling import MAX_LOGPROBS, SampleOutput, SamplingBatch, SamplingParams, sample
-from treeserve.scheduler import SampledToken, ScheduledBatch
+from treeserve.scheduler import Request, SampledToken, ScheduledBatch
 
 if TYPE_CHECKING:
     from treeserve.runner import CausalLM
 
-__all__ = ["DecodeGraphRunner", "decode_buckets", "to_sampled_tokens"]
+__all__ = ["DecodeGraphRunner", "decode_buckets", "requests_sampling_batch", "to_sampled_tokens"]
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:
@@ -49,6 +49,21 @@ def decode_buckets(max_batch: int) -> tuple[int, ...]:
     candidates = [1, 2, 4, *range(8, -(-max_batch // 8) * 8 + 1, 8)]
     below = [b for b in candidates if b < max_batch]
     return (*below, next(b for b in candidates if b >= max_batch))
+
+
+def requests_sampling_batch(
+    reqs: Sequence[Request], vocab_size: int, device: torch.device | str, eos_token_ids: Sequence[int]
+) -> SamplingBatch:
+    """The sampling rows of ``reqs`` for this step: their params, seeds, histories and counts."""
+    return SamplingBatch.build(
+        [r.params for r in reqs],
+        [r.seed for r in reqs],
+        [r.all_ids for r in reqs],
+        vocab_size,
+        device,
+        eos_token_ids=eos_token_ids,
+        num_generated=[len(r.output_ids) for r in reqs],
+    )
 
 
 def to_sampled_tokens(out: SampleOutput, num_logprobs: Sequence[int | None]) -> list[SampledToken]:
@@ -253,15 +268,7 @@ class DecodeGraphRunner:
         if not 1 <= len(items) <= self.max_batch or not all(it.num_tokens == 1 and it.sample for it in items):
             return None
         reqs = [it.req for it in items]
-        sbatch = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.seed for r in reqs],
-            [r.all_ids for r in reqs],
-            self.vocab_size,
-            "cpu",
-            eos_token_ids=self.eos_token_ids,
-            num_generated=[len(r.output_ids) for r in reqs],
-        )
+        sbatch = requests_sampling_batch(reqs, self.vocab_size, "cpu", self.eos_token_ids)
         if (
             sbatch.has_penalties
             or sbatch.allowed is not None

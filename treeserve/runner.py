@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from treeserve.graph_runner import DecodeGraphRunner, to_sampled_tokens
+from treeserve.graph_runner import DecodeGraphRunner, requests_sampling_batch, to_sampled_tokens
 from treeserve.kvcache import AttentionMetadata, KVPool, ReqToTokenTable, compact_tree_path, rollback_slots
 from treeserve.sampling import SamplingBatch, sample, verify
 from treeserve.scheduler import Request, SampledToken, ScheduledBatch, ScheduledItem
@@ -134,15 +134,7 @@ class ModelRunner:
         return results
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        return SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.seed for r in reqs],
-            [r.all_ids for r in reqs],
-            self.vocab_size,
-            self.device,
-            eos_token_ids=self.eos_token_ids,
-            num_generated=[len(r.output_ids) for r in reqs],
-        )
+        return requests_sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids)
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledItem]) -> list[SampledToken]:
         reqs = [it.req for it in items]

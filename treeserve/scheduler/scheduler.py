@@ -364,13 +364,7 @@ class Scheduler:
 
     def _trim_pages(self, req: Request) -> None:
         """Free the pages of rejected draft slots: keep just enough for ``req``'s tokens."""
-        keep = self._pages_for(req.num_tokens - req.num_cached)
-        extra = req.num_pages - keep
-        if extra > 0:
-            start = req.num_cached + keep * self.page_size
-            slots = self.table.table[req.row, start : start + extra * self.page_size : self.page_size]
-            self.allocator.free(slots // self.page_size)
-            req.num_pages = keep
+        self._free_own_pages(req, keep=self._pages_for(req.num_tokens - req.num_cached))
 
     # ------------------------------------------------------------------ admission
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
@@ -508,14 +502,14 @@ class Scheduler:
             self.radix.evict((need - free) * self.page_size)
         return self.allocator.num_free >= need
 
-    def _free_own_pages(self, req: Request) -> None:
-        """Free the pages ``req`` allocated itself (all of them)."""
-        if req.num_pages:
-            start = req.num_cached
-            end = start + req.num_pages * self.page_size
-            slots = self.table.table[req.row, start : end : self.page_size]
-            self.allocator.free(slots // self.page_size)
-            req.num_pages = 0
+    def _free_own_pages(self, req: Request, keep: int = 0) -> None:
+        """Free the pages ``req`` allocated itself, all but its first ``keep``."""
+        if req.num_pages > keep:
+            ps = self.page_size
+            start = req.num_cached + keep * ps
+            slots = self.table.table[req.row, start : req.num_cached + req.num_pages * ps : ps]
+            self.allocator.free(slots // ps)
+            req.num_pages = keep
 
     def _cache_computed(self, req: Request) -> None:
         """Publish ``req``'s computed, page-aligned KV to the radix tree and re-lock it.

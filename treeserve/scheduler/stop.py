@@ -47,7 +47,7 @@ class StopChecker:
     def _hit_stop_string(self, req: Request) -> bool:
         if self.detokenize is None:
             raise ValueError("stop strings need a tokenizer to detokenize the output")
-        stops = [req.params.stop] if isinstance(req.params.stop, str) else list(req.params.stop)
+        stops = req.params.stop  # SamplingParams normalizes it to a tuple of strings
         previous = len(req.text)
         req.text = self.detokenize(req.output_ids)
         # Only a match that ends in the new text counts; earlier text was already checked.
