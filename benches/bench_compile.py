@@ -1,9 +1,15 @@
-"""torch.compile vs eager for one decode step of the embedded SmolLM2-135M (bf16, CPU).
+"""The static-buffer step path on the embedded SmolLM2-135M (bf16, CPU), against its baselines.
 
-Both run the decode graph runner's static, bucket-padded path (on CPU it runs eagerly); only the
-model forward differs: ``model`` itself vs ``treeserve.compile.compile_model(model)`` (inductor).
-Reports the compile time and the per-step ratio; the engine keeps ``compile=False`` by default
-unless the compiled step is faster here. Set ``TREESERVE_BENCH_QUICK=1`` for fewer rounds.
+- torch.compile vs eager for one decode step: both run the decode graph runner's static,
+  bucket-padded path (on CPU it runs eagerly); only the model forward differs: ``model`` itself
+  vs ``treeserve.compile.compile_model(model)`` (inductor). Reports the compile time and the
+  per-step ratio; the engine keeps ``compile=False`` by default unless the compiled step is
+  faster here.
+- A speculative verify step (ragged drafts of 0-4 nodes) through the graph runner's verify key
+  (padded to 4 nodes, eager on CPU) vs the eager runner: the price of the fixed shapes where no
+  CUDA graph pays it back.
+
+Set ``TREESERVE_BENCH_QUICK=1`` for fewer rounds.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from treeserve.graph_runner import DecodeGraphRunner
 from treeserve.kvcache import KVPool, ReqToTokenTable, pages_to_slots
 from treeserve.runner import ModelRunner
 from treeserve.sampling import SamplingParams
-from treeserve.scheduler import Request, ScheduledBatch, ScheduledItem
+from treeserve.scheduler import DraftTree, Request, ScheduledBatch, ScheduledItem
 
 QUICK = os.environ.get("TREESERVE_BENCH_QUICK") == "1"
 THREADS = int(os.environ.get("TREESERVE_BENCH_THREADS", "2"))
@@ -52,8 +58,8 @@ def setup():
     return model, kv, table, batch
 
 
-def _step_seconds(runner: DecodeGraphRunner, batch: ScheduledBatch, rounds: int) -> float:
-    """Median wall time of one decode step (the same step, rewritten in place)."""
+def _step_seconds(runner: DecodeGraphRunner | ModelRunner, batch: ScheduledBatch, rounds: int) -> float:
+    """Median wall time of one step (the same step, rewritten in place)."""
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -84,4 +90,28 @@ def test_decode_step_compiled_vs_eager(benchmark, setup) -> None:
     )
     benchmark.extra_info.update(ratio=ratio, compile_seconds=compile_s, eager_ms=eager_s * 1e3)
     assert compiled_fwd.num_compiles == compiles, "recompiled during timed steps"
+    assert matches >= BATCH - 1  # bf16: a near-tie may flip one greedy token
+
+
+def test_verify_step_static_vs_eager(benchmark, setup) -> None:
+    model, kv, table, batch = setup
+    cfg = model.config
+    rng = random.Random(1)
+    items = []
+    for it, n in zip(batch.items, [0, 2, 4, 4, 1, 3, 0, 4] * BATCH):
+        draft = DraftTree([rng.randrange(cfg.vocab_size) for _ in range(n)], list(range(-1, n - 1))) if n else None
+        items.append(ScheduledItem(it.req, it.start, 1 + n, True, draft))
+    step = ScheduledBatch(items)
+    eager = ModelRunner(model, kv, table, cfg.vocab_size, cfg.eos_token_ids)
+    static = DecodeGraphRunner(model, kv, table, cfg.vocab_size, cfg.eos_token_ids, max_batch=BATCH, max_draft_nodes=4)
+    ref, got = eager.run(step), static.run(step)  # the step is idempotent: KV rewritten, then compacted
+    matches = sum((a.token, a.accepted) == (b.token, b.accepted) for a, b in zip(ref, got))
+    eager_s = _step_seconds(eager, step, ROUNDS)
+    static_s = benchmark.pedantic(_step_seconds, args=(static, step, ROUNDS), rounds=1, iterations=1)
+    ratio = eager_s / static_s
+    print(
+        f"\nverify step batch {BATCH} (0-4 draft nodes, padded to 4) bf16 {THREADS} threads: eager runner "
+        f"{eager_s * 1e3:.1f} ms, static verify key {static_s * 1e3:.1f} ms -> {ratio:.2f}x; outputs equal {matches}/{BATCH}"
+    )
+    benchmark.extra_info.update(ratio=ratio, eager_ms=eager_s * 1e3, static_ms=static_s * 1e3)
     assert matches >= BATCH - 1  # bf16: a near-tie may flip one greedy token

@@ -235,6 +235,7 @@ class LLM:
                 forward, self.kv, self.table, self.vocab_size, eos, cfg.device,
                 max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running),
                 use_cuda_graph=use_graph and torch.device(cfg.device).type == "cuda",
+                max_draft_nodes=cfg.num_speculative_tokens if cfg.speculative else 0,
             )  # fmt: skip
             decode_graph.capture()
         self.runner = ModelRunner(self.model, self.kv, self.table, self.vocab_size, eos, cfg.device, decode_graph)

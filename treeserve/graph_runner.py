@@ -1,22 +1,33 @@
-"""Decode steps from static buffers: CUDA-graph capture and replay, or the same path eagerly.
+"""Decode and verify steps from static buffers: CUDA-graph capture and replay, or the same path eagerly.
 
-A decode step (one new token per request, every request sampled) is padded to a batch-size
-bucket (``1, 2, 4`` then multiples of 8) and run from buffers that never move: token ids,
-positions, KV slots, the attention metadata (FlashInfer layout: ``kv_indptr`` /
-``kv_page_indices`` (sized for every request at full context) / ``kv_last_page_len``; its host
-fields are fixed per bucket, ``max_kv_len`` at the table's context capacity), the sampling
-parameters and the RNG counters (seeds, absolute positions). Padding rows use the dummy table
-row 0: their token sits at slot 0 of the dummy page 0 with a KV length of 1, so they write and
-read nothing else.
+A step whose items each compute one pending token (plus, with speculation, a draft tree of at
+most ``max_draft_nodes`` nodes), every item sampled, is padded to a *graph key*
+``(batch bucket, draft-node bucket)``: batch buckets are ``1, 2, 4`` then multiples of 8, node
+buckets ``0`` (plain decode) and, when ``max_draft_nodes > 0``, ``1, 2, 4, 8, 16, ...`` up to
+the first ``>= max_draft_nodes``. Every request of a step then has ``1 + K`` query tokens (the
+pending one, then ``K`` draft nodes, the real ones first), run from buffers that never move: token
+ids, positions, KV slots, the attention metadata (FlashInfer layout: ``kv_indptr`` /
+``kv_page_indices`` sized for every request at full context / ``kv_last_page_len``, and for
+verify keys the ``(1 + K)^2`` tree masks), the draft arrays, the sampling parameters and the RNG
+counters (seeds, absolute positions).
 
-On CUDA every bucket is captured, largest first, into one shared memory pool, and a step is a
+Padding never touches a real page: padding requests use the dummy table row 0 (all their tokens
+at slot 0 of the dummy page 0), padding draft nodes write their K/V to slot 0 and attend only to
+the request's prefix and pending token (the tree mask hides them from every real node and their
+own slots from themselves), and the KV pages past a request's real tokens point at page 0.
+A verify key runs the forward, :func:`treeserve.sampling.verify` (a request without a draft gets
+exactly ``sample``'s token) and the fixed-shape compaction of the accepted paths
+(:func:`treeserve.kvcache.padded_path_moves`), all on the device.
+
+On CUDA every key is captured, largest first, into one shared memory pool, and a step is a
 few host->device copies plus one ``graph.replay()``. Warm-up and capture run inside
 ``graph_safe_backends()``, so attention uses the Triton kernel (which reads lengths from the
-buffers on the device) rather than FlashInfer (whose planning reads them on the host). Elsewhere (or with ``use_cuda_graph=False``)
-the very same buffers, padding and buckets run eagerly, which is how CPU tests cover everything
-but the capture itself. Rows whose sampling needs per-step shapes (penalties, logit bias,
-allowed-token lists, more stop ids than ``max_stop_token_ids``) make :meth:`run` return
-``None``: the caller then takes its eager path.
+buffers on the device) rather than FlashInfer (whose planning reads them on the host). Elsewhere
+(or with ``use_cuda_graph=False``) the very same buffers, padding and keys run eagerly, which is
+how CPU tests cover everything but the capture itself. Steps the buffers cannot express
+(penalties, logit bias, allowed-token lists, more stop ids than ``max_stop_token_ids``, more top
+logprobs than ``max_logprobs``, top logprobs in a verify step, draft probabilities) make
+:meth:`DecodeGraphRunner.run` return ``None``: the caller then takes its eager path.
 """
 
 from __future__ import annotations
@@ -24,23 +35,40 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from treeserve.kvcache import AttentionMetadata, KVPool, ReqToTokenTable
+from treeserve.kvcache import AttentionMetadata, KVPool, ReqToTokenTable, compact_tree_path, padded_path_moves
 from treeserve.kvcache._backend import graph_safe_backends
-from treeserve.sampling import MAX_LOGPROBS, SampleOutput, SamplingBatch, SamplingParams, sample
-from treeserve.scheduler import Request, SampledToken, ScheduledBatch
+from treeserve.sampling import (
+    MAX_LOGPROBS,
+    SampleOutput,
+    SamplingBatch,
+    SamplingParams,
+    VerifyOutput,
+    sample,
+    verify,
+)
+from treeserve.sampling.verify import tree_depth
+from treeserve.scheduler import Request, SampledToken, ScheduledBatch, ScheduledItem
 
 if TYPE_CHECKING:
     from treeserve.runner import CausalLM
 
-__all__ = ["DecodeGraphRunner", "decode_buckets", "requests_sampling_batch", "to_sampled_tokens"]
+__all__ = [
+    "DecodeGraphRunner",
+    "DraftArrays",
+    "decode_buckets",
+    "draft_arrays",
+    "requests_sampling_batch",
+    "to_sampled_tokens",
+    "verified_tokens",
+]
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:
-    """Padded batch sizes for decode: ``1, 2, 4, 8, 16, ...``, ending at the first ``>= max_batch``.
+    """Padded sizes: ``1, 2, 4, 8, 16, 24, ...``, ending at the first ``>= max_batch``.
 
     ``max_batch`` must be an int >= 1 (``ValueError`` otherwise).
     """
@@ -85,25 +113,80 @@ def to_sampled_tokens(out: SampleOutput, num_logprobs: Sequence[int | None]) -> 
     return result
 
 
+def verified_tokens(out: VerifyOutput, n: int) -> list[SampledToken]:
+    """Host view of ``out``'s first ``n`` requests: accepted draft tokens, then the bonus or
+    correction token, each with its logprob (token -1 for an invalid request). One host sync."""
+    tokens = out.tokens[:n].tolist()
+    logprobs = out.logprobs[:n].tolist()
+    accepted = out.accept_len[:n].tolist()
+    valid = out.valid[:n].tolist()
+    result = []
+    for b, a in enumerate(accepted):
+        if valid[b]:
+            result.append(SampledToken(tokens[b][a], logprobs[b][a], None, tuple(tokens[b][:a]), tuple(logprobs[b][:a])))
+        else:
+            result.append(SampledToken(-1, float("nan"), None))
+    return result
+
+
+class DraftArrays(NamedTuple):
+    """A step's draft trees as ``[B, K]`` CPU tensors (``K`` >= every item's node count).
+
+    ``tokens`` (0 past a tree's end), ``parents`` (-1 past the end), ``num_draft [B]``, and
+    ``slot_index``: the flat index into the request->slot table (``row * width + position``) of
+    each node's KV slot, 0 (the dummy row's slot 0) past the end.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    num_draft: torch.Tensor
+    slot_index: torch.Tensor
+
+
+def draft_arrays(items: Sequence[ScheduledItem], width: int, k: int) -> DraftArrays:
+    """Pack the draft trees of ``items`` (an item without one has 0 nodes) into ``K = k`` columns.
+
+    Node ``j`` of an item starting at ``start`` sits at position ``start + 1 + j`` of its table
+    row (``width`` = the table's ``max_context_len``).
+    """
+    b = len(items)
+    tokens = torch.zeros(b, k, dtype=torch.long)
+    parents = torch.full((b, k), -1, dtype=torch.long)
+    slot_index = torch.zeros(b, k, dtype=torch.long)
+    num_draft = torch.zeros(b, dtype=torch.long)
+    for i, it in enumerate(items):
+        if it.draft is None or not len(it.draft):
+            continue
+        n = len(it.draft)
+        tokens[i, :n] = torch.tensor(it.draft.tokens)
+        parents[i, :n] = torch.tensor(it.draft.parents)
+        slot_index[i, :n] = it.req.row * width + it.start + 1 + torch.arange(n)
+        num_draft[i] = n
+    return DraftArrays(tokens, parents, num_draft, slot_index)
+
+
 @dataclass(slots=True)
 class _Graph:
-    """One captured bucket: the CUDA graph and the output tensors it refreshes on replay."""
+    """One captured key: the CUDA graph and the output tensors it refreshes on replay."""
 
     graph: torch.cuda.CUDAGraph
-    output: SampleOutput
+    output: SampleOutput | VerifyOutput
 
 
 class DecodeGraphRunner:
-    """Runs decode-only batches of at most ``max_batch`` requests from static, bucket-padded buffers.
+    """Runs decode and verify steps of at most ``max_batch`` requests from static, padded buffers.
 
     ``forward`` is the model call (the model itself, or ``treeserve.compile.compile_model(model)``).
-    ``use_cuda_graph``: ``None`` = capture when ``device``
-    is CUDA; ``True`` on a non-CUDA device raises ``ValueError``. Call :meth:`capture` once
-    after the KV pool exists (a no-op in eager mode); :meth:`run` then serves steps. Sampling
-    gives the same tokens as the eager runner for the same logits: the RNG is keyed by
-    (seed, absolute position), both held in buffers. ``max_logprobs`` bounds the top logprobs a
-    request may ask for here; ``max_stop_token_ids`` bounds its stop ids (beyond EOS).
-    ``num_steps`` counts the steps served, ``capture_seconds`` the time :meth:`capture` took.
+    ``use_cuda_graph``: ``None`` = capture when ``device`` is CUDA; ``True`` on a non-CUDA device
+    raises ``ValueError``. ``max_draft_nodes`` (0 = decode only) is the largest draft tree a
+    verify step may carry per request (the scheduler's ``num_speculative_tokens``). Call
+    :meth:`capture` once after the KV pool exists (a no-op in eager mode); :meth:`run` then
+    serves steps. Sampling and verification give the same tokens as the eager runner for the
+    same logits: the RNG is keyed by (seed, absolute position), both held in buffers.
+    ``max_logprobs`` bounds the top logprobs a decode request may ask for here;
+    ``max_stop_token_ids`` bounds its stop ids (beyond EOS). ``keys`` lists the graph keys
+    ``(batch bucket, node bucket)``; ``num_steps`` counts the steps served (``num_verify_steps``
+    of them with drafts), ``capture_seconds`` the time :meth:`capture` took.
     """
 
     def __init__(
@@ -118,6 +201,7 @@ class DecodeGraphRunner:
         use_cuda_graph: bool | None = None,
         max_logprobs: int = MAX_LOGPROBS,
         max_stop_token_ids: int = 4,
+        max_draft_nodes: int = 0,
     ) -> None:
         self.buckets = decode_buckets(max_batch)
         self.device = kv.k_caches[0].device  # concrete ("cuda:0" where ``device`` may say "cuda")
@@ -129,7 +213,11 @@ class DecodeGraphRunner:
             use_cuda_graph = self.device.type == "cuda"
         if use_cuda_graph and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graph=True needs a CUDA device, got device={self.device}")
-        for name, value in (("max_logprobs", max_logprobs), ("max_stop_token_ids", max_stop_token_ids)):
+        for name, value in (
+            ("max_logprobs", max_logprobs),
+            ("max_stop_token_ids", max_stop_token_ids),
+            ("max_draft_nodes", max_draft_nodes),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if max_logprobs > MAX_LOGPROBS:
@@ -144,27 +232,34 @@ class DecodeGraphRunner:
         self.num_logprobs = max_logprobs
         self.ban_width = len(set(self.eos_token_ids)) + max_stop_token_ids
         self.page_size = kv.page_size
-        self.kv_capacity = -(-table.max_context_len // self.page_size) * self.page_size
-        self.graphs: dict[int, _Graph] = {}
+        self.node_buckets = (0, *decode_buckets(max_draft_nodes)) if max_draft_nodes else (0,)
+        self.keys = tuple((b, k) for b in self.buckets for k in self.node_buckets)
+        self.pages_per_req = -(-(table.max_context_len + self.node_buckets[-1]) // self.page_size)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
         self.capture_seconds = 0.0
         self.num_steps = 0
+        self.num_verify_steps = 0
         self._alloc_buffers()
 
     # ------------------------------------------------------------------ buffers
     def _alloc_buffers(self) -> None:
-        bmax, dev = self.buckets[-1], self.device
-        pages_per_req = self.kv_capacity // self.page_size
+        bmax, kmax, dev = self.buckets[-1], self.node_buckets[-1], self.device
+        q = 1 + kmax
 
         def z(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=dev)
 
         i32, f64 = torch.int32, torch.float64
-        self.input_ids, self.positions, self.out_slots = z(bmax), z(bmax), z(bmax)
-        self.logits_indices = torch.arange(bmax, device=dev)
-        self.qo_indptr = torch.arange(bmax + 1, dtype=i32, device=dev)
+        self.input_ids, self.positions, self.out_slots = z(bmax * q), z(bmax * q), z(bmax * q)
+        self.logits_indices = torch.arange(bmax * q, device=dev)
         self.kv_indptr = z(bmax + 1, dtype=i32)
-        self.kv_page_indices = z(bmax * pages_per_req, dtype=i32)
+        self.kv_page_indices = z(bmax * self.pages_per_req, dtype=i32)
         self.kv_last_page_len = z(bmax, dtype=i32)
+        steps = torch.arange(bmax + 1, dtype=i32, device=dev)
+        self._qo_indptr = {k: steps * (1 + k) for k in self.node_buckets}
+        self._mask_indptr = {k: steps * (1 + k) ** 2 for k in self.node_buckets}
+        self.tree_mask = z(bmax * q * q, dtype=torch.bool)
+        self.draft_tokens, self.draft_parents, self.num_draft = z(bmax * kmax), z(bmax * kmax), z(bmax)
         # Sampling parameters and RNG counters (pad rows: greedy, no filter, seed 0).
         self.temperature = z(bmax, dtype=f64)
         self.greedy = z(bmax, dtype=torch.bool)
@@ -173,17 +268,20 @@ class DecodeGraphRunner:
         self.min_tokens_left, self.seeds, self.gen_positions = z(bmax), z(bmax), z(bmax)
         self._ones, self._zeros = torch.ones(bmax, dtype=f64, device=dev), z(bmax, dtype=f64)
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        """Fresh metadata over the buffers of bucket ``size`` (fresh: backends memoize in it)."""
+    def _meta(self, size: int, k: int) -> AttentionMetadata:
+        """Fresh metadata over the buffers of key ``(size, k)`` (fresh: backends memoize in it)."""
+        q = 1 + k
         return AttentionMetadata(
-            qo_indptr=self.qo_indptr[: size + 1],
+            qo_indptr=self._qo_indptr[k][: size + 1],
             kv_indptr=self.kv_indptr[: size + 1],
-            kv_page_indices=self.kv_page_indices[: size * (self.kv_capacity // self.page_size)],
+            kv_page_indices=self.kv_page_indices[: size * self.pages_per_req],
             kv_last_page_len=self.kv_last_page_len[:size],
             page_size=self.page_size,
-            max_qo_len=1,
-            max_kv_len=self.kv_capacity,
-            num_qo_tokens=size,
+            max_qo_len=q,
+            max_kv_len=self.pages_per_req * self.page_size,
+            num_qo_tokens=size * q,
+            tree_mask=self.tree_mask[: size * q * q] if k else None,
+            tree_mask_indptr=self._mask_indptr[k][: size + 1] if k else None,
         )
 
     def _sampling_batch(self, size: int, flags: SamplingBatch) -> SamplingBatch:
@@ -231,9 +329,9 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one CUDA graph per bucket, largest first, into one memory pool (no-op when eager).
+        """Capture one CUDA graph per key, largest first, into one memory pool (no-op when eager).
 
-        Each bucket is run once before its capture (Triton/compile warm-up) with every row a
+        Each key is run once before its capture (Triton/compile warm-up) with every row a
         padding row. ``capture_seconds`` records the total time.
         """
         if not self.use_cuda_graph or self.graphs:
@@ -242,30 +340,41 @@ class DecodeGraphRunner:
         pool = None
         flags = self._capture_flags()
         with graph_safe_backends():
-            for size in reversed(self.buckets):
-                self._load_padding(size)
+            for size, k in sorted(self.keys, key=lambda key: (key[0] * (1 + key[1]), key), reverse=True):
+                self._load([], None, size, k)
                 stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
-                    self._compute(size, self._meta(size), self._sampling_batch(size, flags))
+                    self._compute(size, k, self._sampling_batch(size, flags))
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = self._compute(size, self._meta(size), self._sampling_batch(size, flags))
+                    out = self._compute(size, k, self._sampling_batch(size, flags))
                 pool = graph.pool()
-                self.graphs[size] = _Graph(graph, out)
+                self.graphs[size, k] = _Graph(graph, out)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SampledToken] | None:
-        """Run a decode-only ``batch`` and return one sampled token per item.
+        """Run a decode or verify ``batch`` and return one sampled token (with the accepted
+        draft tokens) per item.
 
-        Returns ``None`` (nothing computed, nothing written) when the batch is not a pure decode
-        step of at most ``max_batch`` requests, or a row's sampling needs per-step shapes.
+        Returns ``None`` (nothing computed, nothing written) when the batch is not such a step
+        of at most ``max_batch`` requests (each item: its pending token plus its draft, sampled;
+        drafts of at most ``max_draft_nodes`` nodes and without probabilities), or a row's
+        sampling needs per-step shapes.
         """
         items = batch.items
-        if not 1 <= len(items) <= self.max_batch or not all(it.num_tokens == 1 and it.sample for it in items):
+        if not 1 <= len(items) <= self.max_batch:
+            return None
+        need = 0
+        for it in items:
+            nodes = 0 if it.draft is None else len(it.draft)
+            if not it.sample or it.num_tokens != 1 + nodes or (nodes and it.draft.probs is not None):
+                return None
+            need = max(need, nodes)
+        if need > self.node_buckets[-1]:
             return None
         reqs = [it.req for it in items]
         sbatch = requests_sampling_batch(reqs, self.vocab_size, "cpu", self.eos_token_ids)
@@ -274,62 +383,95 @@ class DecodeGraphRunner:
             or sbatch.allowed is not None
             or sbatch.bias_ids.shape[1]
             or sbatch.ban_ids.shape[1] > self.ban_width
-            or sbatch.num_logprobs > self.num_logprobs
+            or sbatch.num_logprobs > (0 if need else self.num_logprobs)  # verify reports no top logprobs
         ):
             return None
         size = self.bucket_for(len(items))
-        self._load(
-            [r.all_ids[it.start] for r, it in zip(reqs, items)],
-            [it.start for it in items],
-            [r.row for r in reqs],
-            sbatch,
-            size,
-        )
-        graph = self.graphs.get(size)
+        k = next(b for b in self.node_buckets if b >= need)
+        self._load(items, sbatch, size, k)
+        graph = self.graphs.get((size, k))
         if graph is not None:
             graph.graph.replay()
             out = graph.output
         else:
-            out = self._compute(size, self._meta(size), self._sampling_batch(size, sbatch))
+            out = self._compute(size, k, self._sampling_batch(size, sbatch))
         self.num_steps += 1
+        if isinstance(out, VerifyOutput):
+            self.num_verify_steps += 1
+            return verified_tokens(out, len(items))
         return to_sampled_tokens(out, [r.params.logprobs for r in reqs])
 
     # ------------------------------------------------------------------ internals
-    def _compute(self, size: int, meta: AttentionMetadata, sbatch: SamplingBatch) -> SampleOutput:
+    def _compute(self, size: int, k: int, sbatch: SamplingBatch) -> SampleOutput | VerifyOutput:
+        """Forward, then sampling (``k == 0``) or verification and KV compaction, on the buffers."""
+        t = size * (1 + k)
         logits = self.forward(
-            self.input_ids[:size],
-            self.positions[:size],
+            self.input_ids[:t],
+            self.positions[:t],
             self.kv,
-            self.out_slots[:size],
-            meta,
-            self.logits_indices[:size],
+            self.out_slots[:t],
+            self._meta(size, k),
+            self.logits_indices[:t],
         )
-        return sample(logits, sbatch, self.gen_positions[:size])
+        if not k:
+            return sample(logits, sbatch, self.gen_positions[:size])
+        out = verify(
+            logits,
+            sbatch,
+            self.draft_tokens[: size * k].view(size, k),
+            self.draft_parents[: size * k].view(size, k),
+            self.num_draft[:size],
+            self.gen_positions[:size],
+        )
+        src, dst = padded_path_moves(self.out_slots[:t].view(size, 1 + k)[:, 1:], out.path)
+        compact_tree_path(self.kv.k_caches, self.kv.v_caches, src, dst)
+        return out
 
-    def _load(
-        self, ids: list[int], positions: list[int], rows: list[int], sbatch: SamplingBatch | None, size: int
-    ) -> None:
-        """Write one step into the buffers of bucket ``size``; rows past ``len(ids)`` become padding."""
-        n, pad = len(ids), size - len(ids)
-        ps = self.page_size
-        long = torch.long
-        rows_t = torch.tensor(rows + [0] * pad, dtype=long)
-        pos_t = torch.tensor(positions + [0] * pad, dtype=long)
-        kv_lens = pos_t + 1
-        npages = torch.div(kv_lens + ps - 1, ps, rounding_mode="floor")
-        starts = torch.cumsum(npages, 0) - npages
-        page_no = torch.arange(int(npages.sum())) - starts.repeat_interleave(npages)
+    def _load(self, items: Sequence[ScheduledItem], sbatch: SamplingBatch | None, size: int, k: int) -> None:
+        """Write one step into the buffers of key ``(size, k)``; rows past ``len(items)`` (all of
+        them when ``items`` is empty) become padding requests, nodes past a draft padding nodes."""
+        n, q, ps = len(items), 1 + k, self.page_size
         width = self.table.max_context_len
-        flat_slots = rows_t.repeat_interleave(npages) * width + page_no * ps  # first slot of each page
-        dev = self.device
-        table = self.table.table
-        self.input_ids[:size].copy_(torch.tensor(ids + [0] * pad, dtype=long))
-        self.positions[:size].copy_(pos_t)
-        self.out_slots[:size].copy_(table[rows_t.to(dev), pos_t.to(dev)])
+        drafts = draft_arrays(items, width, k)
+
+        def padded(values: torch.Tensor, pad_value: int) -> torch.Tensor:
+            return torch.cat([values, values.new_full((size - n, *values.shape[1:]), pad_value)])
+
+        rows = padded(torch.tensor([it.req.row for it in items], dtype=torch.long), 0)
+        starts = padded(torch.tensor([it.start for it in items], dtype=torch.long), 0)
+        pending = padded(torch.tensor([it.req.all_ids[it.start] for it in items], dtype=torch.long), 0)
+        num_draft = padded(drafts.num_draft, 0)
+        tokens, parents = padded(drafts.tokens, 0), padded(drafts.parents, -1)
+        depth, ancestors = tree_depth(parents)  # padding nodes: depth 1
+        ids = torch.cat([pending[:, None], tokens], 1)
+        positions = starts[:, None] + torch.cat([depth.new_zeros(size, 1), depth], 1)
+        slot_index = torch.cat([(rows * width + starts)[:, None], padded(drafts.slot_index, 0)], 1)
+        # KV pages: the table's pages while they hold real tokens, then the dummy page 0.
+        kv_lens = starts + q
+        npages = torch.div(kv_lens + ps - 1, ps, rounding_mode="floor")
+        owner = torch.repeat_interleave(torch.arange(size), npages)
+        page_no = torch.arange(int(npages.sum())) - (torch.cumsum(npages, 0) - npages)[owner]
+        real_page = page_no * ps < (starts + 1 + num_draft)[owner]
+        page_index = torch.where(real_page, rows[owner] * width + page_no * ps, 0)
+        slots = self.table.table.view(-1)[torch.cat([slot_index.reshape(-1), page_index]).to(self.device)]
+        self.input_ids[: size * q].copy_(ids.reshape(-1))
+        self.positions[: size * q].copy_(positions.reshape(-1))
+        self.out_slots[: size * q].copy_(slots[: size * q])
         self.kv_indptr[1 : size + 1].copy_(torch.cumsum(npages, 0))
-        self.kv_page_indices[: page_no.numel()].copy_(table.view(-1)[flat_slots.to(dev)] // ps)
+        self.kv_page_indices[: page_no.numel()].copy_(slots[size * q :] // ps)
         self.kv_last_page_len[:size].copy_(kv_lens - (npages - 1) * ps)
-        self.gen_positions[:size].copy_(pos_t + 1)
+        self.gen_positions[:size].copy_(starts + 1)
+        if k:
+            # Pending token: itself; real node: pending + its real ancestors and itself;
+            # padding node: the pending token only (never its own slot, never seen by others).
+            real = torch.arange(k) < num_draft[:, None]
+            mask = torch.zeros(size, q, q, dtype=torch.bool)
+            mask[:, :, 0] = True
+            mask[:, 1:, 1:] = ancestors & real[:, None, :] & real[:, :, None]
+            self.tree_mask[: size * q * q].copy_(mask.reshape(-1))
+            self.draft_tokens[: size * k].copy_(tokens.reshape(-1))
+            self.draft_parents[: size * k].copy_(parents.reshape(-1))
+            self.num_draft[:size].copy_(num_draft)
         self._load_sampling(sbatch, n, size)
 
     def _load_sampling(self, sbatch: SamplingBatch | None, n: int, size: int) -> None:
@@ -351,7 +493,3 @@ class DecodeGraphRunner:
             getattr(self, name)[:n].copy_(getattr(sbatch, name))
         self.ban_ids[:n, : sbatch.ban_ids.shape[1]].copy_(sbatch.ban_ids)
         self.ban_ids[:n, sbatch.ban_ids.shape[1] :].fill_(-1)
-
-    def _load_padding(self, size: int) -> None:
-        """Every row of bucket ``size`` a padding row (what capture runs on)."""
-        self._load([], [], [], None, size)

@@ -12,7 +12,13 @@ from typing import Protocol
 
 import torch
 
-from treeserve.graph_runner import DecodeGraphRunner, requests_sampling_batch, to_sampled_tokens
+from treeserve.graph_runner import (
+    DecodeGraphRunner,
+    draft_arrays,
+    requests_sampling_batch,
+    to_sampled_tokens,
+    verified_tokens,
+)
 from treeserve.kvcache import AttentionMetadata, KVPool, ReqToTokenTable, compact_tree_path, rollback_slots
 from treeserve.sampling import SamplingBatch, sample, verify
 from treeserve.scheduler import Request, SampledToken, ScheduledBatch, ScheduledItem
@@ -147,50 +153,19 @@ class ModelRunner:
         compact their accepted KV, return their tokens."""
         dev = self.device
         reqs = [it.req for it in items]
-        sizes = [it.num_tokens for it in items]  # 1 + draft nodes
-        m = max(sizes) - 1
-        draft_tokens = torch.zeros(len(items), m, dtype=torch.long)
-        draft_parents = torch.full((len(items), m), -1, dtype=torch.long)
-        draft_slots = torch.zeros(len(items), m, dtype=torch.long)
-        for b, it in enumerate(items):
-            k = len(it.draft)
-            draft_tokens[b, :k] = torch.tensor(it.draft.tokens)
-            draft_parents[b, :k] = torch.tensor(it.draft.parents)
-            draft_slots[b, :k] = self.table.table[it.req.row, it.start + 1 : it.start + 1 + k]
-        num_draft = torch.tensor([s - 1 for s in sizes], dtype=torch.long)
+        drafts = draft_arrays(items, self.table.max_context_len, max(it.num_tokens for it in items) - 1)
+        draft_slots = self.table.table.view(-1)[drafts.slot_index.to(dev)]
+        num_draft = drafts.num_draft.to(dev)
         positions = torch.tensor([r.num_tokens for r in reqs], dtype=torch.long, device=dev)
         out = verify(
             logits,
             self._sampling_batch(reqs),
-            draft_tokens.to(dev),
-            draft_parents.to(dev),
-            num_draft.to(dev),
+            drafts.tokens.to(dev),
+            drafts.parents.to(dev),
+            num_draft,
             positions,
         )
-        plan = rollback_slots(draft_slots.to(dev), num_draft.to(dev), out.path)
+        plan = rollback_slots(draft_slots, num_draft, out.path)
         if plan.src_slots.numel():
             compact_tree_path(self.kv.k_caches, self.kv.v_caches, plan.src_slots, plan.dst_slots)
-        tokens = out.tokens.tolist()  # host sync
-        accepted = out.accept_len.tolist()
-        valid = out.valid.tolist()
-        nan = float("nan")
-        return [
-            SampledToken(tokens[b][a], nan, None, tuple(tokens[b][:a])) if valid[b] else SampledToken(-1, nan, None)
-            for b, a in enumerate(accepted)
-        ]
-        reqs = [items[i].req for i in sample_rows]
-        sbatch = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.seed for r in reqs],
-            [r.all_ids for r in reqs],
-            self.vocab_size,
-            dev,
-            eos_token_ids=self.eos_token_ids,
-            num_generated=[len(r.output_ids) for r in reqs],
-        )
-        gen_positions = torch.tensor([r.num_tokens for r in reqs], dtype=torch.long, device=dev)
-        out = sample(logits, sbatch, gen_positions)
-        sampled = to_sampled_tokens(out, [r.params.logprobs for r in reqs])  # the one host sync
-        for i, token in zip(sample_rows, sampled):
-            results[i] = token
-        return results
+        return verified_tokens(out, len(items))  # host sync

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from treeserve.kvcache import RollbackPlan, compact_tree_path, rollback_slots, store_kv
+from treeserve.kvcache import RollbackPlan, compact_tree_path, padded_path_moves, rollback_slots, store_kv
 
 BACKENDS = ["torch", "triton"]
 
@@ -122,7 +122,7 @@ def test_compact_rejects_bad_input_without_writing() -> None:
     src, dst = torch.tensor([1, 2]), torch.tensor([3, 4])
     cases = [
         (([kc], [vc], src, dst[:1]), ValueError, "same length"),
-        (([kc], [vc], src, torch.tensor([3, 3])), ValueError, "dst_slots must be distinct"),
+        (([kc], [vc], src, torch.tensor([5, 5])), ValueError, "dst_slots must be distinct"),
         (([kc], [vc], torch.tensor([1, 9]), dst), ValueError, r"src_slots must lie in \[0, 8\)"),
         (([kc], [vc, vc], src, dst), ValueError, "equally long"),
         (([], [], src, dst), ValueError, "non-empty"),
@@ -187,6 +187,27 @@ def test_rollback_then_compact_keeps_accepted_kv_in_place(verdict: tuple) -> Non
         assert freed & set(kept.tolist()) == set()
         assert set(slots[r, len(path) : int(nd[r])].tolist()) <= freed
     assert len(freed) == int(nd.sum()) - sum(map(len, paths)) == plan.free_slots.numel()
+
+
+@given(verdict=tree_verdicts(), page_size=st.sampled_from([1, 4]))
+def test_padded_moves_compact_like_the_plan(verdict: tuple, page_size: int) -> None:
+    """The fixed-shape moves (padding as 0 -> 0 on the dummy page) leave the cache exactly as
+    the plan's moves do: every real slot equal, the dummy page untouched."""
+    slots, nd, paths = verdict
+    b, k = slots.shape
+    accepted = torch.full((b, k), -1, dtype=torch.long)
+    for r, path in enumerate(paths):
+        accepted[r, : len(path)] = torch.tensor(path, dtype=torch.long)
+    src, dst = padded_path_moves(slots, accepted)
+    assert src.shape == dst.shape == (b * k,)
+    plan = rollback_slots(slots, nd, accepted)
+    ref = torch.arange(200, dtype=torch.float32).view(200 // page_size, page_size, 1, 1)
+    got = ref.clone()
+    compact_tree_path([ref], [ref.clone()], plan.src_slots, plan.dst_slots, backend="torch")
+    compact_tree_path([got], [got.clone()], src, dst, backend="torch")
+    assert torch.equal(got, ref)
+    moved = (src != 0) | (dst != 0)
+    assert moved.sum() == plan.src_slots.numel()
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,12 @@ class Bench:
 
 
 def make_bench(
-    model: LlamaForCausalLM, page_size: int, max_batch: int, max_requests: int = 40, forward=None
+    model: LlamaForCausalLM,
+    page_size: int,
+    max_batch: int,
+    max_requests: int = 40,
+    forward=None,
+    max_draft_nodes: int = 0,
 ) -> Bench:
     """Everything on the model's device; the graph runner captures when that is CUDA."""
     cfg, dev = model.config, model.device
@@ -85,7 +90,9 @@ def make_bench(
     graph_rec = LogitsRecorder(forward if forward is not None else model)
     eos = list(cfg.eos_token_ids)
     eager = ModelRunner(eager_rec, kv, table, cfg.vocab_size, eos, dev)
-    graph = DecodeGraphRunner(graph_rec, kv, table, cfg.vocab_size, eos, dev, max_batch=max_batch)
+    graph = DecodeGraphRunner(
+        graph_rec, kv, table, cfg.vocab_size, eos, dev, max_batch=max_batch, max_draft_nodes=max_draft_nodes
+    )
     return Bench(model, kv, table, eager, eager_rec, graph, graph_rec)
 
 

@@ -6,8 +6,10 @@ import random
 
 import pytest
 
+from tests.engine.test_speculative import repetitive_prompts
 from treeserve import LLM, SamplingParams
 from treeserve.compile import CompiledForward
+from treeserve.models import random_model, tiny_config
 
 from ._helpers import VOCAB, tiny_model
 
@@ -52,6 +54,34 @@ def test_graph_path_gives_the_eager_outputs(model, page_size: int) -> None:
     assert outs[True] == outs[False]
     for a, b in zip(outs[True, "lp"], outs[False, "lp"]):
         assert a == pytest.approx(b, abs=1e-4)
+
+
+@pytest.mark.parametrize("page_size, width", [(1, 1), (4, 2)])
+def test_speculative_graph_path_gives_the_eager_outputs(page_size: int, width: int) -> None:
+    """n-gram speculation (chains, and trees of width 2) with the verify keys on: the same tokens
+    and logprobs (accepted draft tokens included) as with the graph path off, and the verify
+    keys really serve steps."""
+    loopy = random_model(tiny_config("llama", vocab_size=32, eos_token_ids=(2,)), seed=3, init_std=0.5)
+    prompts = repetitive_prompts(7 + page_size, 10)
+    params = [
+        SamplingParams(max_new_tokens=16, temperature=0.0 if i % 3 else 0.8, top_k=-1 if i % 2 else 8,
+                       logprobs=0 if i % 4 == 0 else None, seed=i)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    outs = {}
+    for graph in (False, True):
+        llm = make_llm(loopy, page_size=page_size, cuda_graph=graph, cuda_graph_max_batch=8, speculative="ngram",
+                       num_speculative_tokens=3, speculative_tree_width=width)  # fmt: skip
+        res = llm.generate(prompts, params, use_tqdm=False)
+        outs[graph] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in res]
+        outs[graph, "lp"] = [o.outputs[0].logprobs for o in res]
+        assert llm.metrics.accepted_tokens > 0
+        if graph:
+            assert llm.runner.decode_graph.node_buckets == (0, 1, 2, 4)
+            assert llm.runner.decode_graph.num_verify_steps > 0
+    assert outs[True] == outs[False]
+    for a, b in zip(outs[True, "lp"], outs[False, "lp"]):
+        assert a == pytest.approx(b, abs=1e-4)  # no NaN: accepted draft tokens have logprobs too
 
 
 def test_engine_config_fields(model) -> None:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 def test_replay_equals_eager(page_size: int) -> None:
     bench = make_bench(tiny_model(device="cuda"), page_size, max_batch=16, max_requests=40)
     bench.graph.capture()
-    assert sorted(bench.graph.graphs) == list(bench.graph.buckets) and bench.graph.capture_seconds > 0
+    assert sorted(bench.graph.graphs) == sorted(bench.graph.keys) and bench.graph.capture_seconds > 0
     rng = random.Random(page_size)
     for n in (1, 3, 8, 13):
         reqs = bench.add_requests(rng, n)  # greedy
@@ -38,3 +38,21 @@ def test_random_numbers_advance_between_replays() -> None:
     per_row = list(zip(*steps))
     assert all(len(set(row)) > 1 for row in per_row), "replays must draw fresh random numbers"
     assert per_row[0] != per_row[2], "different seeds must draw different numbers"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_verify_replay_equals_eager(page_size: int) -> None:
+    """Verify keys captured and replayed: tokens, logprobs and compacted KV equal the eager runner's."""
+    from .test_verify_graph import K, greedy_chain, random_draft, step, verify_item
+    from .test_verify_graph import commit as commit_verified
+
+    bench = make_bench(tiny_model(device="cuda"), page_size, max_batch=8, max_requests=24, max_draft_nodes=K)
+    bench.graph.capture()
+    assert sorted(bench.graph.graphs) == sorted(bench.graph.keys)
+    rng = random.Random(page_size)
+    for n in (1, 3, 7):
+        reqs = bench.add_requests(rng, n)  # greedy
+        for _ in range(2):
+            items = [verify_item(r, random_draft(rng, greedy_chain(bench, r, K), K)) for r in reqs]
+            commit_verified(items, step(bench, items, atol=1e-3))
+    assert bench.graph.num_verify_steps > 0

@@ -150,6 +150,8 @@ def test_bad_arguments(model) -> None:
         DecodeGraphRunner(model, kv, table, 256, max_stop_token_ids=-1)
     with pytest.raises(ValueError, match="max_batch"):
         DecodeGraphRunner(model, kv, table, 256, max_batch=0)
+    with pytest.raises(ValueError, match="max_draft_nodes"):
+        DecodeGraphRunner(model, kv, table, 256, max_draft_nodes=-1)
     with pytest.raises(ValueError, match="must agree"):
         DecodeGraphRunner(model, kv, table, 256, device="meta")
     for n in (0, 5):

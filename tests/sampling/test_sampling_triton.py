@@ -108,8 +108,8 @@ def test_verify_triton_backend_matches_torch() -> None:
     for draft in (None, probs):
         a = verify(target, batch, tokens, parents, nd, pos, draft_probs=draft, backend="triton")
         t = verify(target, batch, tokens, parents, nd, pos, draft_probs=draft, backend="torch")
-        for x, y in zip(a, t):
-            assert torch.equal(x, y)
+        for x, y in zip(a, t):  # logprobs: NaN past the emitted tokens
+            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
 
 
 def test_unknown_backend_rejected() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -36,19 +37,23 @@ def tree_logits(trees, vocab: int, salt: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def greedy_reference(trees, vocab: int, salt: int, params: SamplingParams, history: list[int]) -> list[list[int]]:
+def greedy_reference(
+    trees, vocab: int, salt: int, params: SamplingParams, history: list[int]
+) -> list[tuple[list[int], list[float]]]:
+    """Per tree: the emitted tokens and their logprobs under the processed row they came from."""
     out = []
     for toks, parents in trees:
-        emitted, cur, ctx = [], -1, ()
+        emitted, logprobs, cur, ctx = [], [], -1, ()
         while True:
             row = process_row(table_logits(ctx, vocab, salt).tolist(), params, history + list(ctx), len(ctx))
             best = row.index(max(row))
             child = next((k for k in range(len(toks)) if parents[k] == cur and toks[k] == best), None)
             emitted.append(best)
+            logprobs.append(row[best] - math.log(sum(math.exp(x) for x in row)))
             if child is None:
                 break
             cur, ctx = child, ctx + (best,)
-        out.append(emitted)
+        out.append((emitted, logprobs))
     return out
 
 
@@ -68,8 +73,10 @@ def test_greedy_accepts_longest_argmax_path(trees, salt: int, penalty: float) ->
     batch = SamplingBatch.build([params] * b, list(range(b)), [[1]] * b, vocab, num_generated=[0] * b)
     out = verify(tree_logits(trees, vocab, salt), batch, tokens, parents, nd, torch.zeros(b, dtype=torch.int64))
     want = greedy_reference(trees, vocab, salt, params, [1])
-    for i, w in enumerate(want):
+    for i, (w, lps) in enumerate(want):
         assert out.tokens[i, : out.num_tokens[i]].tolist() == w
+        assert out.logprobs[i, : out.num_tokens[i]].tolist() == pytest.approx(lps, abs=1e-5)
+        assert out.logprobs[i, out.num_tokens[i] :].isnan().all()
         assert int(out.accept_len[i]) == len(w) - 1
         path = out.path[i, : out.accept_len[i]].tolist()
         assert [trees[i][0][k] for k in path] == w[:-1]
@@ -87,7 +94,9 @@ def test_zero_drafts_equals_sample_and_rows_are_batch_invariant() -> None:
     pos = torch.tensor([5, 6, 7, 8])
     empty = torch.zeros(b, 0, dtype=torch.int64)
     out = verify(logits, batch, empty, empty, torch.zeros(b, dtype=torch.int64), pos)
-    assert torch.equal(out.tokens[:, 0], sample(logits, batch, pos).tokens)
+    alone = sample(logits, batch, pos)
+    assert torch.equal(out.tokens[:, 0], alone.tokens)
+    torch.testing.assert_close(out.logprobs[:, 0], alone.logprobs, atol=1e-5, rtol=1e-5)
 
     trees = [([3, 4, 5], [-1, 0, 1]), ([], []), ([7, 7, 2, 9], [-1, -1, 0, 2]), ([1], [-1])]
     tokens, parents, nd = pack(trees)

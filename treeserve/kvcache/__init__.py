@@ -23,18 +23,16 @@ __all__ = [
     "pages_to_slots",
 ]
 
-# --- KV ops and attention (store_kv, compact_tree_path, rollback_slots, AttentionMetadata,
-# paged_attention, build_tree_mask): exported below by their owner, who also extends __all__ ---
-
-# --- KV ops and attention (owner: kernels) ---
+# --- KV ops and attention ---
 from .attention import AttentionMetadata, build_tree_mask, paged_attention  # noqa: E402
-from .ops import RollbackPlan, compact_tree_path, rollback_slots, store_kv  # noqa: E402
+from .ops import RollbackPlan, compact_tree_path, padded_path_moves, rollback_slots, store_kv  # noqa: E402
 
 __all__ += [
     "AttentionMetadata",
     "RollbackPlan",
     "build_tree_mask",
     "compact_tree_path",
+    "padded_path_moves",
     "paged_attention",
     "rollback_slots",
     "store_kv",

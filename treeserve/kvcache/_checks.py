@@ -33,10 +33,13 @@ def check_range(name: str, idx: torch.Tensor, lo: int, hi: int) -> None:
         raise ValueError(f"{name} must lie in [{lo}, {hi}), got values in [{mn_i}, {mx_i}]")
 
 
-def check_distinct(name: str, idx: torch.Tensor) -> None:
-    """Values of ``idx`` must be pairwise distinct (skipped while capturing or compiling)."""
+def check_distinct(name: str, idx: torch.Tensor, ignore_below: int = 0) -> None:
+    """Values of ``idx`` that are ``>= ignore_below`` must be pairwise distinct (skipped while
+    capturing or compiling)."""
     if idx.numel() == 0 or _capturing(idx):
         return
+    if ignore_below:
+        idx = idx[idx >= ignore_below]
     if torch.unique(idx).numel() != idx.numel():
         raise ValueError(f"{name} must be distinct, got a repeated value")
 

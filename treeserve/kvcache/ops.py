@@ -24,7 +24,7 @@ from treeserve.kvcache._checks import (
     check_range,
 )
 
-__all__ = ["RollbackPlan", "compact_tree_path", "rollback_slots", "store_kv"]
+__all__ = ["RollbackPlan", "compact_tree_path", "padded_path_moves", "rollback_slots", "store_kv"]
 
 _OPS_BACKENDS = ("torch", "triton")
 
@@ -89,8 +89,9 @@ def compact_tree_path(
 
     Used after tree verification to make the accepted path contiguous. All sources are read
     before any destination is written, so ``src`` and ``dst`` may overlap in any order.
-    ``dst_slots`` must be distinct (``ValueError`` otherwise); both are ``[M]`` int tensors in
-    range, and every layer's caches share one shape, dtype and device.
+    ``dst_slots`` must be distinct (``ValueError`` otherwise) except on the dummy page 0, where
+    fixed-shape padding moves (see :func:`padded_path_moves`) may repeat; both are ``[M]`` int
+    tensors in range, and every layer's caches share one shape, dtype and device.
     """
     if len(k_caches) != len(v_caches) or len(k_caches) == 0:
         raise ValueError(
@@ -111,7 +112,7 @@ def compact_tree_path(
         if t.device != ref.device:
             raise ValueError(f"{name} is on {t.device} but the caches are on {ref.device}")
         check_range(name, t, 0, _num_slots(ref))
-    check_distinct("dst_slots", dst_slots)
+    check_distinct("dst_slots", dst_slots, ignore_below=ref.shape[1])
     if src_slots.numel() == 0:
         return
     if resolve_backend("compact_tree_path", backend, ref.device, _OPS_BACKENDS) == "triton":
@@ -195,9 +196,27 @@ def rollback_slots(
             raise ValueError("accepted node indices must lie in [0, num_draft[b]) (or -1 as padding)")
         if p > 1 and bool((valid[:, 1:] & (nodes[:, 1:] <= nodes[:, :-1])).any()):
             raise ValueError("accepted node indices must be strictly increasing along each path")
-        src = draft_slots.gather(1, nodes.clamp(min=0))
-        dst = draft_slots[:, :p]
-        move = valid & (src != dst)
+        src, dst, move = _path_moves(draft_slots, nodes)
         src_slots, dst_slots = src[move], dst[move]
     free = (cols >= num_kept[:, None]) & (cols < num_draft[:, None])
     return RollbackPlan(src_slots, dst_slots, draft_slots[free], num_kept)
+
+
+def _path_moves(draft_slots: torch.Tensor, path: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(src, dst, move)``, each ``[B, P]``: the slot of accepted node ``path[b, d]`` goes to
+    draft slot ``d``; ``move`` is False for padding and for nodes already in place."""
+    src = draft_slots.gather(1, path.long().clamp(min=0))
+    dst = draft_slots[:, : path.shape[1]]
+    return src, dst, (path >= 0) & (src != dst)
+
+
+def padded_path_moves(draft_slots: torch.Tensor, path: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compaction of accepted tree paths as fixed-shape ``(src_slots, dst_slots)``, ``[B * P]``.
+
+    ``draft_slots [B, K]`` and ``path [B, P]`` (``P <= K``) are as in :func:`rollback_slots`.
+    Entries that move nothing (padding, nodes already in place) become the no-op move 0 -> 0 on
+    the dummy page, so the shapes never depend on the values: no host sync, safe inside a CUDA
+    graph. Pass the result to :func:`compact_tree_path`; values are not validated here.
+    """
+    src, dst, move = _path_moves(draft_slots, path)
+    return src.masked_fill(~move, 0).reshape(-1), dst.masked_fill(~move, 0).reshape(-1)

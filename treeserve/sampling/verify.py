@@ -4,7 +4,9 @@ Inputs for B requests, request i with ``n_i = num_draft[i]`` draft nodes (0 allo
 
 - ``target_logits [T, V]``, T = sum(1 + n_i): request i's rows are contiguous, its root row
   first (the law of the token after the last committed one), then one row per draft node k
-  (the law of the token after node k), in node order;
+  (the law of the token after node k), in node order; or the padded layout T = B * (M + 1),
+  request i's rows at ``i * (M + 1) + j`` with the rows past ``1 + n_i`` ignored (fixed shapes
+  for CUDA graphs);
 - ``draft_tokens, draft_parents [B, M]`` int64: node k's token and parent (``parent < k``,
   -1 = root; a chain has ``parent[k] = k - 1``); entries past ``n_i`` are ignored;
 - ``draft_probs [N, V]`` or None, N = sum(n_i) rows in the same order: the law node k's token was
@@ -49,7 +51,9 @@ class VerifyOutput(NamedTuple):
     """Result of ``verify`` for B requests (M = the padded number of draft nodes).
 
     ``tokens [B, M+1]``: the emitted tokens (accepted drafts, then the bonus/correction token),
-    -1 padded; ``num_tokens [B]`` = ``accept_len + 1`` (0 for an invalid request);
+    -1 padded; ``logprobs [B, M+1]`` float32: each emitted token's log-probability under the
+    processed distribution of the position it was emitted at (``sample``'s definition), NaN
+    padded; ``num_tokens [B]`` = ``accept_len + 1`` (0 for an invalid request);
     ``accept_len [B]`` accepted draft tokens; ``last_node [B]`` index of the last accepted node
     (-1 = root; KV compaction keeps the nodes in ``path``); ``path [B, M]`` accepted node indices
     root-to-leaf, -1 padded; ``valid [B]`` False when a target or draft row of the request had
@@ -57,6 +61,7 @@ class VerifyOutput(NamedTuple):
     """
 
     tokens: torch.Tensor
+    logprobs: torch.Tensor
     num_tokens: torch.Tensor
     accept_len: torch.Tensor
     last_node: torch.Tensor
@@ -106,8 +111,11 @@ def _check_inputs(
     if ((num_draft < 0) | (num_draft > m)).any():
         raise ValueError(f"num_draft must be in [0, {m}], got {num_draft.tolist()}")
     n = int(num_draft.sum())
-    if target_logits.shape[0] != b + n:
-        raise ValueError(f"target_logits has {target_logits.shape[0]} rows, expected B + sum(num_draft) = {b + n}")
+    if target_logits.shape[0] not in (b + n, b * (m + 1)):
+        raise ValueError(
+            f"target_logits has {target_logits.shape[0]} rows, expected B + sum(num_draft) = {b + n} "
+            f"(ragged) or B * (M + 1) = {b * (m + 1)} (padded)"
+        )
     if draft_probs is not None and draft_probs.shape[0] != n:
         raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows, expected sum(num_draft) = {n}")
     real = torch.arange(m) < num_draft[:, None]
@@ -178,7 +186,7 @@ def prepare_tree(
     # T == B * (M + 1) (a shape, no sync) means every request has M nodes: no padding to gather.
     rows = target_logits if target_logits.shape[0] == b * (m + 1) else target_logits[src.reshape(-1)]
     processed = process_logits(rows, expanded, backend).reshape(b, m + 1, v)
-    valid = ~torch.isnan(processed[:, :, 0]).any(1)
+    valid = ~(torch.isnan(processed[:, :, 0]) & real_rows).any(1)  # padding rows do not count
 
     greedy = batch.greedy[:, None, None]
     target = torch.softmax(processed, dim=-1)
@@ -267,9 +275,17 @@ def assemble(prep: PreparedTree, walk: TreeWalk, final: torch.Tensor) -> VerifyO
     valid = prep.valid
     tokens = torch.cat([walk.accepted, walk.accepted.new_full((b, 1), -1)], 1)
     tokens[torch.arange(b, device=final.device), walk.accept_len] = final
+    tokens = tokens.masked_fill(~valid[:, None], -1)
     accept_len = walk.accept_len.masked_fill(~valid, 0)
+    # Emitted token d was drawn at the root (d = 0) or after the path's node d - 1.
+    rows = torch.cat([walk.path.new_zeros(b, 1), walk.path + 1], 1).clamp(min=0)
+    v = prep.processed.shape[2]
+    chosen = prep.processed.reshape(b, -1).gather(1, rows * v + tokens.clamp(min=0))
+    lse = torch.logsumexp(prep.processed, 2, keepdim=False).gather(1, rows)
+    logprobs = (chosen.to(torch.float64) - lse.to(torch.float64)).to(torch.float32)
     return VerifyOutput(
-        tokens=tokens.masked_fill(~valid[:, None], -1),
+        tokens=tokens,
+        logprobs=logprobs.masked_fill(tokens < 0, float("nan")),
         num_tokens=(accept_len + 1).masked_fill(~valid, 0),
         accept_len=accept_len,
         last_node=walk.last_node.masked_fill(~valid, -1),

@@ -106,12 +106,14 @@ class ScheduledBatch:
 class SampledToken(NamedTuple):
     """What the runner returns for a sampled row: ``accepted`` draft tokens (their KV already
     compacted to follow the pending token), then ``token`` (sampled, or the verification's
-    bonus/correction token). ``logprob`` belongs to ``token``."""
+    bonus/correction token). ``logprob`` belongs to ``token``, ``accepted_logprobs`` (empty, or
+    one per accepted token) to the accepted tokens; a missing logprob is reported as NaN."""
 
     token: int
     logprob: float
     top: dict[int, float] | None
     accepted: tuple[int, ...] = ()
+    accepted_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)
@@ -283,11 +285,12 @@ class Scheduler:
 
     def _commit_tokens(self, req: Request, out: SampledToken) -> FinishReason | None:
         """Append ``out``'s tokens one by one, stopping at the first stop condition."""
-        nan = float("nan")
+        missing = len(out.accepted) - len(out.accepted_logprobs)
+        logprobs = (*out.accepted_logprobs, *[float("nan")] * missing, out.logprob)
         for j, token in enumerate((*out.accepted, out.token)):
             last = j == len(out.accepted)
             req.output_ids.append(token)
-            req.output_logprobs.append(out.logprob if last else nan)
+            req.output_logprobs.append(logprobs[j])
             if last and out.top is not None:
                 req.output_top_logprobs.append(out.top)
             if len(req.output_ids) == 1:
@@ -345,7 +348,7 @@ class Scheduler:
         k = self.config.num_speculative_tokens
         if self.drafter is None or k == 0 or req.num_tokens - req.num_computed != 1:
             return None
-        if req.params.logprobs is not None:
+        if req.params.logprobs:
             return None  # verification reports no top logprobs: such requests decode plainly
         room = min(
             k,
