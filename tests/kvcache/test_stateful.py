@@ -218,6 +218,23 @@ class MemoryMachine(RuleBasedStateMachine):
         self.evict(n)
 
     @rule(data=seqs)
+    def peek(self, data: tuple[int, int, list[int]]) -> None:
+        """``prefix_len`` is the match length and changes nothing (tree, LRU order, counters)."""
+        tokens = self.sequence(data)
+        before = (self.cache.hit_tokens, self.cache.query_tokens, self.cache.evictable_tokens, self.nodes())
+        assert self.cache.prefix_len(tokens) == self.expected_match(tokens)[0]
+        assert (self.cache.hit_tokens, self.cache.query_tokens, self.cache.evictable_tokens, self.nodes()) == before
+
+    def nodes(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Every node's (serial, access time, edge): what a split or a touch would change."""
+        out, stack = [], [self.cache._root]  # noqa: SLF001
+        while stack:
+            node = stack.pop()
+            out.append((node.serial, node.last_access, node.key))
+            stack.extend(node.children.values())
+        return sorted(out)
+
+    @rule(data=seqs)
     def match_and_lock(self, data: tuple[int, int, list[int]]) -> None:
         tokens = self.sequence(data)
         m = self.checked_match(tokens)

@@ -140,6 +140,18 @@ class RadixCache:
         self.hit_tokens += length
         return PrefixMatch(length, torch.cat(values) if values else self._empty.clone(), node)
 
+    def prefix_len(self, tokens: Tokens) -> int:
+        """``match_prefix(tokens).length``, read-only: no split, no LRU touch, no counter update.
+
+        For ranking waiting requests (longest-prefix-match admission) without disturbing the tree.
+        """
+        key = self._as_key(tokens, "tokens")
+        limit = max(len(key) - 1, 0) // self.page_size * self.page_size
+        if self.disable or limit == 0:
+            return 0
+        walk = self._descend(key[:limit])
+        return walk.length + (walk.partial_len if walk.partial is not None else 0)
+
     def insert(self, tokens: Tokens, slots: torch.Tensor) -> int:
         """Cache the page-aligned part of ``tokens`` whose KV is at ``slots``; return tokens already cached.
 

@@ -412,16 +412,14 @@ class Scheduler:
         if len(ids) <= need:
             return False
         head = ids[:need]
-        return any(len(p) > need and p[:need] == head for p in in_flight) and self.radix.match_prefix(
-            ids
-        ).length < need
+        return any(len(p) > need and p[:need] == head for p in in_flight) and self.radix.prefix_len(ids) < need
 
     def _admission_order(self) -> list[Request]:
         waiting = list(self.waiting)
         if self.radix.disable or len(waiting) > self.config.lpm_window:
             return waiting
         # Longest cached prefix first; paused requests keep priority (they were running).
-        lengths = {id(r): self.radix.match_prefix(r.all_ids).length for r in waiting}
+        lengths = {id(r): self.radix.prefix_len(r.all_ids) for r in waiting}
         return sorted(waiting, key=lambda r: (r.state is not RequestState.PAUSED, -lengths[id(r)]))
 
     def _attach(self, req: Request) -> None:
