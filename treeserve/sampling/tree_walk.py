@@ -36,6 +36,13 @@ class TreeWalk(NamedTuple):
     accept_probs: torch.Tensor
 
 
+
+def one_hot(idx: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[..., num_classes]`` rows with 1 at ``idx`` (values in range, unchecked), built by a scatter:
+    unlike ``F.one_hot`` it never validates the values on the host, so it is safe in a CUDA graph."""
+    out = torch.zeros(*idx.shape, num_classes, dtype=dtype, device=idx.device)
+    return out.scatter_(-1, idx[..., None], 1)
+
 def walk_tree(
     target: torch.Tensor,
     draft: torch.Tensor | None,
@@ -65,7 +72,7 @@ def walk_tree(
         considered = (parents[:, k] == cur) & (k < num_draft)
         px = r.gather(1, x[:, None])[:, 0]
         if draft is None:
-            q_row = torch.nn.functional.one_hot(x, r.shape[1]).to(r.dtype)
+            q_row = one_hot(x, r.shape[1], r.dtype)
         else:
             q_row = draft[:, k]
         qx = q_row.gather(1, x[:, None])[:, 0]

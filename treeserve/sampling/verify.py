@@ -37,7 +37,7 @@ from treeserve.sampling.batch import SamplingBatch
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
 from treeserve.sampling.sampler import inverse_cdf, inverse_cdf_weights
-from treeserve.sampling.tree_walk import TreeWalk, walk_tree
+from treeserve.sampling.tree_walk import TreeWalk, one_hot, walk_tree
 
 
 class VerifyUniforms(NamedTuple):
@@ -191,7 +191,7 @@ def prepare_tree(
     greedy = batch.greedy[:, None, None]
     target = torch.softmax(processed, dim=-1)
     if batch.any_greedy:
-        onehot = torch.nn.functional.one_hot(processed.argmax(-1), v).to(target.dtype)
+        onehot = one_hot(processed.argmax(-1), v, target.dtype)
         target = torch.where(greedy, onehot, target)
 
     draft = None
@@ -210,7 +210,7 @@ def prepare_tree(
         valid = valid & (ok | ~real).all(1)
         q = q / mass
         if batch.any_greedy:
-            q = torch.where(greedy, torch.nn.functional.one_hot(draft_tokens.clamp(min=0), v).to(q.dtype), q)
+            q = torch.where(greedy, one_hot(draft_tokens.clamp(min=0), v, q.dtype), q)
         draft = q
     return PreparedTree(processed, target, draft, depth, valid)
 
