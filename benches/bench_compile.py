@@ -68,6 +68,19 @@ def _step_seconds(runner: DecodeGraphRunner | ModelRunner, batch: ScheduledBatch
     return sorted(times)[len(times) // 2]
 
 
+def _compare(benchmark, base, ours, batch: ScheduledBatch, label: str, base_name: str, ours_name: str) -> float:
+    """Time ``base`` then ``ours`` (under pytest-benchmark) on ``batch``; print and record the ratio."""
+    base_s = _step_seconds(base, batch, ROUNDS)
+    ours_s = benchmark.pedantic(_step_seconds, args=(ours, batch, ROUNDS), rounds=1, iterations=1)
+    ratio = base_s / ours_s
+    print(
+        f"\n{label} bf16 {THREADS} threads: {base_name} {base_s * 1e3:.1f} ms, "
+        f"{ours_name} {ours_s * 1e3:.1f} ms -> {ratio:.2f}x"
+    )
+    benchmark.extra_info.update(ratio=ratio, base_ms=base_s * 1e3, ours_ms=ours_s * 1e3)
+    return ratio
+
+
 def test_decode_step_compiled_vs_eager(benchmark, setup) -> None:
     model, kv, table, batch = setup
     cfg = model.config
@@ -80,15 +93,9 @@ def test_decode_step_compiled_vs_eager(benchmark, setup) -> None:
         compiled.run(batch)
     compile_s, compiles = compiled_fwd.compile_seconds, compiled_fwd.num_compiles
     matches = sum(a.token == b.token for a, b in zip(ref, got))
-    eager_s = _step_seconds(eager, batch, ROUNDS)
-    compiled_s = benchmark.pedantic(_step_seconds, args=(compiled, batch, ROUNDS), rounds=1, iterations=1)
-    ratio = eager_s / compiled_s
-    print(
-        f"\ndecode step batch {BATCH} bf16 {THREADS} threads: eager {eager_s * 1e3:.1f} ms, "
-        f"compiled {compiled_s * 1e3:.1f} ms -> {ratio:.2f}x; compile {compile_s:.1f}s "
-        f"({compiles} graphs); greedy tokens equal {matches}/{BATCH}"
-    )
-    benchmark.extra_info.update(ratio=ratio, compile_seconds=compile_s, eager_ms=eager_s * 1e3)
+    _compare(benchmark, eager, compiled, batch, f"decode step batch {BATCH}", "eager", "compiled")
+    print(f"compile {compile_s:.1f}s ({compiles} graphs); greedy tokens equal {matches}/{BATCH}")
+    benchmark.extra_info.update(compile_seconds=compile_s)
     assert compiled_fwd.num_compiles == compiles, "recompiled during timed steps"
     assert matches >= BATCH - 1  # bf16: a near-tie may flip one greedy token
 
@@ -106,14 +113,9 @@ def test_verify_step_static_vs_eager(benchmark, setup) -> None:
     static = DecodeGraphRunner(model, kv, table, cfg.vocab_size, cfg.eos_token_ids, max_batch=BATCH, max_draft_nodes=4)
     ref, got = eager.run(step), static.run(step)  # the step is idempotent: KV rewritten, then compacted
     matches = sum((a.token, a.accepted) == (b.token, b.accepted) for a, b in zip(ref, got))
-    eager_s = _step_seconds(eager, step, ROUNDS)
-    static_s = benchmark.pedantic(_step_seconds, args=(static, step, ROUNDS), rounds=1, iterations=1)
-    ratio = eager_s / static_s
-    print(
-        f"\nverify step batch {BATCH} (0-4 draft nodes, padded to 4) bf16 {THREADS} threads: eager runner "
-        f"{eager_s * 1e3:.1f} ms, static verify key {static_s * 1e3:.1f} ms -> {ratio:.2f}x; outputs equal {matches}/{BATCH}"
-    )
-    benchmark.extra_info.update(ratio=ratio, eager_ms=eager_s * 1e3, static_ms=static_s * 1e3)
+    label = f"verify step batch {BATCH} (0-4 draft nodes, padded to 4)"
+    _compare(benchmark, eager, static, step, label, "eager runner", "static verify key")
+    print(f"outputs equal {matches}/{BATCH}")
     # bf16 on random-token prompts: flat logits, so padded vs ragged GEMM rounding flips near-ties
     # (fp32 is bit-identical: tests/runner/test_verify_graph.py checks that path at 2e-5).
     assert matches >= BATCH // 2
