@@ -123,7 +123,8 @@ def verified_tokens(out: VerifyOutput, n: int) -> list[SampledToken]:
     result = []
     for b, a in enumerate(accepted):
         if valid[b]:
-            result.append(SampledToken(tokens[b][a], logprobs[b][a], None, tuple(tokens[b][:a]), tuple(logprobs[b][:a])))
+            accepted_lps = tuple(logprobs[b][:a])
+            result.append(SampledToken(tokens[b][a], logprobs[b][a], None, tuple(tokens[b][:a]), accepted_lps))
         else:
             result.append(SampledToken(-1, float("nan"), None))
     return result

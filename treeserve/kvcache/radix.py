@@ -127,10 +127,9 @@ class RadixCache:
         """
         key = self._as_key(tokens, "tokens")
         self.query_tokens += len(key)
-        limit = max(len(key) - 1, 0) // self.page_size * self.page_size
-        if self.disable or limit == 0:
+        walk = self._prefix_walk(key)
+        if walk is None:
             return PrefixMatch(0, self._empty.clone(), self._root)
-        walk = self._descend(key[:limit])
         node, length, values = walk.node, walk.length, walk.values
         if walk.partial is not None:
             node = self._split(walk.partial, walk.partial_len)
@@ -145,11 +144,9 @@ class RadixCache:
 
         For ranking waiting requests (longest-prefix-match admission) without disturbing the tree.
         """
-        key = self._as_key(tokens, "tokens")
-        limit = max(len(key) - 1, 0) // self.page_size * self.page_size
-        if self.disable or limit == 0:
+        walk = self._prefix_walk(self._as_key(tokens, "tokens"))
+        if walk is None:
             return 0
-        walk = self._descend(key[:limit])
         return walk.length + (walk.partial_len if walk.partial is not None else 0)
 
     def insert(self, tokens: Tokens, slots: torch.Tensor) -> int:
@@ -424,6 +421,14 @@ class RadixCache:
             path.append(node)
             node = node.parent
         return path
+
+    def _prefix_walk(self, key: tuple[int, ...]) -> _Walk | None:
+        """Read-only walk along the longest matchable part of ``key`` (whole pages, at most
+        ``len(key) - 1`` tokens); ``None`` when nothing can match (disabled cache, short key)."""
+        limit = max(len(key) - 1, 0) // self.page_size * self.page_size
+        if self.disable or limit == 0:
+            return None
+        return self._descend(key[:limit])
 
     def _descend(self, key: tuple[int, ...]) -> _Walk:
         """Read-only walk from the root along ``key`` (a whole number of pages)."""

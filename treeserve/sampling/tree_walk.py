@@ -36,12 +36,12 @@ class TreeWalk(NamedTuple):
     accept_probs: torch.Tensor
 
 
-
 def one_hot(idx: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Tensor:
     """``[..., num_classes]`` rows with 1 at ``idx`` (values in range, unchecked), built by a scatter:
     unlike ``F.one_hot`` it never validates the values on the host, so it is safe in a CUDA graph."""
     out = torch.zeros(*idx.shape, num_classes, dtype=dtype, device=idx.device)
     return out.scatter_(-1, idx[..., None], 1)
+
 
 def walk_tree(
     target: torch.Tensor,
