@@ -17,6 +17,7 @@ _LAZY = {
     "RequestOutput": "treeserve.engine",
     "CompletionOutput": "treeserve.engine",
     "SamplingParams": "treeserve.sampling",
+    "SampleDelta": "treeserve.output",
 }
 
 
@@ -29,4 +30,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'treeserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SampleDelta", "SamplingParams", "__version__"]

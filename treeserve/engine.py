@@ -1,15 +1,25 @@
-"""The ``LLM`` API: ``generate``, ``stream`` and ``chat`` over the continuous-batching engine.
+"""The ``LLM`` API: a step API (``add_request`` / ``step`` / ``abort_request``) and the
+``generate``, ``stream`` and ``chat`` front ends, all over one continuous-batching engine.
 
 ``LLM`` wires a model, the KV pool, the radix prefix cache, the scheduler and the runner
 together and drives the step loop. A request with bad input (empty prompt, prompt longer than
 the context, token ids outside the vocabulary, invalid sampling parameters, more samples than
-the pool can ever hold) comes back with ``error`` set and no outputs; every other request in the
-same call completes normally.
+the pool can ever hold) is refused before anything is queued: ``add_request`` and ``stream``
+raise, ``generate`` returns it with ``error`` set and no outputs while every other request of
+the same call completes normally.
+
+Threads: one lock serializes engine steps, submissions and aborts; every front end collects only
+its own requests' outputs, so several threads may share one ``LLM`` (each call still waits for
+the steps others run). For concurrent serving use the server's async engine, which drives the
+step API from one thread.
 """
 
 from __future__ import annotations
 
+import numbers
+import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,6 +30,7 @@ from treeserve._utils import log_once
 from treeserve.compile import compile_model
 from treeserve.graph_runner import DecodeGraphRunner
 from treeserve.kvcache import KVPool, RadixCache, ReqToTokenTable
+from treeserve.output import SampleDelta, TrackedRequest
 from treeserve.runner import CausalLM, ModelRunner
 from treeserve.sampling import SamplingParams
 from treeserve.scheduler import (
@@ -28,9 +39,12 @@ from treeserve.scheduler import (
     FinishReason,
     NgramDrafter,
     Request,
+    SampledToken,
+    ScheduledBatch,
     Scheduler,
     SchedulerConfig,
     StopChecker,
+    TextState,
 )
 
 Prompt = str | Sequence[int]
@@ -183,12 +197,22 @@ class EngineMetrics:
 
 
 class LLM:
-    """An offline inference engine: ``LLM(model="smollm2-135m-instruct", **config)``.
+    """An inference engine: ``LLM(model="smollm2-135m-instruct", **config)``.
 
     ``model`` is a name or path understood by :func:`treeserve.models.load`, or a
     ``(model, tokenizer)`` pair (tokenizer may be ``None``: then prompts must be token ids and
     stop strings are unavailable; the KV pool takes the given model's dtype, ``dtype`` is then
     ignored). Keyword arguments are :class:`EngineConfig` fields.
+
+    Step API (what a server drives): ``add_request`` validates and queues, ``step`` runs one
+    engine step and returns a :class:`SampleDelta` per sample of those requests with new output,
+    ``abort_request`` frees a request. ``generate``, ``stream`` and ``chat`` run on the same
+    machinery and never see each other's (or the step API's) outputs.
+
+    Failures inside a step: a request that alone makes the model step raise is failed alone
+    (``finish_reason`` "error", ``error`` set) and the others continue; a fault that cannot be
+    pinned on one request fails the step's requests the same way and is re-raised (``generate``
+    and ``stream`` then abort the rest of their own requests). Pages always return to the pool.
     """
 
     def __init__(self, model: str | tuple[CausalLM, Any] = "smollm2-135m-instruct", **config: Any) -> None:
@@ -201,19 +225,27 @@ class LLM:
             from treeserve.models import load
 
             self.model, self.tokenizer = load(model, dtype=dtype, device=cfg.device)
+            self.model_name = model
         else:
             self.model, self.tokenizer = model
             dtype = next(self.model.parameters()).dtype  # the KV pool follows the given model
+            self.model_name = type(self.model).__name__
         mc = self.model.config
         self.vocab_size = mc.vocab_size
-        max_len = cfg.max_model_len or min(mc.max_position_embeddings, 4096)
+        positions = mc.max_position_embeddings
+        if cfg.max_model_len is not None and cfg.max_model_len > positions:
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings ({positions}), "
+                f"got {cfg.max_model_len}"
+            )
+        self.max_model_len: int = cfg.max_model_len or min(positions, 4096)
+        max_len = self.max_model_len
         ps = cfg.page_size
         num_pages = -(-cfg.kv_cache_tokens // ps) + 1  # + the dummy page
         self.kv = KVPool(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, dtype, cfg.device)
         self.radix = RadixCache(self.kv.allocator, ps, disable=not cfg.enable_prefix_cache)
         self.table = ReqToTokenTable(cfg.max_running, -(-max_len // ps) * ps, device=cfg.device)
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids or [])
-        detok = None if self.tokenizer is None else self._detokenize
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_batched_tokens=cfg.max_batched_tokens,
@@ -224,7 +256,7 @@ class LLM:
             self.kv.allocator,
             self.radix,
             self.table,
-            StopChecker(eos, detok),
+            StopChecker(eos, None),  # every request gets an incremental TextState instead
             drafter=self._make_drafter(max_len),
         )
         decode_graph = None
@@ -242,9 +274,69 @@ class LLM:
         self.metrics = EngineMetrics()
         self._seed_gen = torch.Generator()
         self._seed_gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+        self._lock = threading.RLock()
+        self._tracked: dict[str, TrackedRequest] = {}  # step-API requests not fully delivered
         log_once(f"treeserve engine: dtype={cfg.dtype} page_size={ps} kv_tokens={cfg.kv_cache_tokens}")
 
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ step API
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue one prompt (its ``n`` samples share the id); return its id.
+
+        Raises ``ValueError`` / ``TypeError`` naming the field before anything is queued: bad
+        prompt (type, empty, too long for ``max_model_len``, ids outside the vocabulary), bad
+        params, ``n`` samples that can never fit the KV pool, or a ``request_id`` that is live.
+        """
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
+        ids, sp = self._prepare(prompt, self._as_params(params))
+        with self._lock:
+            if request_id in self._tracked:
+                raise ValueError(f"request_id {request_id!r} is already live")
+            self._tracked[request_id] = TrackedRequest(request_id, self._enqueue(ids, sp))
+        return request_id
+
+    def step(self) -> list[SampleDelta]:
+        """Run one engine step (if any request has work); return one delta per step-API sample
+        with new output or a finish since the previous delta.
+
+        A fault re-raised from the step (see the class docstring) leaves the failed requests'
+        final deltas (``finish_reason`` "error") for the next call.
+        """
+        with self._lock:
+            if self.scheduler.has_work():
+                self._step()
+            deltas: list[SampleDelta] = []
+            for rid, tracked in list(self._tracked.items()):
+                deltas.extend(tracked.collect())
+                if tracked.finished:
+                    del self._tracked[rid]
+            return deltas
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a step-API request, freeing its pages and rows; True when it was live. No
+        further delta is produced for it."""
+        with self._lock:
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is None:
+                return False
+            self._abort(tracked.samples)
+            return True
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request (of any front end) runs or waits, or a step-API request has
+        output not yet returned by ``step``."""
+        with self._lock:
+            return self.scheduler.has_work() or bool(self._tracked)
+
+    # ------------------------------------------------------------------ front ends
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -260,43 +352,49 @@ class LLM:
         plist = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(plist))
         entries = [self._submit(p, sp) for p, sp in zip(plist, params)]
-        total = sum(len(reqs) for _, reqs in entries)
+        mine = [r for _, reqs in entries for r in reqs]
         bar = None
-        if use_tqdm and total:
+        if use_tqdm and mine:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)
-        while self.scheduler.has_work():
-            finished = self._step()
-            if bar is not None and finished:
-                bar.update(len(finished))
-        if bar is not None:
-            bar.close()
+            bar = tqdm(total=len(mine), desc="generate", unit="req", dynamic_ncols=True)
+        try:
+            self._drive(mine, bar)
+        finally:
+            if bar is not None:
+                bar.close()
         return [self._output(out, reqs) for out, reqs in entries]
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | dict[str, Any] | None = None
     ) -> Iterator[str]:
-        """Yield the text of one request as it is generated (complete UTF-8 pieces only).
+        """Yield the text of one request as it is generated: complete UTF-8 pieces only, never
+        the start of a stop string; the pieces join to ``generate``'s text.
 
-        Raises ``ValueError`` up front for bad input. Requests already queued keep running.
+        Raises ``ValueError`` / ``TypeError`` for bad input before queuing (``n`` must be 1), and
+        ``RuntimeError`` when the request fails at run time. Closing the generator early aborts
+        the request. Other requests keep running; whoever steps the engine, this stream's output
+        stays this stream's.
         """
-        params = self._as_params_list(sampling_params, 1)[0]
-        out, reqs = self._submit(prompt, params)
-        if out.error is not None:
-            raise ValueError(out.error)
-        if len(reqs) != 1:
-            raise ValueError(f"stream supports n=1, got n={len(reqs)}")
-        req = reqs[0]
-        emitted = ""
-        while not req.is_finished:
-            self._step()
-            text = self._current_text(req)
-            if req.is_finished or not text.endswith("\ufffd"):
-                if len(text) > len(emitted) and text.startswith(emitted):
-                    yield text[len(emitted) :]
-                    emitted = text
-        self._output(out, reqs)
+        sp = self._as_params(sampling_params)
+        if sp.n != 1:
+            raise ValueError(f"stream supports SamplingParams.n=1, got n={sp.n}")
+        ids, sp = self._prepare(prompt, sp)
+        with self._lock:
+            reqs = self._enqueue(ids, sp)
+        tracked = TrackedRequest("stream", reqs)
+        try:
+            while not tracked.finished:
+                with self._lock:
+                    self._drive(reqs, None, max_steps=1)
+                    deltas = tracked.collect()
+                for d in deltas:
+                    if d.text:
+                        yield d.text
+                    if d.finish_reason == FinishReason.ERROR.value:
+                        raise RuntimeError(f"request failed: {d.error}")
+        finally:
+            self._abort(reqs)
 
     def chat(
         self,
@@ -311,6 +409,88 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------------ stepping
+    def _drive(self, reqs: list[Request], bar: Any, max_steps: int | None = None) -> None:
+        """Step the engine until every one of ``reqs`` finished (or ``max_steps`` steps ran);
+        on a fault, abort the unfinished ones, then re-raise."""
+        steps = 0
+        try:
+            while any(not r.is_finished for r in reqs) and (max_steps is None or steps < max_steps):
+                with self._lock:
+                    if any(not r.is_finished for r in reqs):
+                        self._step()
+                steps += 1
+                if bar is not None:
+                    bar.n = sum(r.is_finished for r in reqs)
+                    bar.refresh()
+        except BaseException:
+            self._abort(reqs)
+            raise
+
+    def _step(self) -> None:
+        """One ``schedule -> run -> update`` step, with faults contained (class docstring)."""
+        t0 = time.perf_counter()
+        sched = self.scheduler
+        try:
+            batch = sched.schedule()
+        except Exception as exc:
+            self._fail(list(sched.running), exc)
+            raise
+        if not batch.items:
+            raise RuntimeError("scheduler has work but scheduled nothing (KV pool too small?)")
+        try:
+            sampled = self.runner.run(batch)
+        except Exception as exc:
+            sampled = self._isolate(batch, exc)
+        try:
+            finished = sched.update(batch, sampled)
+        except Exception as exc:
+            self._fail([it.req for it in batch.items], exc)
+            raise
+        now = time.perf_counter()
+        m = self.metrics
+        m.steps += 1
+        m.busy_seconds += now - t0
+        for item, s in zip(batch.items, sampled):
+            if s is not None:
+                m.generated_tokens += 1 + len(s.accepted)
+                if item.req.metrics.first_token is None:
+                    item.req.metrics.first_token = now
+        for req in finished:
+            self._account_finished(req)
+        m.preemptions = sched.num_preemptions
+        spec = sched.spec
+        m.draft_tokens, m.accepted_tokens, m.verify_steps = spec.proposed, spec.accepted, spec.steps
+        alloc = self.kv.allocator
+        m.kv_usage = 1.0 - alloc.num_free / alloc.capacity
+
+    def _isolate(self, batch: ScheduledBatch, exc: Exception) -> list[SampledToken | None]:
+        """The model step of ``batch`` raised ``exc``: rerun each item alone; items that still
+        raise are failed alone. Re-raises ``exc`` when every item fails (not one request's fault)."""
+        sampled: list[SampledToken | None] = []
+        culprits: list[tuple[Request, Exception]] = []
+        for item in batch.items:
+            try:
+                (out,) = self.runner.run(ScheduledBatch([item]))
+            except Exception as alone:
+                culprits.append((item.req, alone))
+                out = None
+            sampled.append(out)
+        for req, err in culprits:
+            self.scheduler.abort(req, FinishReason.ERROR, error=f"{type(err).__name__}: {err}")
+        if len(culprits) == len(batch.items):
+            raise exc
+        return sampled
+
+    def _fail(self, reqs: list[Request], exc: Exception) -> None:
+        for req in reqs:
+            self.scheduler.abort(req, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
+
+    def _abort(self, reqs: list[Request]) -> None:
+        with self._lock:
+            for req in reqs:
+                self.scheduler.abort(req)
 
     # ------------------------------------------------------------------ internals
     def _make_drafter(self, max_len: int) -> Drafter | None:
@@ -333,34 +513,11 @@ class LLM:
         pool = KVPool(dc.num_layers, cfg.kv_cache_tokens + 1, 1, dc.num_kv_heads, dc.head_dim, dtype, cfg.device)
         return DraftModelDrafter(draft, pool, cfg.max_running, max_len, cfg.speculative_tree_width)
 
-    def _step(self) -> list[Request]:
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch.items:
-            raise RuntimeError("scheduler has work but scheduled nothing (KV pool too small?)")
-        sampled = self.runner.run(batch)
-        finished = self.scheduler.update(batch, sampled)
-        now = time.perf_counter()
-        m = self.metrics
-        m.steps += 1
-        m.busy_seconds += now - t0
-        for item, s in zip(batch.items, sampled):
-            if s is not None:
-                m.generated_tokens += 1 + len(s.accepted)
-                if item.req.metrics.first_token is None:
-                    item.req.metrics.first_token = now
-        for req in finished:
-            self._account_finished(req)
-        m.preemptions = self.scheduler.num_preemptions
-        spec = self.scheduler.spec
-        m.draft_tokens, m.accepted_tokens, m.verify_steps = spec.proposed, spec.accepted, spec.steps
-        alloc = self.kv.allocator
-        m.kv_usage = 1.0 - alloc.num_free / alloc.capacity
-        return finished
-
     def _account_finished(self, req: Request) -> None:
         m = self.metrics
         rm = req.metrics
+        if req.sample_index == 0:
+            m.cached_prompt_tokens += rm.cached_prompt_tokens
         if rm.ttft is not None:
             m.ttft_sum += rm.ttft
         tpot = rm.tpot(len(req.output_ids))
@@ -368,24 +525,43 @@ class LLM:
             m.tpot_sum += tpot
             m.tpot_count += 1
 
+    def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """Token ids of ``prompt`` checked against this engine, and ``params``; raises
+        ``ValueError`` / ``TypeError`` naming the problem (nothing is queued here)."""
+        ids = self._encode(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine was built without one")
+        self.scheduler.validate_request(ids, params, self.vocab_size)
+        return ids, params
+
+    def _enqueue(self, ids: list[int], params: SamplingParams) -> list[Request]:
+        """Queue a prepared prompt (caller holds the lock); every sample gets its text state."""
+        seed = params.seed if params.seed is not None else self._fresh_seed()
+        reqs = self.scheduler.new_request(ids, params, seed, self.vocab_size)
+        self.metrics.num_requests += 1
+        self.metrics.prompt_tokens += len(ids)
+        if self.tokenizer is not None:
+            from treeserve.models import StreamDecoder
+
+            for req in reqs:
+                req.text_state = TextState(StreamDecoder(self.tokenizer, skip_special_tokens=True), params.stop)
+        return reqs
+
     def _submit(self, prompt: Prompt, params: SamplingParams | Exception) -> tuple[RequestOutput, list[Request]]:
         text = prompt if isinstance(prompt, str) else None
         out = RequestOutput(request_id=self.metrics.num_requests, prompt=text, prompt_token_ids=[])
-        self.metrics.num_requests += 1
         try:
             if isinstance(params, Exception):
                 raise params
-            ids = self._encode(prompt)
+            ids, params = self._prepare(prompt, params)
             out.prompt_token_ids = ids
-            if params.stop and self.tokenizer is None:
-                raise ValueError("stop strings need a tokenizer; this engine was built without one")
-            seed = params.seed if params.seed is not None else self._fresh_seed()
-            reqs = self.scheduler.new_request(ids, params, seed, self.vocab_size)
+            with self._lock:
+                reqs = self._enqueue(ids, params)
         except (ValueError, TypeError) as exc:
             out.error = f"{type(exc).__name__}: {exc}"
+            self.metrics.num_requests += 1
             self.metrics.num_errors += 1
             return out, []
-        self.metrics.prompt_tokens += len(ids)
         return out, reqs
 
     def _output(self, out: RequestOutput, reqs: list[Request]) -> RequestOutput:
@@ -395,7 +571,7 @@ class LLM:
             out.outputs.append(
                 CompletionOutput(
                     index=req.sample_index,
-                    text=self._current_text(req),
+                    text=self._final_text(req),
                     token_ids=list(req.output_ids),
                     logprobs=list(req.output_logprobs),
                     top_logprobs=list(req.output_top_logprobs),
@@ -413,27 +589,27 @@ class LLM:
             "cached_prompt_tokens": lead.cached_prompt_tokens,
             "num_preemptions": sum(r.metrics.num_preemptions for r in reqs),
         }
-        self.metrics.cached_prompt_tokens += lead.cached_prompt_tokens
         return out
 
-    def _current_text(self, req: Request) -> str:
-        if self.tokenizer is None:
+    @staticmethod
+    def _final_text(req: Request) -> str:
+        state: TextState | None = req.text_state
+        if state is None:
             return ""
-        if req.finish_reason is FinishReason.STOP and isinstance(req.stop_reason, str):
-            return req.text  # already trimmed at the stop string
-        return self._detokenize(req.output_ids)
-
-    def _detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        state.close()
+        return state.text
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids instead")
             return self.tokenizer.encode(prompt)
-        if not all(isinstance(t, int) or (isinstance(t, torch.Tensor) and t.ndim == 0) for t in prompt):
-            raise TypeError("a token-id prompt must be a sequence of ints")
-        return [int(t) for t in prompt]
+        ids = _token_ids(prompt)
+        if ids is None:
+            raise TypeError(
+                f"prompt must be a str or a sequence of int token ids, got {type(prompt).__name__}"
+            )
+        return ids
 
     def _fresh_seed(self) -> int:
         return int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
@@ -442,13 +618,27 @@ class LLM:
     def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(prompts, str):
             return [prompts]
-        if len(prompts) and all(isinstance(t, int) for t in prompts):
+        if prompts is None or isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__len__"):
+            raise TypeError(
+                f"prompts must be a str, a token-id sequence or a list of them, got {type(prompts).__name__}"
+            )
+        if len(prompts) and _token_ids(prompts) is not None:
             return [prompts]  # one token-id prompt
         return list(prompts)
 
     @staticmethod
+    def _as_params(sp: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        if sp is None:
+            return SamplingParams()
+        if isinstance(sp, SamplingParams):
+            return sp
+        if isinstance(sp, dict):
+            return SamplingParams(**sp)
+        raise TypeError(f"sampling params must be a SamplingParams, a dict or None, got {type(sp).__name__}")
+
+    @classmethod
     def _as_params_list(
-        sp: SamplingParams | dict[str, Any] | Sequence[SamplingParams | dict[str, Any]] | None, n: int
+        cls, sp: SamplingParams | dict[str, Any] | Sequence[SamplingParams | dict[str, Any]] | None, n: int
     ) -> list[SamplingParams | Exception]:
         if sp is None or isinstance(sp, (SamplingParams, dict)):
             sp = [sp] * n
@@ -456,13 +646,30 @@ class LLM:
             raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
         out: list[SamplingParams | Exception] = []
         for p in sp:
-            if p is None:
-                out.append(SamplingParams())
-            elif isinstance(p, SamplingParams):
-                out.append(p)
-            else:
-                try:
-                    out.append(SamplingParams(**p))
-                except (ValueError, TypeError) as exc:
-                    out.append(exc)
+            try:
+                out.append(cls._as_params(p))
+            except (ValueError, TypeError) as exc:
+                out.append(exc)
         return out
+
+
+def _token_ids(prompt: Any) -> list[int] | None:
+    """``prompt`` as a list of int token ids (a sequence, 1-D numpy array or tensor of integers;
+    bools refused), or ``None`` when it is not one."""
+    if isinstance(prompt, (str, bytes, bytearray)):
+        return None
+    if hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):  # numpy array / torch tensor
+        dtype = str(getattr(prompt, "dtype", ""))
+        if prompt.ndim != 1 or "int" not in dtype:
+            return None
+        return [int(t) for t in prompt.tolist()]
+    try:
+        items = list(prompt)
+    except TypeError:
+        return None
+    ok = all(
+        (isinstance(t, numbers.Integral) and not isinstance(t, bool) and type(t).__name__ != "bool_")
+        or (isinstance(t, torch.Tensor) and t.ndim == 0 and not t.is_floating_point() and t.dtype != torch.bool)
+        for t in items
+    )
+    return [int(t) for t in items] if ok else None

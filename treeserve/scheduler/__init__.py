@@ -17,7 +17,7 @@ from treeserve.scheduler.scheduler import (
     SpecStats,
     derive_seed,
 )
-from treeserve.scheduler.stop import StopChecker
+from treeserve.scheduler.stop import StopChecker, TextDecoder, TextState, WholeDecoder
 
 __all__ = [
     "DraftModelDrafter",
@@ -36,5 +36,8 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "StopChecker",
+    "TextDecoder",
+    "TextState",
+    "WholeDecoder",
     "derive_seed",
 ]

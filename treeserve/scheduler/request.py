@@ -81,14 +81,18 @@ class Request:
     num_cached: int = 0  # leading tokens whose pages belong to the radix tree (locked by lock)
     lock: Any = None
     num_pages: int = 0  # pages this request allocated itself (beyond the cached prefix)
-    # detokenization / stop strings
-    text: str = ""
-    text_offset_emitted: int = 0
+    # output text (a ``scheduler.stop.TextState``: fed by the stop checker, read by the engine)
+    text_state: Any = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def text(self) -> str:
+        """Output text decoded so far (trimmed at a matched stop string); "" without a text state."""
+        return "" if self.text_state is None else self.text_state.text
 
     @property
     def num_tokens(self) -> int:

@@ -178,12 +178,28 @@ class Scheduler:
     def new_request(
         self, prompt_ids: Sequence[int], params: SamplingParams, seed: int, vocab_size: int
     ) -> list[Request]:
-        """Validate and enqueue a prompt; returns its ``params.n`` requests.
+        """Validate (:meth:`validate_request`) and enqueue a prompt; returns its ``params.n``
+        requests."""
+        prompt = self.validate_request(prompt_ids, params, vocab_size)
+        group = SampleGroup(params.n) if params.n > 1 else None
+        reqs = [
+            Request(
+                rid=next(self._rids),
+                prompt_ids=prompt,
+                params=params,
+                seed=derive_seed(seed, i),
+                group=group,
+                sample_index=i,
+            )
+            for i in range(params.n)
+        ]
+        self.waiting.extend(reqs)
+        return reqs
 
-        Raises ``ValueError`` (nothing enqueued) for an empty prompt, token ids outside
-        ``[0, vocab_size)``, a prompt that leaves no room to generate within ``max_model_len``,
-        or ``n`` samples whose KV could never fit in the pool at once.
-        """
+    def validate_request(self, prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int) -> list[int]:
+        """The prompt as ints, or ``ValueError`` (nothing enqueued) for an empty prompt, token ids
+        outside ``[0, vocab_size)``, a prompt that leaves no room to generate within
+        ``max_model_len``, or ``n`` samples whose KV could never fit in the pool at once."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt must contain at least 1 token, got an empty prompt")
@@ -204,20 +220,7 @@ class Scheduler:
                 f"n={params.n} samples of {total} tokens need ~{need_pages} KV pages; the pool has "
                 f"{self.allocator.capacity}: lower n or max_new_tokens, or grow the KV pool"
             )
-        group = SampleGroup(params.n) if params.n > 1 else None
-        reqs = [
-            Request(
-                rid=next(self._rids),
-                prompt_ids=prompt,
-                params=params,
-                seed=derive_seed(seed, i),
-                group=group,
-                sample_index=i,
-            )
-            for i in range(params.n)
-        ]
-        self.waiting.extend(reqs)
-        return reqs
+        return prompt
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
