@@ -25,7 +25,7 @@ class ScriptedModel(torch.nn.Module):
 
     def __init__(self, script: list[int], prompt_len: int, vocab_size: int, fill: int = 0) -> None:
         super().__init__()
-        self.config = tiny_config("llama", vocab_size=vocab_size, eos_token_ids=())
+        self.config = tiny_config("llama", vocab_size=vocab_size, eos_token_ids=(), max_position_embeddings=4096)
         self.script = torch.tensor(script + [fill], dtype=torch.long)
         self.prompt_len = prompt_len
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the engine a dtype
