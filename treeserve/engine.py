@@ -91,10 +91,19 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        self._check_device()
         for name in ("page_size", "kv_cache_tokens", "max_batched_tokens", "max_running", "cuda_graph_max_batch"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.enable_prefix_cache, bool):
+            raise TypeError(f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}")
+        for name in ("max_model_len", "num_threads", "seed"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise TypeError(f"{name} must be an int or None, got {value!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be None or in [0, 2**63 - 1], got {self.seed}")
         spec = self.speculative
         if not (spec is None or spec == "ngram" or (isinstance(spec, str) and spec.startswith("draft:") and spec[6:])):
             raise ValueError(f"speculative must be None, 'ngram' or 'draft:<model>', got {spec!r}")
@@ -108,6 +117,24 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
         if self.cuda_graph not in (None, True, False) or not isinstance(self.compile, bool):
             raise TypeError(f"cuda_graph must be a bool or None and compile a bool, got {self.cuda_graph!r}, {self.compile!r}")
+
+    def _check_device(self) -> None:
+        if not isinstance(self.device, str):
+            raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', got {self.device!r}")
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"device {self.device!r} is not a device name: {exc}") from exc
+        if dev.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (dev.index or 0) >= count:
+                raise ValueError(f"device {self.device!r} does not exist here ({count} CUDA devices)")
+        elif dev.type != "cpu":
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(slots=True)
@@ -349,7 +376,16 @@ class LLM:
         ``sampling_params`` is one for all prompts or one per prompt (a dict is validated per
         request, so a bad one fails only its own request).
         """
-        plist = self._as_prompt_list(prompts)
+        return self._generate(self._as_prompt_list(prompts), sampling_params, use_tqdm)
+
+    def _generate(
+        self,
+        plist: list[Prompt | Exception],
+        sampling_params: SamplingParams | dict[str, Any] | Sequence[SamplingParams | dict[str, Any]] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """``generate`` over prompts already listed; an ``Exception`` in place of a prompt fails
+        only its own request."""
         params = self._as_params_list(sampling_params, len(plist))
         entries = [self._submit(p, sp) for p, sp in zip(plist, params)]
         mine = [r for _, reqs in entries for r in reqs]
@@ -403,12 +439,30 @@ class LLM:
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        A malformed conversation (not a list of ``{"role": str, "content": str}`` dicts, or one
+        the template rejects) fails only its own request, with ``error`` set.
+        """
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this engine was built without one")
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise TypeError("messages must be a non-empty list of message dicts or of conversations")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        return self._generate([self._render_chat(c) for c in convs], sampling_params, use_tqdm)
+
+    def _render_chat(self, conv: Any) -> str | Exception:
+        if isinstance(conv, (str, bytes)) or not isinstance(conv, Sequence) or not conv:
+            return TypeError(f"a conversation must be a non-empty list of message dicts, got {conv!r:.80}")
+        for i, msg in enumerate(conv):
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                return ValueError(f"message {i} must be a dict with a str 'role', got {msg!r:.80}")
+            if not isinstance(msg.get("content"), str):
+                return ValueError(f"message {i} ({msg['role']}) must have a str 'content', got {msg.get('content')!r:.80}")
+        try:
+            return self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=True)
+        except Exception as exc:  # the template's own errors (raise_exception, undefined names)
+            return ValueError(f"chat template failed on this conversation: {exc}")
 
     # ------------------------------------------------------------------ stepping
     def _drive(self, reqs: list[Request], bar: Any, max_steps: int | None = None) -> None:
@@ -531,6 +585,7 @@ class LLM:
         ids = self._encode(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine was built without one")
+        params.check_producible(self.scheduler.stop_checker.eos_token_ids)
         self.scheduler.validate_request(ids, params, self.vocab_size)
         return ids, params
 
@@ -547,12 +602,13 @@ class LLM:
                 req.text_state = TextState(StreamDecoder(self.tokenizer, skip_special_tokens=True), params.stop)
         return reqs
 
-    def _submit(self, prompt: Prompt, params: SamplingParams | Exception) -> tuple[RequestOutput, list[Request]]:
+    def _submit(self, prompt: Prompt | Exception, params: SamplingParams | Exception) -> tuple[RequestOutput, list[Request]]:
         text = prompt if isinstance(prompt, str) else None
         out = RequestOutput(request_id=self.metrics.num_requests, prompt=text, prompt_token_ids=[])
         try:
-            if isinstance(params, Exception):
-                raise params
+            for bad in (prompt, params):
+                if isinstance(bad, Exception):
+                    raise bad
             ids, params = self._prepare(prompt, params)
             out.prompt_token_ids = ids
             with self._lock:

@@ -111,3 +111,39 @@ def test_max_model_len_checked_against_model_positions(tiny) -> None:
     with pytest.raises(ValueError, match="max_position_embeddings"):
         make_llm(tiny, max_model_len=10**9)
     assert make_llm(tiny, max_model_len=512).max_model_len == 512
+
+
+def test_engine_config_field_types(tiny) -> None:
+    cases = [
+        (dict(seed="abc"), TypeError, "seed"),
+        (dict(max_model_len=2.5), TypeError, "max_model_len"),
+        (dict(enable_prefix_cache="no"), TypeError, "enable_prefix_cache"),
+        (dict(page_size=True), ValueError, "page_size"),
+        (dict(num_threads=1.5), TypeError, "num_threads"),
+        (dict(seed=-1), ValueError, "seed"),
+        (dict(device=7), TypeError, "device"),
+        (dict(device="tpu"), ValueError, "device"),
+    ]
+    if torch.cuda.device_count() < 8:
+        cases.append((dict(device="cuda:7"), ValueError, "does not exist"))
+    for kw, exc, needle in cases:
+        with pytest.raises(exc, match=needle):
+            make_llm(tiny, **kw)
+
+
+def test_sampling_param_edges(tiny) -> None:
+    cases = [
+        (dict(stop=b"x"), TypeError, "stop"),
+        (dict(logit_bias={3: 1e308}), ValueError, "logit_bias"),
+        (dict(temperature=1e-45), ValueError, "temperature"),
+        (dict(allowed_token_ids=[5], stop_token_ids=[5], min_new_tokens=2), ValueError, "allowed_token_ids"),
+    ]
+    for kw, exc, needle in cases:
+        with pytest.raises(exc, match=needle):
+            SamplingParams(**kw)
+    llm = make_llm(tiny)  # EOS (2) is known to the engine only
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.add_request([3, 4], SamplingParams(allowed_token_ids=[2], min_new_tokens=1))
+    assert llm.add_request([3, 4], SamplingParams(allowed_token_ids=[2], min_new_tokens=1, ignore_eos=True))
+    drain_steps(llm)
+    assert_drained(llm)

@@ -121,3 +121,16 @@ def test_per_token_decode_cost_is_flat_for_long_outputs() -> None:
     last = (costs[-1] - costs[3 * n // 4]) / (n - 1 - 3 * n // 4)
     assert last <= 1.2 * first, (first, last)  # ids decoded per token: no growth with length
     assert tok.ids_decoded <= 8 * n, tok.ids_decoded  # a full re-decode per token would be ~n*n/2
+
+
+def test_chat_bad_conversation_fails_alone() -> None:
+    tok = smol_tokenizer()
+    llm = LLM((ScriptedModel(tok.encode("ok", add_special_tokens=False), 3, tok.vocab_size), tok), max_model_len=256)
+    good = [{"role": "user", "content": "hi"}]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=2)
+    outs = llm.chat([good, [{"role": "user"}], [{"content": "x"}], "not a conversation", good], sp)
+    assert [o.error is None for o in outs] == [True, False, False, False, True]
+    assert "content" in outs[1].error and "role" in outs[2].error and "conversation" in outs[3].error
+    with pytest.raises(TypeError, match="messages"):
+        llm.chat(None, sp)  # type: ignore[arg-type]
+    assert not llm.has_unfinished_requests()

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from tests.sampling._sampling_ref import process_row, softmax
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from scipy import stats
 
@@ -22,7 +22,7 @@ EOS = 1
 @st.composite
 def params_st(draw: st.DrawFn, vocab: int) -> SamplingParams:
     ids = st.integers(0, vocab - 1)
-    return SamplingParams(
+    kwargs = dict(
         temperature=draw(st.sampled_from([0.0, 0.5, 1.0, 1.7])),
         top_k=draw(st.sampled_from([-1, 1, 2, 5, vocab - 1, vocab + 3])),
         top_p=draw(st.sampled_from([1.0, 0.95, 0.6, 0.2, 1e-6])),
@@ -37,6 +37,11 @@ def params_st(draw: st.DrawFn, vocab: int) -> SamplingParams:
         ignore_eos=draw(st.booleans()),
         logprobs=draw(st.sampled_from([None, 0, 3])),
     )
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError:  # every allowed token a stop id under min_new_tokens: rejected up front
+        assume(False)
+        raise
 
 
 @st.composite
@@ -94,19 +99,24 @@ def test_sample_stays_in_kept_set_and_greedy_is_argmax(case, k: int, positions) 
     processed = process_logits(logits, batch)
     with candidate_bound(k):
         out = sample(logits, batch, torch.tensor(positions[: len(params)]))
-    rows = torch.arange(len(params))
-    assert torch.isfinite(processed[rows, out.tokens]).all()
-    greedy = batch.greedy
+    # A row with no admissible token (every allowed token an EOS banned by min_new_tokens) is
+    # documented as invalid: token -1. Every other row must sample from its kept set.
+    dead = ~torch.isfinite(processed).any(1)
+    assert (out.tokens[dead] == -1).all()
+    rows = torch.arange(len(params))[~dead]
+    tokens = out.tokens[~dead]
+    assert torch.isfinite(processed[rows, tokens]).all()
+    greedy = batch.greedy & ~dead
     assert torch.equal(out.tokens[greedy], processed[greedy].argmax(1))
     logp = torch.log_softmax(processed.double(), dim=1)
-    torch.testing.assert_close(out.logprobs.double(), logp[rows, out.tokens], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.logprobs[~dead].double(), logp[rows, tokens], rtol=1e-4, atol=1e-4)
     n = batch.num_logprobs
     assert out.top_ids.shape == (len(params), n)
     if n:
-        want_top = torch.sort(logp, dim=1, descending=True).values[:, :n]
-        torch.testing.assert_close(out.top_logprobs.double(), want_top, rtol=1e-4, atol=1e-4)
+        want_top = torch.sort(logp[rows], dim=1, descending=True).values[:, :n]
+        torch.testing.assert_close(out.top_logprobs[~dead].double(), want_top, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(
-            logp.gather(1, out.top_ids), out.top_logprobs.double(), rtol=1e-4, atol=1e-4
+            logp[rows].gather(1, out.top_ids[~dead]), out.top_logprobs[~dead].double(), rtol=1e-4, atol=1e-4
         )
 
 

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
 """Largest number of top logprobs a request may ask for."""
+
+MIN_TEMPERATURE = 1e-5
+"""Smallest positive temperature: below it logits / temperature overflow (use 0 for greedy)."""
+
+MAX_LOGIT_BIAS = 100.0
+"""Largest magnitude of a ``logit_bias`` entry (OpenAI's range; enough to force or ban a token)."""
 
 _PENALTY_RANGE = 2.0
 _MAX_SEED = 2**63 - 1
@@ -54,12 +61,12 @@ class SamplingParams:
     Filtering/sampling fields (applied by ``process_logits``, in this order: penalties ->
     min-token ban -> logit_bias -> allowed_token_ids -> temperature -> top_k -> top_p -> min_p):
 
-    - ``temperature >= 0``; 0 means greedy (argmax of the processed logits).
+    - ``temperature``: 0 (greedy: argmax of the processed logits) or >= 1e-5.
     - ``top_k``: -1 (off) or >= 1. ``top_p`` in (0, 1] (1 = off). ``min_p`` in [0, 1) (0 = off).
     - ``repetition_penalty > 0`` (1 = off; HF semantics, over prompt + output);
       ``frequency_penalty`` and ``presence_penalty`` in [-2, 2] (0 = off; OpenAI semantics, over
       the generated tokens only).
-    - ``logit_bias``: token id -> additive bias (finite). Token ids are checked against the
+    - ``logit_bias``: token id -> additive bias in [-100, 100]. Token ids are checked against the
       vocabulary by ``validate_for_vocab`` (called by ``SamplingBatch.build``).
     - ``allowed_token_ids``: if given (non-empty), every other token is masked out.
     - ``seed``: None (the engine picks one) or an int in [0, 2**63 - 1].
@@ -90,8 +97,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.temperature = _check_real("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"SamplingParams.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}"
+            )
         self._check_filters()
         self._check_penalties()
         self._check_token_sets()
@@ -128,12 +137,18 @@ class SamplingParams:
             if not _is_int(tok) or tok < 0:
                 raise ValueError(f"SamplingParams.logit_bias keys must be token ids >= 0, got {tok!r}")
             bias[tok] = _check_real(f"logit_bias[{tok}]", b)
+            if abs(bias[tok]) > MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"SamplingParams.logit_bias[{tok}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b!r}"
+                )
         self.logit_bias = bias
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("SamplingParams.allowed_token_ids must be None or non-empty")
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
+        if isinstance(self.stop, (bytes, bytearray)):
+            raise TypeError("SamplingParams.stop must be a str or a sequence of str, got bytes")
         if isinstance(self.stop, str):
             self.stop = (self.stop,) if self.stop else ()
         else:
@@ -156,6 +171,7 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {min_new}"
             )
+        self.check_producible(())
         if _check_int("n", self.n) < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
         if self.logprobs is not None:
@@ -167,6 +183,19 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the request takes the argmax (temperature 0)."""
         return self.temperature == 0.0
+
+    def check_producible(self, eos_token_ids: Sequence[int]) -> None:
+        """Raise ``ValueError`` when no token could ever be produced: every allowed token is a stop
+        token (``stop_token_ids``, plus ``eos_token_ids`` unless ``ignore_eos``), all banned
+        while fewer than ``min_new_tokens > 0`` tokens were generated."""
+        if self.min_new_tokens == 0 or not self.allowed_token_ids:
+            return
+        banned = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+        if set(self.allowed_token_ids) <= banned:
+            raise ValueError(
+                "SamplingParams.allowed_token_ids are all stop/EOS ids, which min_new_tokens="
+                f"{self.min_new_tokens} bans: no token can be produced"
+            )
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise ``ValueError`` if a token id in this request is outside ``[0, vocab_size)``."""
