@@ -377,7 +377,11 @@ class RadixCache:
             return tuple(tokens.tolist())
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
             raise TypeError(f"{name} must be a sequence of token ids or a 1-D integer tensor, got {type(tokens).__name__}")
-        return tokens if isinstance(tokens, tuple) else tuple(tokens)
+        key = tokens if isinstance(tokens, tuple) else tuple(tokens)
+        if not all(type(t) is int for t in key):  # exact type: bools and floats are not ids
+            bad = next(t for t in key if type(t) is not int)
+            raise TypeError(f"{name} must hold int token ids, got {type(bad).__name__} {bad!r}")
+        return key
 
     def _checked_slots(self, slots: torch.Tensor, num_tokens: int, checked: int) -> torch.Tensor:
         """Validate ``slots`` for ``num_tokens`` tokens; ``slots[:checked]`` must cover allocated pages.

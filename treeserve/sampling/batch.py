@@ -83,6 +83,8 @@ class SamplingBatch:
         naming the argument on inconsistent lengths, out-of-vocab ids or bad seeds.
         """
         n = len(params)
+        if n == 0:
+            raise ValueError("params must list at least one request (a batch of 0 rows has nothing to sample)")
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
         for name, seq in (("seeds", seeds), ("histories", histories)):

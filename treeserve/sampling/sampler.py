@@ -90,6 +90,10 @@ def sample(
     """
     if positions.shape != (batch.num_rows,):
         raise ValueError(f"positions must have shape [{batch.num_rows}], got {tuple(positions.shape)}")
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
+    if positions.device.type == "cpu" and bool((positions < 0).any()):  # no host sync on GPUs
+        raise ValueError(f"positions must be >= 0, got {positions.min().item()}")
     backend = resolve_backend(backend, logits.device)
     f = filter_logits(logits, batch, backend=backend)
     if batch.all_greedy:  # no draw: the argmax, and the kept set's normalizer for the logprobs

@@ -214,7 +214,8 @@ class Scheduler:
             )
         params.validate_for_vocab(vocab_size)
         total = min(len(prompt) + params.max_new_tokens, max_len)
-        need_pages = self._pages_for(len(prompt)) + params.n * self._pages_for(total - len(prompt) + 1)
+        shared = len(prompt) // self.page_size  # whole prompt pages the samples share via the tree
+        need_pages = shared + params.n * (self._pages_for(total) - shared)
         if need_pages > self.allocator.capacity:
             raise ValueError(
                 f"n={params.n} samples of {total} tokens need ~{need_pages} KV pages; the pool has "
