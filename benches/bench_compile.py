@@ -2,7 +2,7 @@
 
 - torch.compile vs eager for one decode step: both run the decode graph runner's static,
   bucket-padded path (on CPU it runs eagerly); only the model forward differs: ``model`` itself
-  vs ``treeserve.compile.compile_model(model)`` (inductor). Reports the compile time and the
+  vs ``treeserve.runner.compile_model(model)`` (inductor). Reports the compile time and the
   per-step ratio; the engine keeps ``compile=False`` by default unless the compiled step is
   faster here.
 - A speculative verify step (ragged drafts of 0-4 nodes) through the graph runner's verify key
@@ -21,8 +21,8 @@ import time
 import pytest
 import torch
 
-from treeserve.compile import compile_model
-from treeserve.graph_runner import DecodeGraphRunner
+from treeserve.runner import compile_model
+from treeserve.runner import DecodeGraphRunner
 from treeserve.kvcache import KVPool, ReqToTokenTable, pages_to_slots
 from treeserve.runner import ModelRunner
 from treeserve.sampling import SamplingParams

@@ -21,7 +21,7 @@ import torch
 from _timing import min_seconds  # benches/ is on sys.path (no __init__.py)
 
 from treeserve.models import load, resolve_model_path
-from treeserve.models.sequence import PagedSequence
+from treeserve.runner import PagedSequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CTX = 512

@@ -27,14 +27,11 @@ from typing import Any
 import torch
 
 from treeserve._utils import log_once
-from treeserve.compile import compile_model
-from treeserve.graph_runner import DecodeGraphRunner
 from treeserve.kvcache import KVPool, RadixCache, ReqToTokenTable
 from treeserve.output import SampleDelta, TrackedRequest
-from treeserve.runner import CausalLM, ModelRunner
+from treeserve.runner import CausalLM, DecodeGraphRunner, DraftModelDrafter, ModelRunner, compile_model
 from treeserve.sampling import SamplingParams
 from treeserve.scheduler import (
-    DraftModelDrafter,
     Drafter,
     FinishReason,
     NgramDrafter,

@@ -155,7 +155,7 @@ def fault_expected(tiny) -> list[list[int]]:
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(faults=st.lists(st.tuples(st.sampled_from(TARGETS), st.integers(0, 8)), min_size=1, max_size=4))
 def test_faults_at_random_steps_leave_a_clean_engine(tiny, fault_expected, faults) -> None:
-    import treeserve.runner as runner_mod
+    import treeserve.runner.eager as runner_mod
 
     llm = make_llm(tiny, speculative="ngram", num_speculative_tokens=3, kv_cache_tokens=600, max_running=6)
     owners = {

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
 from treeserve.models import LlamaForCausalLM
-from treeserve.models.sequence import PagedSequence
+from treeserve.runner import PagedSequence
 from treeserve.models.weights import hf_state_dict
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from treeserve.graph_runner import DecodeGraphRunner
+from treeserve.runner import DecodeGraphRunner
 from treeserve.kvcache import KVPool, ReqToTokenTable, pages_to_slots
 from treeserve.models import LlamaForCausalLM, random_model, tiny_config
 from treeserve.runner import ModelRunner

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from treeserve.compile import compile_model
+from treeserve.runner import compile_model
 
 from ._helpers import commit, make_bench, step_and_compare, tiny_model
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.engine.test_speculative import repetitive_prompts
 from treeserve import LLM, SamplingParams
-from treeserve.compile import CompiledForward
+from treeserve.runner import CompiledForward
 from treeserve.models import random_model, tiny_config
 
 from ._helpers import VOCAB, tiny_model

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeserve.graph_runner import DecodeGraphRunner, decode_buckets
+from treeserve.runner import DecodeGraphRunner, decode_buckets
 from treeserve.sampling import SamplingParams
 from treeserve.scheduler import ScheduledBatch, ScheduledItem
 

@@ -24,7 +24,9 @@ __all__ = [
 ]
 
 # --- KV ops and attention ---
-from .attention import AttentionMetadata, build_tree_mask, paged_attention  # noqa: E402
+from .attention import paged_attention  # noqa: E402
+from .backends import graph_safe_backends  # noqa: E402
+from .metadata import AttentionMetadata, build_tree_mask  # noqa: E402
 from .ops import RollbackPlan, compact_tree_path, padded_path_moves, rollback_slots, store_kv  # noqa: E402
 
 __all__ += [
@@ -32,6 +34,7 @@ __all__ += [
     "RollbackPlan",
     "build_tree_mask",
     "compact_tree_path",
+    "graph_safe_backends",
     "padded_path_moves",
     "paged_attention",
     "rollback_slots",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from treeserve.kvcache.attention import AttentionMetadata
+from treeserve.kvcache.metadata import AttentionMetadata
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 _workspaces: dict[torch.device, torch.Tensor] = {}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from treeserve.kvcache.attention import AttentionMetadata
+from treeserve.kvcache.metadata import AttentionMetadata
 
 
 @dataclass(slots=True)

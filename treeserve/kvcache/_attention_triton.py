@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treeserve.kvcache.attention import AttentionMetadata
+from treeserve.kvcache.metadata import AttentionMetadata
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

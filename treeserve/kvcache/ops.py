@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from treeserve.kvcache._backend import resolve_backend
+from treeserve.kvcache.backends import resolve_backend
 from treeserve.kvcache._checks import (
     check_cache_pair,
     check_distinct,

@@ -14,7 +14,6 @@ from treeserve.models.gguf_loader import load_gguf_model, open_gguf
 from treeserve.models.hf_loader import load_hf_model
 from treeserve.models.llama import LlamaForCausalLM, truncated_copy
 from treeserve.models.loader import EMBEDDED_MODELS, LoadedModel, load, resolve_model_path
-from treeserve.models.sequence import PagedSequence
 from treeserve.models.synthetic import random_model, save_hf_dir
 from treeserve.models.tokenizer import StreamDecoder, Tokenizer
 from treeserve.models.weights import MissingTensorError
@@ -27,7 +26,6 @@ __all__ = [
     "LoadedModel",
     "MissingTensorError",
     "ModelConfig",
-    "PagedSequence",
     "StreamDecoder",
     "Tokenizer",
     "load",

@@ -5,7 +5,7 @@ Never imports ``treeserve.models``: the model is reached only through the runner
 
 from __future__ import annotations
 
-from treeserve.scheduler.drafter import DraftModelDrafter, Drafter, DraftTree, NgramDrafter
+from treeserve.scheduler.drafter import Drafter, DraftTree, NgramDrafter
 from treeserve.scheduler.request import FinishReason, Request, RequestMetrics, RequestState
 from treeserve.scheduler.scheduler import (
     SampledToken,
@@ -20,7 +20,6 @@ from treeserve.scheduler.scheduler import (
 from treeserve.scheduler.stop import StopChecker, TextDecoder, TextState, WholeDecoder
 
 __all__ = [
-    "DraftModelDrafter",
     "DraftTree",
     "Drafter",
     "NgramDrafter",

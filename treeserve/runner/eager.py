@@ -8,34 +8,18 @@ batch item. It synchronizes with the host once per step, when the sampled tokens
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from itertools import accumulate
 
 import torch
 
-from treeserve.graph_runner import (
-    DecodeGraphRunner,
-    draft_arrays,
-    requests_sampling_batch,
-    to_sampled_tokens,
-    verified_tokens,
-)
-from treeserve.kvcache import AttentionMetadata, KVPool, ReqToTokenTable, compact_tree_path, rollback_slots
+from treeserve.kvcache import KVPool, ReqToTokenTable, compact_tree_path, rollback_slots
+from treeserve.runner.graph import DecodeGraphRunner
+from treeserve.runner.inputs import CausalLM, StepInputs, build_step_inputs, draft_arrays, requests_sampling_batch
+from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
 from treeserve.sampling import SamplingBatch, sample, verify
 from treeserve.scheduler import Request, SampledToken, ScheduledBatch, ScheduledItem
 
-
-class CausalLM(Protocol):
-    """What the runner needs of a model (``treeserve.models.LlamaForCausalLM`` is one)."""
-
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv: KVPool,
-        out_slots: torch.Tensor,
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor: ...
+__all__ = ["CausalLM", "ModelRunner"]
 
 
 class ModelRunner:
@@ -75,55 +59,9 @@ class ModelRunner:
             done = self.decode_graph.run(batch)
             if done is not None:
                 return list(done)
-        items = batch.items
-        ps = self.page_size
-        ids: list[int] = []
-        positions: list[int] = []
-        qo_lens: list[int] = []
-        kv_lens: list[int] = []
-        rows: list[int] = []
-        parents: list[list[int] | None] = []
-        logit_rows: list[int] = []
-        logit_end: list[int] = []  # per item: end of its rows in the logits
-        for it in items:
-            req, start, n = it.req, it.start, it.num_tokens
-            offset = len(ids)
-            if it.draft is None:
-                ids.extend(req.all_ids[start : start + n])
-                positions.extend(range(start, start + n))
-                parents.append(None)
-                if it.sample:
-                    logit_rows.append(offset + n - 1)
-            else:  # pending token, then the draft nodes at their tree depths
-                ids.append(req.all_ids[start])
-                ids.extend(it.draft.tokens)
-                positions.append(start)
-                positions.extend(start + d for d in it.draft.depths())
-                parents.append([-1] + [p + 1 for p in it.draft.parents])
-                logit_rows.extend(range(offset, offset + n))
-            qo_lens.append(n)
-            kv_lens.append(start + n)
-            rows.append(req.row)
-            logit_end.append(len(logit_rows))
-        dev = self.device
-        table = self.table.table
-        qo = torch.tensor(qo_lens, dtype=torch.long)
-        row_t = torch.tensor(rows, dtype=torch.long)
-        starts = torch.tensor([it.start for it in items], dtype=torch.long)
-        offsets = torch.arange(int(qo.sum())) - torch.repeat_interleave(torch.cumsum(qo, 0) - qo, qo)
-        # KV goes to consecutive slots after the pending token's (draft nodes in node order).
-        out_slots = table[row_t.repeat_interleave(qo), starts.repeat_interleave(qo) + offsets]
-        width = -(-max(kv_lens) // ps) * ps
-        tree = parents if any(p is not None for p in parents) else None
-        meta = AttentionMetadata.build(qo_lens, kv_lens, table[row_t, :width], ps, tree_parents=tree, device=dev)
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv,
-            out_slots.to(dev),
-            meta,
-            torch.tensor(logit_rows, dtype=torch.long, device=dev),
-        )
+        items, dev = batch.items, self.device
+        step, logit_end = self._inputs(items)
+        logits = self.model(step.input_ids, step.positions, self.kv, step.out_slots, step.meta, step.logits_indices)
         results: list[SampledToken | None] = [None] * len(items)
         plain = [i for i, it in enumerate(items) if it.sample and it.draft is None]
         drafted = [i for i, it in enumerate(items) if it.draft is not None]
@@ -138,6 +76,45 @@ class ModelRunner:
             for i, token in zip(drafted, verified):
                 results[i] = token
         return results
+
+    def _inputs(self, items: list[ScheduledItem]) -> tuple[StepInputs, list[int]]:
+        """The step inputs of ``items`` and, per item, the end of its rows in the logits.
+
+        A plain item computes tokens ``[start, start + n)`` (logits of the last one when it
+        samples); a drafted item its pending token then the draft nodes at their tree depths,
+        KV in node order after the pending token's slot, logits of every node.
+        """
+        ids: list[int] = []
+        logit_rows: list[int] = []
+        drafted: list[int] = []
+        for i, it in enumerate(items):
+            if it.draft is None:
+                ids.extend(it.req.all_ids[it.start : it.start + it.num_tokens])
+                logit_rows.append(1 if it.sample else 0)
+            else:
+                ids.append(it.req.all_ids[it.start])
+                ids.extend(it.draft.tokens)
+                logit_rows.append(it.num_tokens)
+                drafted.append(i)
+        qo = torch.tensor([it.num_tokens for it in items], dtype=torch.long)
+        parents = None
+        if drafted:  # causal items are chains, drafted ones their trees under the pending token
+            width = int(qo.max())
+            parents = (torch.arange(width) - 1).repeat(len(items), 1)
+            for i in drafted:
+                tree = items[i].draft
+                parents[i, 1 : 1 + len(tree)] = torch.tensor(tree.parents, dtype=torch.long) + 1
+        step = build_step_inputs(
+            self.table.table,
+            torch.tensor([it.req.row for it in items], dtype=torch.long),
+            torch.tensor([it.start for it in items], dtype=torch.long),
+            qo,
+            torch.tensor(ids, dtype=torch.long),
+            self.page_size,
+            torch.tensor(logit_rows, dtype=torch.long),
+            parents=parents,
+        )
+        return step, list(accumulate(logit_rows))
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         return requests_sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids)

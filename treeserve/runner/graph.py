@@ -35,36 +35,23 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from treeserve.kvcache import AttentionMetadata, KVPool, ReqToTokenTable, compact_tree_path, padded_path_moves
-from treeserve.kvcache._backend import graph_safe_backends
-from treeserve.sampling import (
-    MAX_LOGPROBS,
-    SampleOutput,
-    SamplingBatch,
-    SamplingParams,
-    VerifyOutput,
-    sample,
-    verify,
+from treeserve.kvcache import (
+    AttentionMetadata,
+    KVPool,
+    ReqToTokenTable,
+    compact_tree_path,
+    graph_safe_backends,
+    padded_path_moves,
 )
-from treeserve.sampling.verify import tree_depth
-from treeserve.scheduler import Request, SampledToken, ScheduledBatch, ScheduledItem
+from treeserve.runner.inputs import CausalLM, build_step_inputs, draft_arrays, requests_sampling_batch
+from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
+from treeserve.sampling import MAX_LOGPROBS, SampleOutput, SamplingBatch, SamplingParams, VerifyOutput, sample, verify
+from treeserve.scheduler import SampledToken, ScheduledBatch, ScheduledItem
 
-if TYPE_CHECKING:
-    from treeserve.runner import CausalLM
-
-__all__ = [
-    "DecodeGraphRunner",
-    "DraftArrays",
-    "decode_buckets",
-    "draft_arrays",
-    "requests_sampling_batch",
-    "to_sampled_tokens",
-    "verified_tokens",
-]
+__all__ = ["DecodeGraphRunner", "decode_buckets"]
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:
@@ -79,105 +66,10 @@ def decode_buckets(max_batch: int) -> tuple[int, ...]:
     return (*below, next(b for b in candidates if b >= max_batch))
 
 
-def requests_sampling_batch(
-    reqs: Sequence[Request], vocab_size: int, device: torch.device | str, eos_token_ids: Sequence[int]
-) -> SamplingBatch:
-    """The sampling rows of ``reqs`` for this step: their params, seeds, histories and counts."""
-    return SamplingBatch.build(
-        [r.params for r in reqs],
-        [r.seed for r in reqs],
-        [r.all_ids for r in reqs],
-        vocab_size,
-        device,
-        eos_token_ids=eos_token_ids,
-        num_generated=[len(r.output_ids) for r in reqs],
-    )
-
-
-def to_sampled_tokens(out: SampleOutput, num_logprobs: Sequence[int | None]) -> list[SampledToken]:
-    """Host view of ``out``'s first ``len(num_logprobs)`` rows; row ``j`` keeps ``num_logprobs[j]`` top entries.
-
-    This is the step's one device->host sync.
-    """
-    n = len(num_logprobs)
-    tokens = out.tokens[:n].tolist()
-    logprobs = out.logprobs[:n].tolist()
-    want_top = any(num_logprobs)
-    top_ids = out.top_ids[:n].tolist() if want_top else None
-    top_lps = out.top_logprobs[:n].tolist() if want_top else None
-    result = []
-    for j in range(n):
-        k = num_logprobs[j] or 0
-        top = dict(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids is not None else None
-        result.append(SampledToken(tokens[j], logprobs[j], top))
-    return result
-
-
-def verified_tokens(out: VerifyOutput, n: int) -> list[SampledToken]:
-    """Host view of ``out``'s first ``n`` requests: accepted draft tokens, then the bonus or
-    correction token, each with its logprob (token -1 for an invalid request). One host sync."""
-    tokens = out.tokens[:n].tolist()
-    logprobs = out.logprobs[:n].tolist()
-    accepted = out.accept_len[:n].tolist()
-    valid = out.valid[:n].tolist()
-    result = []
-    for b, a in enumerate(accepted):
-        if valid[b]:
-            accepted_lps = tuple(logprobs[b][:a])
-            result.append(SampledToken(tokens[b][a], logprobs[b][a], None, tuple(tokens[b][:a]), accepted_lps))
-        else:
-            result.append(SampledToken(-1, float("nan"), None))
-    return result
-
-
-class DraftArrays(NamedTuple):
-    """A step's draft trees as ``[B, K]`` CPU tensors (``K`` >= every item's node count).
-
-    ``tokens`` (0 past a tree's end), ``parents`` (-1 past the end), ``num_draft [B]``, and
-    ``slot_index``: the flat index into the request->slot table (``row * width + position``) of
-    each node's KV slot, 0 (the dummy row's slot 0) past the end.
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    num_draft: torch.Tensor
-    slot_index: torch.Tensor
-
-
-def draft_arrays(items: Sequence[ScheduledItem], width: int, k: int) -> DraftArrays:
-    """Pack the draft trees of ``items`` (an item without one has 0 nodes) into ``K = k`` columns.
-
-    Node ``j`` of an item starting at ``start`` sits at position ``start + 1 + j`` of its table
-    row (``width`` = the table's ``max_context_len``).
-    """
-    b = len(items)
-    tokens = torch.zeros(b, k, dtype=torch.long)
-    parents = torch.full((b, k), -1, dtype=torch.long)
-    slot_index = torch.zeros(b, k, dtype=torch.long)
-    num_draft = torch.zeros(b, dtype=torch.long)
-    for i, it in enumerate(items):
-        if it.draft is None or not len(it.draft):
-            continue
-        n = len(it.draft)
-        tokens[i, :n] = torch.tensor(it.draft.tokens)
-        parents[i, :n] = torch.tensor(it.draft.parents)
-        slot_index[i, :n] = it.req.row * width + it.start + 1 + torch.arange(n)
-        num_draft[i] = n
-    return DraftArrays(tokens, parents, num_draft, slot_index)
-
-
-@dataclass(slots=True)
-class _Graph:
-    """One captured key: the CUDA graph and the output tensors it refreshes on replay."""
-
-    graph: torch.cuda.CUDAGraph
-    output: SampleOutput | VerifyOutput
-
-
 class DecodeGraphRunner:
     """Runs decode and verify steps of at most ``max_batch`` requests from static, padded buffers.
 
-    ``forward`` is the model call (the model itself, or ``treeserve.compile.compile_model(model)``).
+    ``forward`` is the model call (the model itself, or ``treeserve.runner.compile_model(model)``).
     ``use_cuda_graph``: ``None`` = capture when ``device`` is CUDA; ``True`` on a non-CUDA device
     raises ``ValueError``. ``max_draft_nodes`` (0 = decode only) is the largest draft tree a
     verify step may carry per request (the scheduler's ``num_speculative_tokens``). Call
@@ -429,11 +321,11 @@ class DecodeGraphRunner:
         return out
 
     def _load(self, items: Sequence[ScheduledItem], sbatch: SamplingBatch | None, size: int, k: int) -> None:
-        """Write one step into the buffers of key ``(size, k)``; rows past ``len(items)`` (all of
-        them when ``items`` is empty) become padding requests, nodes past a draft padding nodes."""
-        n, q, ps = len(items), 1 + k, self.page_size
-        width = self.table.max_context_len
-        drafts = draft_arrays(items, width, k)
+        """Copy one step into the buffers of key ``(size, k)``; rows past ``len(items)`` (all of
+        them when ``items`` is empty) become padding requests, nodes past a draft padding nodes
+        (the step inputs come from :func:`build_step_inputs`, like every other step's)."""
+        n, q = len(items), 1 + k
+        drafts = draft_arrays(items, self.table.max_context_len, k)
 
         def padded(values: torch.Tensor, pad_value: int) -> torch.Tensor:
             return torch.cat([values, values.new_full((size - n, *values.shape[1:]), pad_value)])
@@ -443,33 +335,30 @@ class DecodeGraphRunner:
         pending = padded(torch.tensor([it.req.all_ids[it.start] for it in items], dtype=torch.long), 0)
         num_draft = padded(drafts.num_draft, 0)
         tokens, parents = padded(drafts.tokens, 0), padded(drafts.parents, -1)
-        depth, ancestors = tree_depth(parents)  # padding nodes: depth 1
-        ids = torch.cat([pending[:, None], tokens], 1)
-        positions = starts[:, None] + torch.cat([depth.new_zeros(size, 1), depth], 1)
-        slot_index = torch.cat([(rows * width + starts)[:, None], padded(drafts.slot_index, 0)], 1)
-        # KV pages: the table's pages while they hold real tokens, then the dummy page 0.
-        kv_lens = starts + q
-        npages = torch.div(kv_lens + ps - 1, ps, rounding_mode="floor")
-        owner = torch.repeat_interleave(torch.arange(size), npages)
-        page_no = torch.arange(int(npages.sum())) - (torch.cumsum(npages, 0) - npages)[owner]
-        real_page = page_no * ps < (starts + 1 + num_draft)[owner]
-        page_index = torch.where(real_page, rows[owner] * width + page_no * ps, 0)
-        slots = self.table.table.view(-1)[torch.cat([slot_index.reshape(-1), page_index]).to(self.device)]
-        self.input_ids[: size * q].copy_(ids.reshape(-1))
-        self.positions[: size * q].copy_(positions.reshape(-1))
-        self.out_slots[: size * q].copy_(slots[: size * q])
-        self.kv_indptr[1 : size + 1].copy_(torch.cumsum(npages, 0))
-        self.kv_page_indices[: page_no.numel()].copy_(slots[size * q :] // ps)
-        self.kv_last_page_len[:size].copy_(kv_lens - (npages - 1) * ps)
+        qo = torch.full((size,), q, dtype=torch.long)
+        # Pending token at the root, nodes below it (padding nodes: children of the pending token).
+        local_parents = torch.cat([parents.new_full((size, 1), -1), parents + 1], 1) if k else None
+        step = build_step_inputs(
+            self.table.table,
+            rows,
+            starts,
+            qo,
+            torch.cat([pending[:, None], tokens], 1).reshape(-1),
+            self.page_size,
+            qo,
+            parents=local_parents,
+            num_real=1 + num_draft,
+        )
+        meta = step.meta
+        self.input_ids[: size * q].copy_(step.input_ids)
+        self.positions[: size * q].copy_(step.positions)
+        self.out_slots[: size * q].copy_(step.out_slots)
+        self.kv_indptr[1 : size + 1].copy_(meta.kv_indptr[1:])
+        self.kv_page_indices[: meta.kv_page_indices.numel()].copy_(meta.kv_page_indices)
+        self.kv_last_page_len[:size].copy_(meta.kv_last_page_len)
         self.gen_positions[:size].copy_(starts + 1)
         if k:
-            # Pending token: itself; real node: pending + its real ancestors and itself;
-            # padding node: the pending token only (never its own slot, never seen by others).
-            real = torch.arange(k) < num_draft[:, None]
-            mask = torch.zeros(size, q, q, dtype=torch.bool)
-            mask[:, :, 0] = True
-            mask[:, 1:, 1:] = ancestors & real[:, None, :] & real[:, :, None]
-            self.tree_mask[: size * q * q].copy_(mask.reshape(-1))
+            self.tree_mask[: size * q * q].copy_(meta.tree_mask)
             self.draft_tokens[: size * k].copy_(tokens.reshape(-1))
             self.draft_parents[: size * k].copy_(parents.reshape(-1))
             self.num_draft[:size].copy_(num_draft)

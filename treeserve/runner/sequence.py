@@ -1,8 +1,8 @@
 """``PagedSequence``: run one token sequence through a model over its own paged KV pool.
 
-The smallest caller of ``LlamaForCausalLM.forward``: it allocates pages, computes slots,
-positions and attention metadata for each chunk of new tokens. Used by tests, benchmarks and
-examples; the engine's scheduler/runner do the same for many sequences at once.
+The smallest caller of ``LlamaForCausalLM.forward``: it allocates pages and builds each chunk's
+inputs with the runner's step-input builder (its page slots are a one-row slot table). Used by
+tests, benchmarks and examples; the engine's runner does the same for many sequences at once.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from treeserve.kvcache import AttentionMetadata, KVPool
-from treeserve.models.llama import LlamaForCausalLM
+from treeserve.kvcache import KVPool
+from treeserve.models import LlamaForCausalLM
+from treeserve.runner.inputs import build_step_inputs
 
 __all__ = ["PagedSequence"]
 
@@ -68,17 +69,15 @@ class PagedSequence:
     def extend(self, token_ids: Sequence[int] | torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Append ``token_ids`` (one chunk); return float32 logits ``[n, vocab]`` (``[1, vocab]``:
         only the last token's, unless ``all_logits``). Raises ``ValueError`` past ``max_len``."""
-        device = self.model.device
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=device).reshape(-1)
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         n = ids.numel()
         if n < 1 or self.length + n > self.max_len:
             raise ValueError(f"chunk must hold 1..{self.max_len - self.length} tokens, got {n}")
         start, end = self.length, self.length + n
-        positions = torch.arange(start, end, device=device)
-        meta = AttentionMetadata.build(
-            [n], [end], [self._pages.tolist()], self.page_size, device=device
+        one = torch.ones(1, dtype=torch.long)
+        step = build_step_inputs(
+            self._slots[None], one * 0, one * start, one * n, ids, self.page_size, one * (n if all_logits else 1)
         )
-        rows = torch.arange(n, device=device) if all_logits else torch.tensor([n - 1], device=device)
-        logits = self.model(ids, positions, self.pool, self._slots[start:end], meta, rows)
+        logits = self.model(step.input_ids, step.positions, self.pool, step.out_slots, step.meta, step.logits_indices)
         self.length = end
         return logits

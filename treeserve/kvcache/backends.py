@@ -19,7 +19,7 @@ _graph_safe_depth = 0
 def graph_safe_backends() -> Iterator[None]:
     """Within this block ``auto`` skips FlashInfer, whose planning reads the metadata on the host.
 
-    Used around CUDA-graph warm-up and capture (``treeserve.graph_runner``), so that the kernels
+    Used around CUDA-graph warm-up and capture (``treeserve.runner.graph``), so that the kernels
     warmed up are the ones captured, and nothing syncs with the host during capture.
     """
     global _graph_safe_depth

@@ -1,0 +1,35 @@
+"""treeserve.runner: everything that runs a model for a step.
+
+- ``inputs``: the one vectorized builder of a step's model inputs (:func:`build_step_inputs`).
+- ``eager``: :class:`ModelRunner`, any batch, eager forward + sampling/verification.
+- ``graph``: :class:`DecodeGraphRunner`, decode/verify steps from static buffers (CUDA graphs).
+- ``compile``: ``torch.compile`` of the forward (:func:`compile_model`).
+- ``outputs``: the host view of sampled/verified tokens (the step's one host sync).
+- ``drafter``: :class:`DraftModelDrafter`, drafts from a smaller model over its own KV.
+- ``sequence``: :class:`PagedSequence`, one sequence through a model (tests, benchmarks).
+
+Imports point down only: ``kvcache``, ``sampling``, ``scheduler`` (its batch/request types) and,
+for the draft model, ``models``.
+"""
+
+from __future__ import annotations
+
+from treeserve.runner.compile import CompiledForward, compile_model
+from treeserve.runner.drafter import DraftModelDrafter
+from treeserve.runner.eager import CausalLM, ModelRunner
+from treeserve.runner.graph import DecodeGraphRunner, decode_buckets
+from treeserve.runner.inputs import StepInputs, build_step_inputs
+from treeserve.runner.sequence import PagedSequence
+
+__all__ = [
+    "CausalLM",
+    "CompiledForward",
+    "DecodeGraphRunner",
+    "DraftModelDrafter",
+    "ModelRunner",
+    "PagedSequence",
+    "StepInputs",
+    "build_step_inputs",
+    "compile_model",
+    "decode_buckets",
+]

@@ -1,0 +1,238 @@
+"""One vectorized builder of a step's model inputs, shared by every caller of the model forward.
+
+The eager runner, the static (CUDA-graph) runner, the draft-model drafter and
+:class:`~treeserve.runner.sequence.PagedSequence` all describe a step the same way: for each
+request ``b`` a row of a per-token slot table, the position ``starts[b]`` of its first new token,
+``qo_lens[b]`` new tokens, and optionally a token tree over them. :func:`build_step_inputs`
+turns that into the flat token ids, positions, KV write slots, :class:`AttentionMetadata` and
+logits rows of the model forward contract, with tensor ops only (no per-token Python loop) and
+one host->device copy of the index data.
+
+Everything here trusts its caller (the scheduler or the static runner built the description);
+validation of hand-made metadata lives at the API boundary, ``AttentionMetadata.build``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from treeserve.kvcache import AttentionMetadata, KVPool
+from treeserve.sampling import SamplingBatch
+from treeserve.scheduler import Request, ScheduledItem
+
+__all__ = [
+    "CausalLM",
+    "DraftArrays",
+    "StepInputs",
+    "build_step_inputs",
+    "draft_arrays",
+    "requests_sampling_batch",
+    "tree_ancestors",
+]
+
+
+class CausalLM(Protocol):
+    """What the runner needs of a model (``treeserve.models.LlamaForCausalLM`` is one)."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVPool,
+        out_slots: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """The model forward's arguments for one step (all on the step's device).
+
+    ``input_ids``, ``positions``, ``out_slots``: ``[N]`` (``N = sum(qo_lens)``);
+    ``logits_indices``: the flat token rows whose logits the forward returns, item by item.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """Ancestor-or-self masks ``[B, M, M]`` of trees given as local parent arrays ``[B, M]``.
+
+    ``parents[b, k] < k`` (topological order) or ``-1`` (a child of the cached prefix); one
+    vectorized pass per node column, no host read.
+    """
+    b, m = parents.shape
+    anc = torch.zeros(b, m, m, dtype=torch.bool, device=parents.device)
+    rows = torch.arange(b, device=parents.device)
+    eye = torch.eye(m, dtype=torch.bool, device=parents.device)
+    for k in range(m):
+        par = parents[:, k]
+        has = par >= 0
+        anc[:, k] = (anc[rows, par.clamp(min=0)] & has[:, None]) | eye[k]
+    return anc
+
+
+def build_step_inputs(
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    qo_lens: torch.Tensor,
+    input_ids: torch.Tensor,
+    page_size: int,
+    logit_rows: torch.Tensor,
+    *,
+    parents: torch.Tensor | None = None,
+    num_real: torch.Tensor | None = None,
+) -> StepInputs:
+    """Model inputs of a step over the slot table ``table [R, W]`` (its device is the step's).
+
+    Per request ``b`` (CPU int64 tensors ``[B]``): ``rows[b]`` its table row, ``starts[b]`` the
+    position of its first new token, ``qo_lens[b] >= 1`` its new tokens (``input_ids``, flat,
+    request by request), ``logit_rows[b]`` how many of its last new tokens get logits (0, 1 or
+    ``qo_lens[b]``). New token ``i`` writes its K/V to ``table[row, start + i]``.
+
+    ``parents`` (``[B, max qo]``, optional): token ``i``'s parent among the request's new tokens
+    (``-1``: the cached prefix); positions are then ``start + depth`` and attention follows the
+    tree (a causal request is the chain ``-1, 0, 1, ...``). ``num_real[b]`` (default
+    ``qo_lens``): only the first ``num_real[b]`` new tokens are real; the others are padding
+    that writes to slot 0, sees only the request's first new token and the prefix, and is seen
+    by nobody, and KV pages past the real tokens read as page 0 (the dummy page).
+    """
+    dev = table.device
+    width = table.shape[1]
+    bsz = rows.numel()
+    total = int(qo_lens.sum())
+    qo_max = int(qo_lens.max())
+    owner = torch.repeat_interleave(torch.arange(bsz), qo_lens, output_size=total)
+    qo_indptr = torch.zeros(bsz + 1, dtype=torch.long)
+    torch.cumsum(qo_lens, 0, out=qo_indptr[1:])
+    offs = torch.arange(total) - qo_indptr[:-1][owner]
+    real_len = qo_lens if num_real is None else num_real
+    tok_real = offs < real_len[owner]
+    kv_lens = starts + qo_lens
+    # Positions and tree masks.
+    if parents is None:
+        positions = starts[owner] + offs
+        tree_mask = None
+    else:
+        anc = _step_ancestors(parents, qo_lens, qo_max)
+        valid = torch.arange(qo_max) < qo_lens[:, None]
+        depth = (anc.sum(-1) - 1)[valid]
+        positions = starts[owner] + depth
+        real = torch.arange(qo_max) < real_len[:, None]
+        mask = anc & real[:, None, :]
+        tree_mask = mask[valid[:, :, None] & valid[:, None, :]].to(dev, non_blocking=True)
+    # KV pages: the table's pages while they hold real tokens, then the dummy page 0.
+    npages = torch.div(kv_lens + page_size - 1, page_size, rounding_mode="floor")
+    kv_indptr = torch.zeros(bsz + 1, dtype=torch.long)
+    torch.cumsum(npages, 0, out=kv_indptr[1:])
+    num_pages = int(kv_indptr[-1])
+    page_owner = torch.repeat_interleave(torch.arange(bsz), npages, output_size=num_pages)
+    page_no = torch.arange(num_pages) - kv_indptr[:-1][page_owner]
+    real_page = page_no * page_size < (starts + real_len)[page_owner]
+    page_index = torch.where(real_page, rows[page_owner] * width + page_no * page_size, 0)
+    slot_index = torch.where(tok_real, rows[owner] * width + starts[owner] + offs, 0)
+    keep = offs >= (qo_lens - logit_rows)[owner]
+    logits_indices = keep.nonzero().view(-1)
+    last_page_len = kv_lens - (npages - 1) * page_size
+    # One host->device copy of every index, one gather from the table.
+    packed = torch.cat([slot_index, page_index, positions, logits_indices, qo_indptr, kv_indptr, last_page_len])
+    packed = packed.to(dev, non_blocking=True)
+    gathered = table.view(-1)[packed[: total + num_pages]]
+    sizes = (total, num_pages, total, logits_indices.numel(), bsz + 1, bsz + 1, bsz)
+    _, _, positions_d, logits_d, qo_indptr_d, kv_indptr_d, last_d = packed.split(sizes)
+    i32 = torch.int32
+    meta = AttentionMetadata(
+        qo_indptr=qo_indptr_d.to(i32),
+        kv_indptr=kv_indptr_d.to(i32),
+        kv_page_indices=torch.div(gathered[total:], page_size, rounding_mode="floor").to(i32),
+        kv_last_page_len=last_d.to(i32),
+        page_size=page_size,
+        max_qo_len=qo_max,
+        max_kv_len=int(kv_lens.max()),
+        num_qo_tokens=total,
+        tree_mask=tree_mask,
+        tree_mask_indptr=None if tree_mask is None else _square_indptr(qo_lens).to(dev, non_blocking=True),
+    )
+    ids = input_ids.to(dev, non_blocking=True)
+    return StepInputs(ids, positions_d, gathered[:total], meta, logits_d)
+
+
+def _square_indptr(qo_lens: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(qo_lens.numel() + 1, dtype=torch.int32)
+    torch.cumsum(qo_lens * qo_lens, 0, out=out[1:])
+    return out
+
+
+def _step_ancestors(parents: torch.Tensor, qo_lens: torch.Tensor, qo_max: int) -> torch.Tensor:
+    """Ancestor-or-self masks ``[B, Q, Q]``: the chains (causal requests) as a lower triangle,
+    the other trees walked over their own (small) width only."""
+    chain = torch.arange(qo_max) - 1
+    is_tree = ((parents != chain) & (torch.arange(qo_max) < qo_lens[:, None])).any(1)
+    anc = torch.ones(qo_max, qo_max, dtype=torch.bool).tril().expand(parents.shape[0], -1, -1).clone()
+    trees = is_tree.nonzero().view(-1)
+    if trees.numel():
+        width = int(qo_lens[trees].max())
+        anc[trees, :width, :width] = tree_ancestors(parents[trees, :width])
+    return anc
+
+
+class DraftArrays(NamedTuple):
+    """A step's draft trees as ``[B, K]`` CPU tensors (``K`` >= every item's node count).
+
+    ``tokens`` (0 past a tree's end), ``parents`` (-1 past the end), ``num_draft [B]``, and
+    ``slot_index``: the flat index into the request->slot table (``row * width + position``) of
+    each node's KV slot, 0 (the dummy row's slot 0) past the end.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    num_draft: torch.Tensor
+    slot_index: torch.Tensor
+
+
+def draft_arrays(items: Sequence[ScheduledItem], width: int, k: int) -> DraftArrays:
+    """Pack the draft trees of ``items`` (an item without one has 0 nodes) into ``K = k`` columns.
+
+    Node ``j`` of an item starting at ``start`` sits at position ``start + 1 + j`` of its table
+    row (``width`` = the table's ``max_context_len``).
+    """
+    b = len(items)
+    tokens = torch.zeros(b, k, dtype=torch.long)
+    parents = torch.full((b, k), -1, dtype=torch.long)
+    num_draft = torch.zeros(b, dtype=torch.long)
+    for i, it in enumerate(items):
+        if it.draft is not None and len(it.draft):
+            n = len(it.draft)
+            tokens[i, :n] = torch.tensor(it.draft.tokens)
+            parents[i, :n] = torch.tensor(it.draft.parents)
+            num_draft[i] = n
+    rows = torch.tensor([it.req.row for it in items], dtype=torch.long)
+    starts = torch.tensor([it.start for it in items], dtype=torch.long)
+    node = torch.arange(k)
+    slot_index = torch.where(node < num_draft[:, None], (rows * width + starts + 1)[:, None] + node, 0)
+    return DraftArrays(tokens, parents, num_draft, slot_index)
+
+
+def requests_sampling_batch(
+    reqs: Sequence[Request], vocab_size: int, device: torch.device | str, eos_token_ids: Sequence[int]
+) -> SamplingBatch:
+    """The sampling rows of ``reqs`` for this step: their params, seeds, histories and counts."""
+    return SamplingBatch.build(
+        [r.params for r in reqs],
+        [r.seed for r in reqs],
+        [r.all_ids for r in reqs],
+        vocab_size,
+        device,
+        eos_token_ids=eos_token_ids,
+        num_generated=[len(r.output_ids) for r in reqs],
+    )
