@@ -104,8 +104,8 @@ def build_step_inputs(
     (``-1``: the cached prefix); positions are then ``start + depth`` and attention follows the
     tree (a causal request is the chain ``-1, 0, 1, ...``). ``num_real[b]`` (default
     ``qo_lens``): only the first ``num_real[b]`` new tokens are real; the others are padding
-    that writes to slot 0, sees only the request's first new token and the prefix, and is seen
-    by nobody, and KV pages past the real tokens read as page 0 (the dummy page).
+    that writes to ``table[0, 0]`` (slot 0 of a ``ReqToTokenTable``'s dummy row), sees only the request's first new token and the prefix, and is seen
+    by nobody, and KV pages past the real tokens read as the page of ``table[0, 0]`` (the dummy page).
     """
     dev = table.device
     width = table.shape[1]

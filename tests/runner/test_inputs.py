@@ -1,0 +1,86 @@
+"""The step-input builder against the validated reference path (``AttentionMetadata.build``)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treeserve.kvcache import AttentionMetadata, build_tree_mask
+from treeserve.runner import build_step_inputs
+
+
+@st.composite
+def steps(draw):
+    ps = draw(st.sampled_from([1, 2, 4]))
+    width = 32
+    b = draw(st.integers(1, 5))
+    nrows = b + 1
+    # Each row owns random distinct pages, page-aligned slots (a real table's layout).
+    perm = torch.randperm(nrows * width // ps, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    pages = perm.view(nrows, width // ps) + 1
+    table = (pages[:, :, None] * ps + torch.arange(ps)).reshape(nrows, width)
+    rows = torch.tensor(draw(st.permutations(range(nrows)))[:b])
+    starts, qo, parents, logit_rows = [], [], [], []
+    for _ in range(b):
+        start = draw(st.integers(0, 20))
+        n = draw(st.integers(1, 8))
+        tree = draw(st.booleans())
+        par = [draw(st.integers(-1, i - 1)) for i in range(n)] if tree else list(range(-1, n - 1))
+        starts.append(start)
+        qo.append(n)
+        parents.append(par)
+        logit_rows.append(draw(st.sampled_from([0, 1, n])))
+    return ps, table, rows, starts, qo, parents, logit_rows, draw(st.booleans())
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps())
+def test_builder_matches_reference(case) -> None:
+    ps, table, rows, starts, qo, parents, logit_rows, with_tree = case
+    b = len(qo)
+    q = max(qo)
+    par = torch.tensor([p + list(range(len(p) - 1, q - 1)) for p in parents]) if with_tree else None
+    ids = torch.randint(0, 100, (sum(qo),))
+    got = build_step_inputs(
+        table, rows, torch.tensor(starts), torch.tensor(qo), ids, ps, torch.tensor(logit_rows), parents=par
+    )
+    kv = [s + n for s, n in zip(starts, qo)]
+    ref = AttentionMetadata.build(qo, kv, table[rows], ps, tree_parents=parents if with_tree else None)
+    for name in ("qo_indptr", "kv_indptr", "kv_page_indices", "kv_last_page_len", "tree_mask", "tree_mask_indptr"):
+        a, r = getattr(got.meta, name), getattr(ref, name)
+        assert (a is None) == (r is None), name
+        if a is not None:
+            assert torch.equal(a, r), name
+    assert (got.meta.max_qo_len, got.meta.max_kv_len, got.meta.num_qo_tokens) == (max(qo), max(kv), sum(qo))
+    assert torch.equal(got.input_ids, ids)
+    slots, positions, logit_idx, off = [], [], [], 0
+    for i in range(b):
+        slots += table[rows[i], starts[i] : starts[i] + qo[i]].tolist()
+        depth = build_tree_mask(parents[i]).sum(1) - 1 if with_tree else torch.arange(qo[i])
+        positions += (starts[i] + depth).tolist()
+        logit_idx += range(off + qo[i] - logit_rows[i], off + qo[i])
+        off += qo[i]
+    assert got.out_slots.tolist() == slots
+    assert got.positions.tolist() == positions
+    assert got.logits_indices.tolist() == logit_idx
+
+
+def test_padding_tokens_write_slot_zero_and_are_hidden() -> None:
+    """Padding nodes (past ``num_real``): slot 0, see only the first new token, seen by nobody;
+    KV pages past the real tokens read as page 0."""
+    table = torch.arange(2 * 8).view(2, 8) + 100
+    table[0] = 0  # the dummy row, as in a ReqToTokenTable
+    par = torch.tensor([[-1, 0, 0, 0]])
+    one = torch.ones(1, dtype=torch.long)
+    got = build_step_inputs(table, one, one * 2, one * 4, torch.arange(4), 2, one * 4, parents=par, num_real=one * 2)
+    assert got.out_slots.tolist() == [110, 111, 0, 0]
+    # Request 1 at start 2 with 4 tokens: KV length 6 = pages 0..2; real tokens end at 4 -> pages 0, 1 real.
+    assert got.meta.kv_page_indices.tolist() == [54, 55, 0]
+    mask = got.meta.tree_mask.view(4, 4)
+    assert mask.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, False, False, False],
+        [True, False, False, False],
+    ]
