@@ -27,6 +27,7 @@ test-long: $(STAMP)
 	$(VPY) -m pytest -q --hypothesis-profile=long --benchmark-disable tests
 
 bench: $(STAMP)
+	$(VPY) -m pip install -q -e ".[dev,bench]"
 	$(VPY) -m pytest -q benches --benchmark-only --benchmark-columns=min,median,mean,rounds -s
 
 run: $(STAMP)

@@ -1,4 +1,4 @@
-"""``treeserve generate | chat | bench``."""
+"""``treeserve generate | chat | serve | bench [serve]``."""
 
 from __future__ import annotations
 
@@ -124,6 +124,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from treeserve.server.launch import serve
+
+    return serve(_make_llm(args), host=args.host, port=args.port, model_name=args.served_model_name,
+                 max_live_requests=args.max_live_requests)  # fmt: skip
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from treeserve.server.bench_client import BenchConfig, run_bench
+
+    cfg = BenchConfig(
+        base_url=args.base_url, model=args.model, endpoint=args.endpoint, num_requests=args.num_requests,
+        concurrency=args.concurrency, request_rate=args.request_rate, dataset=args.dataset, input_len=args.input_len,
+        output_len=args.output_len, seed=args.seed, drop_every=args.drop_every,
+        logit_bias=json.loads(args.logit_bias) if args.logit_bias else None,
+    )  # fmt: skip
+    report = asyncio.run(run_bench(cfg))
+    print(json.dumps(report.as_dict()) if args.json else report.format())
+    return 1 if report.errors else 0
+
+
+def _serve_parsers(sub: argparse._SubParsersAction, bench: argparse.ArgumentParser) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see README: Serve)")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    s.add_argument("--max-live-requests", type=int, default=1024, help="running + waiting; more get HTTP 503")
+    s.set_defaults(func=cmd_serve)
+    bs = bench.add_subparsers(dest="bench_target").add_parser("serve", help="load-test an OpenAI-compatible server")
+    bs.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    bs.add_argument("--model", default=None, help="default: the server's first model")
+    bs.add_argument("--endpoint", default="chat", choices=["chat", "completions"])
+    bs.add_argument("--num-requests", type=int, default=32)
+    bs.add_argument("--concurrency", type=int, default=32)
+    bs.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
+    bs.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "mixed"])
+    bs.add_argument("--input-len", type=int, default=64)
+    bs.add_argument("--output-len", type=int, default=128)
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--drop-every", type=int, default=0, help="every k-th client disconnects after 1 token")
+    bs.add_argument("--logit-bias", default=None, help='JSON, e.g. \'{"2": -100}\' to ban EOS')
+    bs.add_argument("--json", action="store_true")
+    bs.set_defaults(func=cmd_bench_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treeserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="smaller workloads (about a minute on 2 cores)")
     _engine_args(b)
     b.set_defaults(func=cmd_bench)
+    _serve_parsers(sub, b)
     return parser
 
 

@@ -1,0 +1,152 @@
+"""Issue 13: `treeserve serve` vs llama-cpp-python's OpenAI server, same GGUF, same load client.
+
+    flock /tmp/treeserve-bench.lock python benches/bench_serve.py [--quick]
+
+Full: 32 concurrent streaming chats x 128 tokens; --quick: 16 x 64. EOS is banned through
+``logit_bias`` (an OpenAI field both servers honour) so every request runs its full length.
+Then 200 requests (short) against ours with every 5th client disconnecting after its first
+token; the KV usage gauge must return to 0 (no leaked pages). Both servers get 2 threads and bind
+to 127.0.0.1. Prints a JSON summary with the CPU model and load average.
+
+Not a pytest benchmark (it starts servers); run it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from treeserve.models import resolve_model_path
+from treeserve.server.bench_client import BenchConfig, run_bench
+
+BAN_EOS = {"0": -100.0, "2": -100.0}  # SmolLM2: <|endoftext|>, <|im_end|>
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server did not come up in time")
+
+
+def _start(cmd: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _gauge(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
+    if m is None:
+        raise RuntimeError(f"{name} missing from /metrics")
+    return float(m.group(1))
+
+
+def _load_run(url: str, n: int, out_len: int) -> dict:
+    cfg = BenchConfig(base_url=url, num_requests=n, concurrency=n, output_len=out_len, input_len=32,
+                      logit_bias=BAN_EOS, timeout=1800)  # fmt: skip
+    report = asyncio.run(run_bench(cfg)).as_dict()
+    report["load_after"] = _load()
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="16 concurrent x 64 tokens instead of 32 x 128")
+    ap.add_argument("--leak-requests", type=int, default=200)
+    args = ap.parse_args()
+    n, out_len = (16, 64) if args.quick else (32, 128)
+    gguf = str(resolve_model_path("smollm2-135m-instruct"))
+    result: dict = {"cpu": _cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "load_before": _load(), "concurrency": n, "output_len": out_len}  # fmt: skip
+
+    port = _free_port()
+    peer = _start([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", "2",
+                   "--n_threads_batch", "2", "--interrupt_requests", "False", "--host", "127.0.0.1",
+                   "--port", str(port), "--n_ctx", "2048"])  # fmt: skip
+    try:
+        _wait_up(f"http://127.0.0.1:{port}", peer)
+        result["peer"] = _load_run(f"http://127.0.0.1:{port}/v1", n, out_len)
+    finally:
+        _stop(peer)
+
+    port = _free_port()
+    ours = _start([sys.executable, "-m", "treeserve.cli", "serve", "--threads", "2", "--host", "127.0.0.1",
+                   "--port", str(port)])  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_up(base, ours)
+        result["ours"] = _load_run(base + "/v1", n, out_len)
+        leak = BenchConfig(base_url=base + "/v1", num_requests=args.leak_requests, concurrency=n, output_len=16,
+                           input_len=16, logit_bias=BAN_EOS, drop_every=5, timeout=1800)  # fmt: skip
+        lr = asyncio.run(run_bench(leak))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (_gauge(base, "vllm:kv_cache_usage_perc") > 0
+                                                or _gauge(base, "vllm:num_requests_running") > 0):  # fmt: skip
+            time.sleep(0.5)
+        result["disconnects"] = {"requests": args.leak_requests, "dropped": lr.dropped, "errors": lr.errors,
+                                 "completed": lr.completed,
+                                 "kv_usage_after": _gauge(base, "vllm:kv_cache_usage_perc"),
+                                 "running_after": _gauge(base, "vllm:num_requests_running"),
+                                 "waiting_after": _gauge(base, "vllm:num_requests_waiting")}  # fmt: skip
+    finally:
+        _stop(ours)
+    p, o = result["peer"], result["ours"]
+    result["ratios"] = {
+        "output_tok_s": o["output_tok_s"] / p["output_tok_s"] if p["output_tok_s"] else None,
+        "p99_ttft": o["ttft"]["p99"] / p["ttft"]["p99"] if p["ttft"]["p99"] else None,
+    }
+    result["load_after"] = _load()
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

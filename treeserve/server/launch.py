@@ -1,0 +1,64 @@
+"""``treeserve serve``: build the engine, serve the app with uvicorn, shut down gracefully.
+
+SIGINT / SIGTERM: uvicorn stops accepting connections; in-flight requests get half of
+``graceful_seconds`` to finish, then the engine shuts down, which aborts what still runs (streams
+end with an error event, non-streaming requests get 503) before uvicorn would cancel them; the
+process exits 0 without a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+import uvicorn
+
+from treeserve.engine import LLM
+from treeserve.server.api import build_app
+from treeserve.server.engine_client import AsyncLLMEngine
+
+__all__ = ["serve"]
+
+log = logging.getLogger("treeserve.server")
+
+
+def serve(llm: LLM, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+          max_live_requests: int = 1024, graceful_seconds: float = 5.0, log_level: str = "info") -> int:  # fmt: skip
+    """Serve ``llm`` over HTTP until SIGINT / SIGTERM; returns the exit status (0)."""
+    name = model_name or llm.model_name
+    engine = AsyncLLMEngine(llm, max_live_requests=max_live_requests)
+    config = uvicorn.Config(build_app(engine, name), host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=graceful_seconds)  # fmt: skip
+    server = _Server(config, engine, graceful_seconds / 2)
+    server.announce = f"treeserve: serving {name!r} at http://{host}:{port}/v1 (Ctrl-C to stop)"
+    # uvicorn re-raises the signal it caught once it has shut down: make that a no-op so the
+    # process ends with status 0 instead of a KeyboardInterrupt traceback.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server: logs the URL once listening; on an exit signal, shuts the engine down
+    ``abort_after`` seconds later (in-flight requests end cleanly instead of being cancelled)."""
+
+    announce = ""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, abort_after: float) -> None:
+        super().__init__(config)
+        self.engine, self.abort_after = engine, abort_after
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started:
+            logging.getLogger("uvicorn.error").info(self.announce)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.call_later, self.abort_after, self.engine.shutdown)
+        super().handle_exit(sig, frame)

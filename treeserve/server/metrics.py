@@ -1,0 +1,96 @@
+"""Prometheus metrics under vLLM's names, so routers and dashboards built for vLLM read them.
+
+Gauges are read at scrape time from :meth:`EngineClient.stats`; histograms and counters are fed
+once per finished (or aborted) request from its :class:`RequestStream` timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from treeserve.server.engine_client import EngineClient, RequestStream
+
+__all__ = ["CONTENT_TYPE", "ServerMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+
+
+class _EngineGauges(Collector):
+    def __init__(self, client: EngineClient, model_name: str, metrics: ServerMetrics) -> None:
+        self.client, self.labels, self.metrics = client, [model_name], metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self.client.stats()
+        m = self.metrics
+        hit_rate = m.cached_tokens / m.queried_tokens if m.queried_tokens else 0.0
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests (samples) in the running batch.", s.num_running),
+            ("vllm:num_requests_waiting", "Requests (samples) waiting to be scheduled.", s.num_waiting),
+            ("vllm:gpu_cache_usage_perc", "KV-cache usage, 0..1 (1 = full).", s.kv_usage),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1 (1 = full).", s.kv_usage),
+            ("vllm:gpu_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, 0..1.", hit_rate),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(self.labels, float(value))
+            yield g
+
+
+class ServerMetrics:
+    """The server's metrics in a registry of its own (several apps may live in one process)."""
+
+    def __init__(self, client: EngineClient, model_name: str) -> None:
+        disable_created_metrics()  # process-wide, as in vLLM: no *_created series
+        self.registry = CollectorRegistry()
+        self.queried_tokens = 0
+        self.cached_tokens = 0
+        r, lab = self.registry, ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", lab,
+                              registry=r, buckets=_LATENCY_BUCKETS)  # fmt: skip
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first.",
+                              lab, registry=r, buckets=_LATENCY_BUCKETS)  # fmt: skip
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between engine steps giving a request tokens.",
+                             lab, registry=r, buckets=_LATENCY_BUCKETS)  # fmt: skip
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last output.", lab, registry=r,
+                             buckets=_LATENCY_BUCKETS)  # fmt: skip
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", lab, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      lab, registry=r)  # fmt: skip
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lab,
+                                   registry=r)  # fmt: skip
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               lab + ["finished_reason"], registry=r)  # fmt: skip
+        self._name = model_name
+        r.register(_EngineGauges(client, model_name, self))
+
+    def observe(self, stream: RequestStream, prompt_tokens: int, cached_tokens: int, output_tokens: int,
+                finish_reason: str) -> None:  # fmt: skip
+        """Record one request at its end (``finish_reason`` of its first sample, or "abort")."""
+        name = self._name
+        now = time.perf_counter()
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(output_tokens)
+        self.prefix_queries.labels(name).inc(prompt_tokens)
+        self.prefix_hits.labels(name).inc(cached_tokens)
+        self.queried_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+        self.success.labels(name, finish_reason).inc()
+        self.e2e.labels(name).observe(now - stream.arrival)
+        if stream.first_token_at is not None:
+            self.ttft.labels(name).observe(stream.first_token_at - stream.arrival)
+            per_sample = output_tokens / max(stream.n, 1)
+            if per_sample > 1:
+                self.tpot.labels(name).observe(((stream.last_token_at or now) - stream.first_token_at) / (per_sample - 1))
+        for gap in stream.step_gaps:
+            self.itl.labels(name).observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

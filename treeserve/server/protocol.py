@@ -1,0 +1,190 @@
+"""OpenAI request/response models and the error shape.
+
+Requests are validated by pydantic with unknown fields forbidden, so an unsupported OpenAI field
+(``response_format``, ``tools``, ...) is refused naming it rather than silently ignored. Value
+ranges the engine checks (``SamplingParams``) are reported with the API's field names.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from treeserve.sampling import MAX_LOGPROBS, SamplingParams
+
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "ErrorResponse",
+    "Usage",
+    "api_field_of",
+    "sampling_params",
+]
+
+
+class APIError(Exception):
+    """An error returned to the client in OpenAI's shape with HTTP ``status``."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+        self.headers = headers or {}
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorBody
+
+    @classmethod
+    def of(cls, err: APIError) -> ErrorResponse:
+        return cls(error=ErrorBody(message=err.message, type=err.type, param=err.param, code=err.code))
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints (OpenAI's plus vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (a batch of several is refused, naming ``prompt``)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return p  # type: ignore[return-value]
+        if len(p) != 1:
+            raise APIError(f"prompt must be one prompt; got a batch of {len(p)} (send one request each)",
+                           param="prompt")  # fmt: skip
+        return p[0]  # type: ignore[return-value]
+
+    def num_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            raise APIError("echo with logprobs needs prompt logprobs, which this server does not compute",
+                           param="echo")  # fmt: skip
+        return self.logprobs
+
+
+_API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def api_field_of(message: str) -> str | None:
+    """The API field an engine validation message is about (``SamplingParams.<x>``, the prompt
+    or ``n``), or ``None``."""
+    m = re.search(r"SamplingParams\.(\w+)", message)
+    if m:
+        return _API_NAMES.get(m.group(1), m.group(1))
+    if re.search(r"\bn=\d+", message):
+        return "n"
+    if "prompt" in message:
+        return "prompt"
+    return None
+
+
+def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The engine's parameters for ``req``; ``APIError`` (400, naming the field) when invalid."""
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+    kwargs: dict[str, Any] = dict(
+        n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, logit_bias=bias, seed=req.seed,
+        stop=req.stop or (), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+        min_new_tokens=req.min_tokens, max_new_tokens=max_tokens, logprobs=logprobs,
+    )  # fmt: skip
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise APIError(str(exc), param=api_field_of(str(exc))) from None
