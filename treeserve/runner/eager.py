@@ -12,7 +12,7 @@ from itertools import accumulate
 
 import torch
 
-from treeserve.kvcache import KVPool, ReqToTokenTable, compact_tree_path, rollback_slots
+from treeserve.kvcache import KVPool, ReqToTokenTable, compact_tree_path, rollback_slots, select_backend
 from treeserve.runner.graph import DecodeGraphRunner
 from treeserve.runner.inputs import CausalLM, StepInputs, build_step_inputs, draft_arrays, requests_sampling_batch
 from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
@@ -49,6 +49,8 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
         self.page_size = kv.page_size
+        self.attention = select_backend("paged_attention", "auto", kv.device, kv.dtype)
+        self.compact = select_backend("compact_tree_path", "auto", kv.device, kv.dtype)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SampledToken | None]:
@@ -113,6 +115,7 @@ class ModelRunner:
             self.page_size,
             torch.tensor(logit_rows, dtype=torch.long),
             parents=parents,
+            attention_backend=self.attention,
         )
         return step, list(accumulate(logit_rows))
 
@@ -144,5 +147,5 @@ class ModelRunner:
         )
         plan = rollback_slots(draft_slots, num_draft, out.path)
         if plan.src_slots.numel():
-            compact_tree_path(self.kv.k_caches, self.kv.v_caches, plan.src_slots, plan.dst_slots)
+            compact_tree_path(self.kv.k_caches, self.kv.v_caches, plan.src_slots, plan.dst_slots, backend=self.compact)
         return verified_tokens(out, len(items))  # host sync

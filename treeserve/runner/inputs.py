@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from treeserve.kvcache import AttentionMetadata, KVPool
+from treeserve.kvcache import AttentionMetadata, KernelBackend, KVPool
 from treeserve.sampling import SamplingBatch
 from treeserve.scheduler import Request, ScheduledItem
 
@@ -92,6 +92,7 @@ def build_step_inputs(
     *,
     parents: torch.Tensor | None = None,
     num_real: torch.Tensor | None = None,
+    attention_backend: KernelBackend | None = None,
 ) -> StepInputs:
     """Model inputs of a step over the slot table ``table [R, W]`` (its device is the step's).
 
@@ -106,6 +107,7 @@ def build_step_inputs(
     ``qo_lens``): only the first ``num_real[b]`` new tokens are real; the others are padding
     that writes to ``table[0, 0]`` (slot 0 of a ``ReqToTokenTable``'s dummy row), sees only the request's first new token and the prefix, and is seen
     by nobody, and KV pages past the real tokens read as the page of ``table[0, 0]`` (the dummy page).
+    ``attention_backend``: the kernel the caller chose once, carried by the metadata.
     """
     dev = table.device
     width = table.shape[1]
@@ -162,6 +164,7 @@ def build_step_inputs(
         num_qo_tokens=total,
         tree_mask=tree_mask,
         tree_mask_indptr=None if tree_mask is None else _square_indptr(qo_lens).to(dev, non_blocking=True),
+        attention_backend=attention_backend,
     )
     ids = input_ids.to(dev, non_blocking=True)
     return StepInputs(ids, positions_d, gathered[:total], meta, logits_d)
