@@ -98,22 +98,22 @@ class ModelRunner:
                 ids.extend(it.draft.tokens)
                 logit_rows.append(it.num_tokens)
                 drafted.append(i)
-        qo = torch.tensor([it.num_tokens for it in items], dtype=torch.long)
+        qo = [it.num_tokens for it in items]
         parents = None
         if drafted:  # causal items are chains, drafted ones their trees under the pending token
-            width = int(qo.max())
+            width = max(qo)
             parents = (torch.arange(width) - 1).repeat(len(items), 1)
             for i in drafted:
                 tree = items[i].draft
                 parents[i, 1 : 1 + len(tree)] = torch.tensor(tree.parents, dtype=torch.long) + 1
         step = build_step_inputs(
             self.table.table,
-            torch.tensor([it.req.row for it in items], dtype=torch.long),
-            torch.tensor([it.start for it in items], dtype=torch.long),
+            [it.req.row for it in items],
+            [it.start for it in items],
             qo,
-            torch.tensor(ids, dtype=torch.long),
+            ids,
             self.page_size,
-            torch.tensor(logit_rows, dtype=torch.long),
+            logit_rows,
             parents=parents,
             attention_backend=self.attention,
         )
