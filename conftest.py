@@ -4,6 +4,8 @@
   set before triton is first imported, so it is set here, at collection time.
 - Hypothesis profiles: ``ci`` (derandomized, bounded; ``make test``) and ``long`` (``make test-long``).
 - ``@pytest.mark.gpu`` tests skip cleanly when CUDA is absent.
+- ``TREESERVE_DEBUG_CHECKS=1``: the value checks that read device data on the host (slot ranges,
+  page indices, allocator double frees) run in tests; production steps skip them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ def _cuda_present() -> bool:
 
     return torch.cuda.is_available()
 
+
+os.environ.setdefault("TREESERVE_DEBUG_CHECKS", "1")
 
 if not _cuda_present():
     os.environ.setdefault("TRITON_INTERPRET", "1")

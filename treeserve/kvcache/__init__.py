@@ -25,16 +25,22 @@ __all__ = [
 
 # --- KV ops and attention ---
 from .attention import paged_attention  # noqa: E402
-from .backends import graph_safe_backends  # noqa: E402
+from ._checks import debug_checks_enabled, set_debug_checks  # noqa: E402
+from .backends import BackendSpec, KernelBackend, register_backend, select_backend  # noqa: E402
 from .metadata import AttentionMetadata, build_tree_mask  # noqa: E402
 from .ops import RollbackPlan, compact_tree_path, padded_path_moves, rollback_slots, store_kv  # noqa: E402
 
 __all__ += [
     "AttentionMetadata",
+    "BackendSpec",
+    "KernelBackend",
+    "debug_checks_enabled",
+    "register_backend",
+    "select_backend",
+    "set_debug_checks",
     "RollbackPlan",
     "build_tree_mask",
     "compact_tree_path",
-    "graph_safe_backends",
     "padded_path_moves",
     "paged_attention",
     "rollback_slots",

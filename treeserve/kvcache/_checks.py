@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+_debug_checks = os.environ.get("TREESERVE_DEBUG_CHECKS") == "1"
+
+
+def debug_checks_enabled() -> bool:
+    """Whether value checks that read the device on the host run (``TREESERVE_DEBUG_CHECKS=1``)."""
+    return _debug_checks
+
+
+def set_debug_checks(enabled: bool) -> bool:
+    """Turn the host-reading value checks on or off; returns the previous setting."""
+    global _debug_checks
+    previous, _debug_checks = _debug_checks, bool(enabled)
+    return previous
 
 
 def _capturing(t: torch.Tensor) -> bool:

@@ -7,6 +7,8 @@ rows, so a slot index is a row index.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -90,3 +92,12 @@ def gather_kv_triton(
     v = torch.empty(shape, dtype=v_cache.dtype, device=v_cache.device)
     _launch(k_cache, v_cache, k, v, slots, None, n)
     return k, v
+
+
+def compact_tree_path_triton(
+    k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor
+) -> None:
+    """Every layer: gather the rows at ``src_slots``, then write them at ``dst_slots``."""
+    for kc, vc in zip(k_caches, v_caches, strict=True):
+        k, v = gather_kv_triton(kc, vc, src_slots)
+        store_kv_triton(kc, vc, dst_slots, k, v)

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from treeserve.kvcache.backends import resolve_backend
-from treeserve.kvcache._checks import check_cache_pair, check_range
+from treeserve.kvcache._checks import check_cache_pair, check_range, debug_checks_enabled
+from treeserve.kvcache.backends import KernelBackend, select_backend
 from treeserve.kvcache.metadata import AttentionMetadata
 
 __all__ = ["paged_attention"]
-
-_ATTN_BACKENDS = ("torch", "triton", "flashinfer")
 
 
 def _check_attention_inputs(
@@ -47,7 +45,7 @@ def _check_attention_inputs(
     if ps != meta.page_size:
         raise ValueError(f"cache page_size {ps} differs from the metadata page_size {meta.page_size}")
     key = ("pages_checked", k_cache.shape[0])
-    if key not in meta.derived:  # once per step, not per layer
+    if debug_checks_enabled() and key not in meta.derived:  # once per step, not per layer
         check_range("kv_page_indices", meta.kv_page_indices, 0, k_cache.shape[0])
         meta.derived[key] = True
 
@@ -58,7 +56,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float | None = None,
-    backend: str = "auto",
+    backend: str | KernelBackend = "auto",
     causal: bool = True,
 ) -> torch.Tensor:
     """Attention of the step's new queries over each request's paged KV.
@@ -68,8 +66,12 @@ def paged_attention(
     [num_pages, page_size, num_kv_heads, head_dim]``. Returns ``[N, num_q_heads, head_dim]`` in
     ``q``'s dtype; softmax is accumulated in float32 (float64 for float64 inputs). ``scale``
     defaults to ``head_dim ** -0.5``. ``causal=False`` lets every query see its request's whole
-    KV (not allowed together with a tree mask). ``backend``: ``auto`` (flashinfer > triton on
-    CUDA, torch on CPU), ``torch``, ``triton`` or ``flashinfer``.
+    KV (not allowed together with a tree mask). ``backend``: a
+    :class:`~treeserve.kvcache.backends.KernelBackend` chosen by the caller, or a name:
+    ``auto`` (the metadata's ``attention_backend`` when the runner set one, else flashinfer >
+    triton on CUDA, torch on CPU), ``torch``, ``triton``, ``flashinfer`` or any registered name.
+    With ``TREESERVE_DEBUG_CHECKS=1`` the page indices are range-checked (a host read, once per
+    metadata).
     """
     if not isinstance(meta, AttentionMetadata):
         raise TypeError(f"meta must be an AttentionMetadata, got {type(meta).__name__}")
@@ -78,11 +80,10 @@ def paged_attention(
         raise ValueError("causal=False cannot be combined with a tree mask")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    chosen = resolve_backend("paged_attention", backend, q.device, _ATTN_BACKENDS)
-    if chosen == "triton":
-        from treeserve.kvcache._attention_triton import paged_attention_triton as impl
-    elif chosen == "flashinfer":
-        from treeserve.kvcache._attention_flashinfer import paged_attention_flashinfer as impl
+    if isinstance(backend, KernelBackend):
+        kernel = backend
+    elif backend == "auto" and meta.attention_backend is not None:
+        kernel = meta.attention_backend
     else:
-        from treeserve.kvcache._attention_torch import paged_attention_torch as impl
-    return impl(q, k_cache, v_cache, meta, float(scale), causal)
+        kernel = select_backend("paged_attention", backend, q.device, q.dtype)
+    return kernel(q, k_cache, v_cache, meta, float(scale), causal)

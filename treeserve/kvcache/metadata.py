@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from treeserve.kvcache.backends import KernelBackend
+
 __all__ = ["AttentionMetadata", "IntSeq", "build_tree_mask"]
 
 IntSeq = Sequence[int] | torch.Tensor
@@ -128,8 +130,9 @@ class AttentionMetadata:
     request's row-major ``qo_len x qo_len`` mask over its last ``qo_len`` KV tokens (the new
     ones), starting at ``tree_mask_indptr[b]``; the cached prefix is always visible. Requests
     without a tree in a tree batch get the causal mask. ``max_qo_len``, ``max_kv_len`` and
-    ``num_qo_tokens`` are host ints. Immutable by convention; backends memoize derived data in
-    ``derived``.
+    ``num_qo_tokens`` are host ints. ``attention_backend``: the attention kernel the step's
+    runner chose once for its engine (``paged_attention(backend="auto")`` uses it), or None.
+    Immutable by convention; backends memoize derived data in ``derived``.
     """
 
     qo_indptr: torch.Tensor
@@ -142,6 +145,7 @@ class AttentionMetadata:
     num_qo_tokens: int
     tree_mask: torch.Tensor | None = None
     tree_mask_indptr: torch.Tensor | None = None
+    attention_backend: KernelBackend | None = None
     derived: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property

@@ -6,7 +6,11 @@ Triton on CUDA and torch elsewhere (logged once). A layer's cache is
 i.e. a row of the cache viewed as ``[num_pages * page_size, num_kv_heads, head_dim]``.
 
 Inputs are validated before anything is written (state unchanged on error). Value checks that
-need a device sync (slot ranges, uniqueness) are skipped while a CUDA graph is being captured.
+need a device sync (slot ranges, uniqueness) run only with ``TREESERVE_DEBUG_CHECKS=1`` (the
+tests turn it on) and never while a CUDA graph is being captured: the step's slots come from the
+scheduler's own table, and a host read per layer would cost a sync per layer.
+``backend`` is a name (memoized selection, see ``treeserve.kvcache.backends``) or a
+:class:`~treeserve.kvcache.backends.KernelBackend` chosen once by the caller.
 """
 
 from __future__ import annotations
@@ -16,18 +20,16 @@ from typing import NamedTuple
 
 import torch
 
-from treeserve.kvcache.backends import resolve_backend
+from treeserve.kvcache.backends import KernelBackend, select_backend
 from treeserve.kvcache._checks import (
     check_cache_pair,
     check_distinct,
     check_index_tensor,
     check_range,
+    debug_checks_enabled,
 )
 
 __all__ = ["RollbackPlan", "compact_tree_path", "padded_path_moves", "rollback_slots", "store_kv"]
-
-_OPS_BACKENDS = ("torch", "triton")
-
 
 def _num_slots(cache: torch.Tensor) -> int:
     return cache.shape[0] * cache.shape[1]
@@ -51,14 +53,14 @@ def store_kv(
     slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    backend: str = "auto",
+    backend: str | KernelBackend = "auto",
 ) -> None:
     """Write token ``i``'s K/V (``k, v: [N, num_kv_heads, head_dim]``) at slot ``slots[i]``.
 
     ``slots`` is an int32/int64 ``[N]`` tensor of flat slot indices in
     ``[0, num_pages * page_size)``. Slots may repeat only for padding that targets the dummy
     page 0 (which write wins is unspecified). Raises ``TypeError``/``ValueError`` on a dtype,
-    shape, device or range mismatch without writing anything.
+    shape or device mismatch (and, with debug checks on, a slot out of range) without writing.
     """
     check_cache_pair(k_cache, v_cache)
     check_index_tensor("slots", slots)
@@ -67,15 +69,9 @@ def store_kv(
     _check_tokens("v", v, k_cache, n)
     if slots.device != k_cache.device:
         raise ValueError(f"slots is on {slots.device} but the cache is on {k_cache.device}")
-    check_range("slots", slots, 0, _num_slots(k_cache))
-    if resolve_backend("store_kv", backend, k_cache.device, _OPS_BACKENDS) == "triton":
-        from treeserve.kvcache._triton_ops import store_kv_triton
-
-        store_kv_triton(k_cache, v_cache, slots, k, v)
-        return
-    idx = slots.long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, idx, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, idx, v)
+    if debug_checks_enabled():
+        check_range("slots", slots, 0, _num_slots(k_cache))
+    _kernel("store_kv", backend, k_cache)(k_cache, v_cache, slots, k, v)
 
 
 def compact_tree_path(
@@ -83,7 +79,7 @@ def compact_tree_path(
     v_caches: Sequence[torch.Tensor],
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
-    backend: str = "auto",
+    backend: str | KernelBackend = "auto",
 ) -> None:
     """Copy the K/V at ``src_slots[i]`` to ``dst_slots[i]`` in every layer.
 
@@ -111,22 +107,21 @@ def compact_tree_path(
     for name, t in (("src_slots", src_slots), ("dst_slots", dst_slots)):
         if t.device != ref.device:
             raise ValueError(f"{name} is on {t.device} but the caches are on {ref.device}")
-        check_range(name, t, 0, _num_slots(ref))
-    check_distinct("dst_slots", dst_slots, ignore_below=ref.shape[1])
-    if src_slots.numel() == 0:
-        return
-    if resolve_backend("compact_tree_path", backend, ref.device, _OPS_BACKENDS) == "triton":
-        from treeserve.kvcache._triton_ops import gather_kv_triton, store_kv_triton
+    if debug_checks_enabled():
+        for name, t in (("src_slots", src_slots), ("dst_slots", dst_slots)):
+            check_range(name, t, 0, _num_slots(ref))
+        check_distinct("dst_slots", dst_slots, ignore_below=ref.shape[1])
+    kernel = _kernel("compact_tree_path", backend, ref)
+    if src_slots.numel():
+        kernel(k_caches, v_caches, src_slots, dst_slots)
 
-        for kc, vc in zip(k_caches, v_caches, strict=True):
-            k, v = gather_kv_triton(kc, vc, src_slots)
-            store_kv_triton(kc, vc, dst_slots, k, v)
-        return
-    src, dst = src_slots.long(), dst_slots.long()
-    for kc, vc in zip(k_caches, v_caches, strict=True):
-        for cache in (kc, vc):
-            flat = cache.view(-1, *cache.shape[2:])
-            flat.index_copy_(0, dst, flat.index_select(0, src))  # index_select copies first
+
+def _kernel(op: str, backend: str | KernelBackend, cache: torch.Tensor) -> KernelBackend:
+    if isinstance(backend, KernelBackend):
+        if backend.spec.op != op:
+            raise ValueError(f"backend is a {backend.spec.op} kernel, expected one for {op}")
+        return backend
+    return select_backend(op, backend, cache.device, cache.dtype)
 
 
 class RollbackPlan(NamedTuple):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import debug_checks_enabled
+
 __all__ = [
     "InvariantError",
     "KVPool",
@@ -110,14 +112,23 @@ class PageAllocator:
     def free(self, pages: torch.Tensor) -> None:
         """Give ``pages`` (int64, 1-D) back.
 
-        Raises ``ValueError`` if a page is the dummy page 0, outside ``[1, num_pages)``, already free,
-        or listed twice; nothing changes in that case.
+        With debug checks on (``TREESERVE_DEBUG_CHECKS=1``), raises ``ValueError`` if a page is
+        the dummy page 0, outside ``[1, num_pages)``, already free, or listed twice; nothing changes
+        in that case. (Those checks read device data on the host, so the serving path skips them.)
         """
         _check_page_tensor(pages)
         k = pages.numel()
         if k == 0:
             return
         pages = pages.to(self.device)
+        if debug_checks_enabled():
+            self._check_freeable(pages)
+        self._stack[self._num_free : self._num_free + k] = pages
+        self._is_free.index_fill_(0, pages, True)
+        self._num_free += k
+
+    def _check_freeable(self, pages: torch.Tensor) -> None:
+        k = pages.numel()
         lo, hi = int(pages.min()), int(pages.max())
         if lo < 1 or hi >= self.num_pages:
             raise ValueError(
@@ -130,9 +141,6 @@ class PageAllocator:
             raise ValueError(f"pages {bad[:8]} are already free (double free)")
         if k > 1 and torch.unique(pages).numel() != k:
             raise ValueError("pages lists the same page more than once")
-        self._stack[self._num_free : self._num_free + k] = pages
-        self._is_free.index_fill_(0, pages, True)
-        self._num_free += k
 
     def is_free(self, pages: torch.Tensor) -> torch.Tensor:
         """Bool tensor: whether each of ``pages`` is currently free (page ids must be in range)."""

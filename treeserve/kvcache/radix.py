@@ -23,6 +23,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from ._checks import debug_checks_enabled
 from .pool import InvariantError, PageAllocator, pages_to_slots
 from .radix_node import RadixNode, child_key, common_prefix_len
 
@@ -387,14 +388,15 @@ class RadixCache:
         """Validate ``slots`` for ``num_tokens`` tokens; ``slots[:checked]`` must cover allocated pages.
 
         Slot ``i`` must be ``page * page_size + i % page_size`` with one page per ``page_size``
-        tokens. Returns the slots on the cache's device.
+        tokens (the value checks, which read the device, run only with debug checks on). Returns
+        the slots on the cache's device.
         """
         if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
             raise TypeError("slots must be a 1-D torch.int64 tensor")
         if slots.numel() != num_tokens:
             raise ValueError(f"tokens and slots must have the same length, got {num_tokens} tokens and {slots.numel()} slots")
         slots = slots.to(self.device)
-        if checked == 0:
+        if checked == 0 or not debug_checks_enabled():  # the value checks read the device
             return slots
         ps = self.page_size
         part = slots[:checked]
@@ -482,7 +484,7 @@ class RadixCache:
         if tree_values:
             dup_pages = dup_pages[dup_pages != torch.cat(tree_values)[::ps] // ps]
         new_pages = own_pages[cached // ps :]
-        if bool(self._owned.index_select(0, torch.cat([dup_pages, new_pages])).any()):
+        if debug_checks_enabled() and bool(self._owned.index_select(0, torch.cat([dup_pages, new_pages])).any()):
             raise ValueError("slots lie in pages the cache already owns for other tokens")
         node = walk.node
         if walk.partial is not None:  # split even when key ends there: touch exactly the key

@@ -85,9 +85,7 @@ class DraftModelDrafter:
     @torch.inference_mode()
     def _forward(self, row: int, start: int, ids: list[int]) -> torch.Tensor:
         """Logits after ``ids`` placed at positions ``start..``, their KV written at the row's slots."""
-        one = torch.ones(1, dtype=torch.long)
-        ids_t = torch.tensor(ids, dtype=torch.long)
-        step = build_step_inputs(self.table.table, one * row, one * start, one * len(ids), ids_t, 1, one)
+        step = build_step_inputs(self.table.table, [row], [start], [len(ids)], ids, 1, [1])
         logits = self.model(step.input_ids, step.positions, self.kv, step.out_slots, step.meta, step.logits_indices)
         return logits[0]
 

@@ -12,7 +12,7 @@ from itertools import accumulate
 
 import torch
 
-from treeserve.kvcache import KVPool, ReqToTokenTable, compact_tree_path, rollback_slots
+from treeserve.kvcache import KVPool, ReqToTokenTable, compact_tree_path, rollback_slots, select_backend
 from treeserve.runner.graph import DecodeGraphRunner
 from treeserve.runner.inputs import CausalLM, StepInputs, build_step_inputs, draft_arrays, requests_sampling_batch
 from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
@@ -49,6 +49,8 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
         self.page_size = kv.page_size
+        self.attention = select_backend("paged_attention", "auto", kv.device, kv.dtype)
+        self.compact = select_backend("compact_tree_path", "auto", kv.device, kv.dtype)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SampledToken | None]:
@@ -96,23 +98,24 @@ class ModelRunner:
                 ids.extend(it.draft.tokens)
                 logit_rows.append(it.num_tokens)
                 drafted.append(i)
-        qo = torch.tensor([it.num_tokens for it in items], dtype=torch.long)
+        qo = [it.num_tokens for it in items]
         parents = None
         if drafted:  # causal items are chains, drafted ones their trees under the pending token
-            width = int(qo.max())
+            width = max(qo)
             parents = (torch.arange(width) - 1).repeat(len(items), 1)
             for i in drafted:
                 tree = items[i].draft
                 parents[i, 1 : 1 + len(tree)] = torch.tensor(tree.parents, dtype=torch.long) + 1
         step = build_step_inputs(
             self.table.table,
-            torch.tensor([it.req.row for it in items], dtype=torch.long),
-            torch.tensor([it.start for it in items], dtype=torch.long),
+            [it.req.row for it in items],
+            [it.start for it in items],
             qo,
-            torch.tensor(ids, dtype=torch.long),
+            ids,
             self.page_size,
-            torch.tensor(logit_rows, dtype=torch.long),
+            logit_rows,
             parents=parents,
+            attention_backend=self.attention,
         )
         return step, list(accumulate(logit_rows))
 
@@ -144,5 +147,5 @@ class ModelRunner:
         )
         plan = rollback_slots(draft_slots, num_draft, out.path)
         if plan.src_slots.numel():
-            compact_tree_path(self.kv.k_caches, self.kv.v_caches, plan.src_slots, plan.dst_slots)
+            compact_tree_path(self.kv.k_caches, self.kv.v_caches, plan.src_slots, plan.dst_slots, backend=self.compact)
         return verified_tokens(out, len(items))  # host sync

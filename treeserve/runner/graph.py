@@ -20,9 +20,10 @@ exactly ``sample``'s token) and the fixed-shape compaction of the accepted paths
 (:func:`treeserve.kvcache.padded_path_moves`), all on the device.
 
 On CUDA every key is captured, largest first, into one shared memory pool, and a step is a
-few host->device copies plus one ``graph.replay()``. Warm-up and capture run inside
-``graph_safe_backends()``, so attention uses the Triton kernel (which reads lengths from the
-buffers on the device) rather than FlashInfer (whose planning reads them on the host). Elsewhere
+few host->device copies plus one ``graph.replay()``. The runner's attention kernel is chosen
+once with ``select_backend(..., graph_safe=True)``: the Triton kernel on CUDA (which reads
+lengths from the buffers on the device) rather than FlashInfer (whose planning reads them on
+the host), for captured and eager steps alike. Elsewhere
 (or with ``use_cuda_graph=False``) the very same buffers, padding and keys run eagerly, which is
 how CPU tests cover everything but the capture itself. Steps the buffers cannot express
 (penalties, logit bias, allowed-token lists, more stop ids than ``max_stop_token_ids``, more top
@@ -43,7 +44,7 @@ from treeserve.kvcache import (
     KVPool,
     ReqToTokenTable,
     compact_tree_path,
-    graph_safe_backends,
+    select_backend,
     padded_path_moves,
 )
 from treeserve.runner.inputs import CausalLM, build_step_inputs, draft_arrays, requests_sampling_batch
@@ -98,6 +99,8 @@ class DecodeGraphRunner:
     ) -> None:
         self.buckets = decode_buckets(max_batch)
         self.device = kv.k_caches[0].device  # concrete ("cuda:0" where ``device`` may say "cuda")
+        self.attention = select_backend("paged_attention", "auto", self.device, kv.dtype, graph_safe=True)
+        self.compact = select_backend("compact_tree_path", "auto", self.device, kv.dtype)
         given = torch.device(device)
         same = given.type == self.device.type and given.index in (None, self.device.index)
         if not same or table.table.device != self.device:
@@ -175,6 +178,7 @@ class DecodeGraphRunner:
             num_qo_tokens=size * q,
             tree_mask=self.tree_mask[: size * q * q] if k else None,
             tree_mask_indptr=self._mask_indptr[k][: size + 1] if k else None,
+            attention_backend=self.attention,
         )
 
     def _sampling_batch(self, size: int, flags: SamplingBatch) -> SamplingBatch:
@@ -232,19 +236,18 @@ class DecodeGraphRunner:
         t0 = time.perf_counter()
         pool = None
         flags = self._capture_flags()
-        with graph_safe_backends():
-            for size, k in sorted(self.keys, key=lambda key: (key[0] * (1 + key[1]), key), reverse=True):
-                self._load([], None, size, k)
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    self._compute(size, k, self._sampling_batch(size, flags))
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._compute(size, k, self._sampling_batch(size, flags))
-                pool = graph.pool()
-                self.graphs[size, k] = _Graph(graph, out)
+        for size, k in sorted(self.keys, key=lambda key: (key[0] * (1 + key[1]), key), reverse=True):
+            self._load([], None, size, k)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._compute(size, k, self._sampling_batch(size, flags))
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._compute(size, k, self._sampling_batch(size, flags))
+            pool = graph.pool()
+            self.graphs[size, k] = _Graph(graph, out)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
 
@@ -317,7 +320,7 @@ class DecodeGraphRunner:
             self.gen_positions[:size],
         )
         src, dst = padded_path_moves(self.out_slots[:t].view(size, 1 + k)[:, 1:], out.path)
-        compact_tree_path(self.kv.k_caches, self.kv.v_caches, src, dst)
+        compact_tree_path(self.kv.k_caches, self.kv.v_caches, src, dst, backend=self.compact)
         return out
 
     def _load(self, items: Sequence[ScheduledItem], sbatch: SamplingBatch | None, size: int, k: int) -> None:

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
-from treeserve.kvcache import AttentionMetadata, KVPool
+from treeserve.kvcache import AttentionMetadata, KernelBackend, KVPool
 from treeserve.sampling import SamplingBatch
 from treeserve.scheduler import Request, ScheduledItem
 
@@ -81,75 +82,85 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
+IntArray = Sequence[int] | np.ndarray | torch.Tensor
+
+
 def build_step_inputs(
     table: torch.Tensor,
-    rows: torch.Tensor,
-    starts: torch.Tensor,
-    qo_lens: torch.Tensor,
-    input_ids: torch.Tensor,
+    rows: IntArray,
+    starts: IntArray,
+    qo_lens: IntArray,
+    input_ids: IntArray,
     page_size: int,
-    logit_rows: torch.Tensor,
+    logit_rows: IntArray,
     *,
     parents: torch.Tensor | None = None,
-    num_real: torch.Tensor | None = None,
+    num_real: IntArray | None = None,
+    attention_backend: KernelBackend | None = None,
 ) -> StepInputs:
     """Model inputs of a step over the slot table ``table [R, W]`` (its device is the step's).
 
-    Per request ``b`` (CPU int64 tensors ``[B]``): ``rows[b]`` its table row, ``starts[b]`` the
-    position of its first new token, ``qo_lens[b] >= 1`` its new tokens (``input_ids``, flat,
-    request by request), ``logit_rows[b]`` how many of its last new tokens get logits (0, 1 or
-    ``qo_lens[b]``). New token ``i`` writes its K/V to ``table[row, start + i]``.
+    Per request ``b`` (host ints: lists, numpy arrays or CPU tensors ``[B]``): ``rows[b]`` its
+    table row, ``starts[b]`` the position of its first new token, ``qo_lens[b] >= 1`` its new
+    tokens (``input_ids``, flat, request by request), ``logit_rows[b]`` how many of its last new
+    tokens get logits (0, 1 or ``qo_lens[b]``). New token ``i`` writes its K/V to
+    ``table[row, start + i]``.
 
     ``parents`` (``[B, max qo]``, optional): token ``i``'s parent among the request's new tokens
     (``-1``: the cached prefix); positions are then ``start + depth`` and attention follows the
     tree (a causal request is the chain ``-1, 0, 1, ...``). ``num_real[b]`` (default
     ``qo_lens``): only the first ``num_real[b]`` new tokens are real; the others are padding
-    that writes to ``table[0, 0]`` (slot 0 of a ``ReqToTokenTable``'s dummy row), sees only the request's first new token and the prefix, and is seen
-    by nobody, and KV pages past the real tokens read as the page of ``table[0, 0]`` (the dummy page).
+    that writes to ``table[0, 0]`` (slot 0 of a ``ReqToTokenTable``'s dummy row), sees only the
+    request's first new token and the prefix, and is seen by nobody, and KV pages past the real
+    tokens read as the page of ``table[0, 0]`` (the dummy page).
+    ``attention_backend``: the kernel the caller chose once, carried by the metadata.
+
+    Index arithmetic runs in numpy on the host (a few microseconds per array op, against
+    several for a small torch op); the results travel to the device in one copy.
     """
     dev = table.device
     width = table.shape[1]
-    bsz = rows.numel()
-    total = int(qo_lens.sum())
-    qo_max = int(qo_lens.max())
-    owner = torch.repeat_interleave(torch.arange(bsz), qo_lens, output_size=total)
-    qo_indptr = torch.zeros(bsz + 1, dtype=torch.long)
-    torch.cumsum(qo_lens, 0, out=qo_indptr[1:])
-    offs = torch.arange(total) - qo_indptr[:-1][owner]
-    real_len = qo_lens if num_real is None else num_real
-    tok_real = offs < real_len[owner]
-    kv_lens = starts + qo_lens
-    # Positions and tree masks.
+    rows_a, starts_a, qo, logit_a = (np.asarray(x, dtype=np.int64) for x in (rows, starts, qo_lens, logit_rows))
+    bsz = qo.shape[0]
+    qo_indptr = np.zeros(bsz + 1, dtype=np.int64)
+    np.cumsum(qo, out=qo_indptr[1:])
+    total = int(qo_indptr[-1])
+    qo_max = int(qo.max())
+    owner = np.repeat(np.arange(bsz), qo)
+    offs = np.arange(total) - qo_indptr[:-1][owner]
+    real_len = qo if num_real is None else np.asarray(num_real, dtype=np.int64)
+    kv_lens = starts_a + qo
+    tree_mask = tree_indptr = None
     if parents is None:
-        positions = starts[owner] + offs
-        tree_mask = None
+        positions = starts_a[owner] + offs
     else:
-        anc = _step_ancestors(parents, qo_lens, qo_max)
-        valid = torch.arange(qo_max) < qo_lens[:, None]
-        depth = (anc.sum(-1) - 1)[valid]
-        positions = starts[owner] + depth
-        real = torch.arange(qo_max) < real_len[:, None]
+        qo_t = torch.from_numpy(qo)
+        anc = _step_ancestors(parents, qo_t, qo_max)
+        valid = torch.arange(qo_max) < qo_t[:, None]
+        positions = starts_a[owner] + (anc.sum(-1) - 1)[valid].numpy()
+        real = torch.arange(qo_max) < torch.from_numpy(real_len)[:, None]
         mask = anc & real[:, None, :]
         tree_mask = mask[valid[:, :, None] & valid[:, None, :]].to(dev, non_blocking=True)
+        tree_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(qo * qo)])).to(dev, torch.int32)
     # KV pages: the table's pages while they hold real tokens, then the dummy page 0.
-    npages = torch.div(kv_lens + page_size - 1, page_size, rounding_mode="floor")
-    kv_indptr = torch.zeros(bsz + 1, dtype=torch.long)
-    torch.cumsum(npages, 0, out=kv_indptr[1:])
+    npages = (kv_lens + page_size - 1) // page_size
+    kv_indptr = np.zeros(bsz + 1, dtype=np.int64)
+    np.cumsum(npages, out=kv_indptr[1:])
     num_pages = int(kv_indptr[-1])
-    page_owner = torch.repeat_interleave(torch.arange(bsz), npages, output_size=num_pages)
-    page_no = torch.arange(num_pages) - kv_indptr[:-1][page_owner]
-    real_page = page_no * page_size < (starts + real_len)[page_owner]
-    page_index = torch.where(real_page, rows[page_owner] * width + page_no * page_size, 0)
-    slot_index = torch.where(tok_real, rows[owner] * width + starts[owner] + offs, 0)
-    keep = offs >= (qo_lens - logit_rows)[owner]
-    logits_indices = keep.nonzero().view(-1)
+    page_owner = np.repeat(np.arange(bsz), npages)
+    page_no = np.arange(num_pages) - kv_indptr[:-1][page_owner]
+    real_page = page_no * page_size < (starts_a + real_len)[page_owner]
+    page_index = np.where(real_page, rows_a[page_owner] * width + page_no * page_size, 0)
+    slot_index = np.where(offs < real_len[owner], rows_a[owner] * width + starts_a[owner] + offs, 0)
+    logits_indices = np.flatnonzero(offs >= (qo - logit_a)[owner])
     last_page_len = kv_lens - (npages - 1) * page_size
+    ids = np.asarray(input_ids, dtype=np.int64) if not isinstance(input_ids, torch.Tensor) else input_ids.cpu().numpy()
     # One host->device copy of every index, one gather from the table.
-    packed = torch.cat([slot_index, page_index, positions, logits_indices, qo_indptr, kv_indptr, last_page_len])
-    packed = packed.to(dev, non_blocking=True)
+    parts = (slot_index, page_index, positions, logits_indices, qo_indptr, kv_indptr, last_page_len, ids)
+    packed = torch.from_numpy(np.concatenate(parts)).to(dev, non_blocking=True)
     gathered = table.view(-1)[packed[: total + num_pages]]
-    sizes = (total, num_pages, total, logits_indices.numel(), bsz + 1, bsz + 1, bsz)
-    _, _, positions_d, logits_d, qo_indptr_d, kv_indptr_d, last_d = packed.split(sizes)
+    sizes = (total, num_pages, total, logits_indices.shape[0], bsz + 1, bsz + 1, bsz, total)
+    _, _, positions_d, logits_d, qo_indptr_d, kv_indptr_d, last_d, ids_d = packed.split(sizes)
     i32 = torch.int32
     meta = AttentionMetadata(
         qo_indptr=qo_indptr_d.to(i32),
@@ -161,16 +172,10 @@ def build_step_inputs(
         max_kv_len=int(kv_lens.max()),
         num_qo_tokens=total,
         tree_mask=tree_mask,
-        tree_mask_indptr=None if tree_mask is None else _square_indptr(qo_lens).to(dev, non_blocking=True),
+        tree_mask_indptr=tree_indptr,
+        attention_backend=attention_backend,
     )
-    ids = input_ids.to(dev, non_blocking=True)
-    return StepInputs(ids, positions_d, gathered[:total], meta, logits_d)
-
-
-def _square_indptr(qo_lens: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(qo_lens.numel() + 1, dtype=torch.int32)
-    torch.cumsum(qo_lens * qo_lens, 0, out=out[1:])
-    return out
+    return StepInputs(ids_d, positions_d, gathered[:total], meta, logits_d)
 
 
 def _step_ancestors(parents: torch.Tensor, qo_lens: torch.Tensor, qo_max: int) -> torch.Tensor:

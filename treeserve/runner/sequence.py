@@ -74,10 +74,7 @@ class PagedSequence:
         if n < 1 or self.length + n > self.max_len:
             raise ValueError(f"chunk must hold 1..{self.max_len - self.length} tokens, got {n}")
         start, end = self.length, self.length + n
-        one = torch.ones(1, dtype=torch.long)
-        step = build_step_inputs(
-            self._slots[None], one * 0, one * start, one * n, ids, self.page_size, one * (n if all_logits else 1)
-        )
+        step = build_step_inputs(self._slots[None], [0], [start], [n], ids, self.page_size, [n if all_logits else 1])
         logits = self.model(step.input_ids, step.positions, self.pool, step.out_slots, step.meta, step.logits_indices)
         self.length = end
         return logits
