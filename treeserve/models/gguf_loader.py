@@ -17,7 +17,8 @@ from gguf.quants import dequantize
 
 from treeserve.models.config import ModelConfig
 from treeserve.models.llama import LlamaForCausalLM
-from treeserve.models.weights import build_model
+from treeserve.models.quant import Int4Planes, pack_model, planes_from_gguf
+from treeserve.models.weights import build_model, fused_names
 
 __all__ = ["GGUFContents", "gguf_config", "load_gguf_model", "open_gguf", "unpermute_qk"]
 
@@ -157,9 +158,16 @@ def _dequantize(t: ReaderTensor) -> np.ndarray:
 
 
 def load_gguf_model(
-    g: GGUFContents, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    g: GGUFContents,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """Dequantize ``g``'s tensors into a model (see ``build_model`` for the errors it raises)."""
+    """Dequantize ``g``'s tensors into a model (see ``build_model`` for the errors it raises).
+
+    With ``quantization`` (see ``treeserve.models.quant.pack_model``) the decoder projections
+    whose tensors are all Q4_0 / Q4_1 / Q8_0 also keep the file's codes, packed, for decode steps.
+    """
     config = gguf_config(g)
     if "rope_freqs.weight" in g.tensors:
         raise ValueError(f"{g.path}: per-frequency RoPE factors (rope_freqs.weight) are not supported")
@@ -179,4 +187,22 @@ def load_gguf_model(
         # F32 tensors come back as read-only views of the mapped file: copy those.
         return torch.from_numpy(w if w.flags.writeable else w.copy())
 
-    return build_model(config, get, by_hf, dtype=dtype, device=device)
+    model = build_model(config, get, by_hf, dtype=dtype, device=device)
+    sources = dict(fused_names(config))
+
+    def planes_for(name: str) -> Int4Planes | None:
+        parts = []
+        for hf in sources[name + ".weight"]:
+            t = by_hf[hf]
+            qtype = GGMLQuantizationType(t.tensor_type).name
+            if qtype not in ("Q4_0", "Q4_1", "Q8_0"):
+                return None
+            planes = planes_from_gguf(qtype, np.asarray(t.data).view(np.ndarray), tuple(int(d) for d in reversed(t.shape)))
+            if config.architecture == "llama":
+                for proj, heads in permute_heads.items():
+                    if f".{proj}." in hf:
+                        planes = planes.permute_rows(lambda a, h=heads: unpermute_qk(a, h))
+            parts.append(planes)
+        return Int4Planes.cat_rows(parts)
+
+    return pack_model(model, planes_for, quantization)

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from treeserve.models.config import ModelConfig
 from treeserve.models.llama import LlamaForCausalLM
+from treeserve.models.quant import pack_model
 from treeserve.models.weights import build_model
 
 __all__ = ["load_hf_config", "load_hf_model"]
@@ -34,9 +35,15 @@ def load_hf_config(path: str | Path) -> ModelConfig:
 
 
 def load_hf_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model stored in a HF directory (``model.safetensors`` or an indexed set of shards).
+
+    ``quantization`` ``"int4"`` / ``"int8"`` packs the decoder projections weight-only (see
+    ``treeserve.models.quant.pack_model``); ``"auto"`` and None keep the float weights.
 
     Raises ``ValueError`` for a missing/unreadable config or weight file (truncated safetensors
     included), an unsupported architecture, a missing tensor or a shape mismatch.
@@ -69,7 +76,8 @@ def load_hf_model(
             except Exception as exc:
                 raise ValueError(f"cannot read tensor {name!r} from {weight_map[name]}: {exc}") from exc
 
-        return build_model(config, get, weight_map, dtype=dtype, device=device)
+        model = build_model(config, get, weight_map, dtype=dtype, device=device)
+    return pack_model(model, lambda name: None, quantization)
 
 
 def _read_json(file: Path) -> dict:

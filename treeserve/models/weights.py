@@ -14,7 +14,7 @@ import torch
 from treeserve.models.config import ModelConfig
 from treeserve.models.llama import LlamaForCausalLM
 
-__all__ = ["MissingTensorError", "build_model", "expected_hf_shapes", "hf_state_dict"]
+__all__ = ["MissingTensorError", "build_model", "expected_hf_shapes", "fused_names", "hf_state_dict"]
 
 # A loader hands tensors over lazily: name -> tensor, called once per expected name.
 TensorGetter = Callable[[str], torch.Tensor]
@@ -55,7 +55,7 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _fused_names(config: ModelConfig) -> Iterable[tuple[str, tuple[str, ...]]]:
+def fused_names(config: ModelConfig) -> Iterable[tuple[str, tuple[str, ...]]]:
     """(our parameter name, the HF names concatenated along dim 0 to form it)."""
     yield "embed_tokens.weight", ("model.embed_tokens.weight",)
     yield "norm.weight", ("model.norm.weight",)
@@ -105,7 +105,7 @@ def build_model(
     model = LlamaForCausalLM(config, dtype=dtype, device=device)  # uninitialised parameters
     target = model.state_dict()
     state = {}
-    for ours, hf in _fused_names(config):
+    for ours, hf in fused_names(config):
         parts = [fetch(n) for n in hf]
         fused = parts[0] if len(parts) == 1 else torch.cat(parts)
         state[ours] = fused.to(device=device, dtype=target[ours].dtype)
@@ -121,7 +121,7 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     ours = model.state_dict()
     shapes = expected_hf_shapes(config)
     out: dict[str, torch.Tensor] = {}
-    for name, hf_names in _fused_names(config):
+    for name, hf_names in fused_names(config):
         sizes = [shapes[n][0] for n in hf_names]
         for hf, part in zip(hf_names, ours[name].split(sizes)):
             out[hf] = part.detach().cpu().contiguous()

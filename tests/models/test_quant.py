@@ -1,0 +1,195 @@
+"""Packed GGUF codes (Q4_0 / Q4_1 / Q8_0), HF int4/int8 opt-in and the exact bf16 head."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.models._helpers import paged_logits, write_gguf
+from treeserve.models import load, load_hf_model, random_model, save_hf_dir, tiny_config
+from treeserve.models.quant import (
+    ExactHead,
+    Int4Planes,
+    PackedLinear,
+    check_quantization,
+    measure_crossover,
+    planes_from_gguf,
+    quantize_int4,
+    quantize_int8,
+)
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def _gguf_planes(qtype: str, n: int, k: int, seed: int) -> tuple[Int4Planes, np.ndarray]:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType[qtype])
+    return planes_from_gguf(qtype, raw, (n, k)), dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
+
+
+def test_int4pack_convention_is_q_minus_8_times_scale_plus_zero() -> None:
+    """torch's CPU int4 kernel decodes code c as (c - 8) * scale + zero (what every mapping relies on)."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 16, 64
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    scale, zero = torch.rand(k // 32, n, generator=gen) + 0.1, torch.randn(k // 32, n, generator=gen)
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    decoded = torch._weight_int4pack_mm_for_cpu(torch.eye(k), packed, 32, torch.stack([scale, zero], -1)).T
+    expected = (codes - 8) * scale.repeat_interleave(32, 0).T + zero.repeat_interleave(32, 0).T
+    torch.testing.assert_close(decoded, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@given(n=st.integers(1, 40), groups=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_planes_dequantize_bit_exactly_like_gguf(qtype: str, n: int, groups: int, seed: int) -> None:
+    planes, ref = _gguf_planes(qtype, n, 32 * groups, seed)
+    assert planes.codes.dtype == torch.uint8 and int(planes.codes.max()) <= 15
+    assert torch.equal(planes.dequantize(), torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_packed_gemm_equals_dequantized_gemm(qtype: str, rows: int) -> None:
+    """float32 activations: float tolerance; bfloat16 (the fast path): bf16 rounding of x and scales."""
+    planes, ref = _gguf_planes(qtype, 48, 96, seed=rows)
+    w = torch.from_numpy(ref)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    exact = x.double() @ w.double().T
+    f32 = PackedLinear(planes, w, None, act_dtype=torch.float32).packed_forward(x)
+    torch.testing.assert_close(f32.double(), exact, rtol=1e-5, atol=1e-5)
+    bf16 = PackedLinear(planes, w, None, act_dtype=torch.bfloat16).packed_forward(x)
+    assert bf16.dtype == torch.float32
+    bound = 2.0**-7 * (x.abs().double() @ w.abs().double().T) + 2.0**-7 * exact.abs()  # x, scales, out
+    assert bool(((bf16.double() - exact).abs() <= bound).all())
+
+
+def test_packed_linear_routes_by_rows_and_adds_bias() -> None:
+    planes, ref = _gguf_planes("Q4_1", 32, 64, seed=1)
+    w, bias = torch.from_numpy(ref), torch.randn(32)
+    layer = PackedLinear(planes, w, bias, act_dtype=torch.float32, packed_max_rows=4)
+    x = torch.randn(6, 64)
+    assert torch.equal(layer(x[:4]), layer.packed_forward(x[:4]))
+    assert torch.equal(layer(x), F.linear(x, w, bias))
+    torch.testing.assert_close(layer.packed_forward(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantizer,levels", [(quantize_int4, 15), (quantize_int8, 254)])
+def test_hf_quantizers_error_within_half_a_step(quantizer, levels) -> None:
+    w = torch.randn(24, 128, generator=torch.Generator().manual_seed(2))
+    w[0, :32] = 0.5  # a constant group: scale 0 must decode exactly
+    deq = quantizer(w).dequantize()
+    span = w.view(24, 4, 32).amax(-1) - w.view(24, 4, 32).amin(-1)
+    if levels == 254:
+        span = 2 * w.view(24, 4, 32).abs().amax(-1)
+    step = (span / levels).repeat_interleave(32, 1)
+    assert bool(((deq - w).abs() <= step / 2 + 1e-6).all())
+    assert torch.equal(deq[0, :32], w[0, :32])
+
+
+def test_cat_rows_pads_planes_exactly() -> None:
+    a, ra = _gguf_planes("Q4_1", 8, 64, seed=3)
+    b, rb = _gguf_planes("Q8_0", 5, 64, seed=4)
+    fused = Int4Planes.cat_rows([a, b])
+    assert fused.planes == 2 and fused.shape == (13, 64)
+    assert torch.equal(fused.dequantize(), torch.from_numpy(np.concatenate([ra, rb])))
+
+
+def test_bad_inputs_name_the_field(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="qtype"):
+        planes_from_gguf("Q5_K", np.zeros(10, np.uint8), (1, 32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        planes_from_gguf("Q4_0", np.zeros(18, np.uint8), (1, 31))
+    with pytest.raises(ValueError, match="needs 36 bytes"):
+        planes_from_gguf("Q4_0", np.zeros(18, np.uint8), (2, 32))
+    with pytest.raises(TypeError, match="2-D float"):
+        quantize_int4(torch.zeros(32, dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int8(torch.zeros(2, 40))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        check_quantization("fp8")
+    planes, ref = _gguf_planes("Q4_0", 4, 32, seed=0)
+    with pytest.raises(ValueError, match="weight must have"):
+        PackedLinear(planes, torch.zeros(4, 64), None)
+    layer = PackedLinear(planes, torch.from_numpy(ref), None)
+    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "many")
+    with pytest.raises(ValueError, match="TREESERVE_PACKED_MAX_ROWS"):
+        measure_crossover(layer)
+    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "7")
+    assert measure_crossover(layer) == 7
+    with pytest.raises(TypeError, match="float32"):
+        ExactHead(torch.nn.Parameter(torch.zeros(4, 32, dtype=torch.bfloat16)))
+
+
+def test_measured_crossover_is_a_candidate_row_count(monkeypatch) -> None:
+    monkeypatch.delenv("TREESERVE_PACKED_MAX_ROWS", raising=False)
+    planes, ref = _gguf_planes("Q4_1", 64, 64, seed=5)
+    assert measure_crossover(PackedLinear(planes, torch.from_numpy(ref), None)) in (0, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@given(seed=st.integers(0, 2**20), margin=st.sampled_from([0.0, 1e-4, 1e-3, 1e-2]), max_cand=st.sampled_from([1, 64]))
+def test_exact_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: float, max_cand: int) -> None:
+    """Rows where the two best logits differ by ~margin (far below bf16's resolution at |logit| ~ 10)."""
+    gen = torch.Generator().manual_seed(seed)
+    v, h, m = 300, 64, 4
+    w = torch.randn(v, h, generator=gen)
+    x = torch.randn(m, h, generator=gen) * 3
+    f32 = F.linear(x, w)
+    top2 = f32.topk(2, dim=1).indices
+    for r in range(m):  # move the runner-up to within `margin` of the best
+        a, b = top2[r]
+        d = (f32[r, a] - f32[r, b] - margin) / x[r].dot(x[r])
+        w[b] = w[b] + d * x[r]
+    head = ExactHead(torch.nn.Parameter(w, requires_grad=False), max_candidates=max_cand)
+    logits = head(x)
+    ref = F.linear(x, w)
+    assert logits.dtype == torch.float32 and logits.shape == (m, v)
+    best = logits.argmax(1)
+    # Equal picks, or (margin 0) a tie that float32 rounding (K ulps of sum |x w|) cannot order.
+    f32_noise = h * 2.0**-24 * (x.abs() @ w.abs().T).amax(1)
+    assert bool((ref.gather(1, best[:, None])[:, 0] >= ref.amax(1) - f32_noise).all())
+    if margin >= 1e-3:
+        assert torch.equal(best, ref.argmax(1))
+
+
+def test_tiny_gguf_packed_model_tracks_dense(tmp_path, monkeypatch) -> None:
+    """Every GGUF code type, Q/K un-permuted: packed decode within bf16 error of the dense model."""
+    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "256")
+    model = random_model(tiny_config("llama", hidden_size=64, intermediate_size=128), seed=3, init_std=0.1)
+    ids = list(range(5, 37))
+    for qtype in QTYPES:
+        path = write_gguf(model, tmp_path / f"{qtype}.gguf", GGMLQuantizationType[qtype])
+        dense, _ = load(path)
+        packed, _ = load(path, quantization="auto")
+        proj = packed.layers[1].self_attn.qkv_proj
+        assert isinstance(proj, PackedLinear) and proj.packed_max_rows == 256
+        assert isinstance(packed.lm_head, ExactHead)
+        torch.testing.assert_close(proj.weight, dense.layers[1].self_attn.qkv_proj.weight, rtol=0, atol=0)
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(proj(x), F.linear(x, proj.weight), rtol=0.03, atol=0.03)
+        a = paged_logits(dense, ids, [len(ids)], 4)
+        b = paged_logits(packed, ids, [8] + [1] * 24, 4)
+        assert float((a - b).abs().max()) < 0.05 * float(a.abs().max())
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_hf_opt_in_quantization(tmp_path, quantization, monkeypatch) -> None:
+    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "64")
+    model = random_model(tiny_config("qwen2"), seed=1, init_std=0.05)
+    folder = save_hf_dir(model, tmp_path / "hf")
+    plain = load_hf_model(folder, quantization="auto")
+    assert not isinstance(plain.layers[0].mlp.down_proj, PackedLinear)
+    q = load_hf_model(folder, quantization=quantization)
+    down = q.layers[0].mlp.down_proj
+    assert isinstance(down, PackedLinear) and down.planes == (2 if quantization == "int8" else 1)
+    assert q.layers[0].self_attn.qkv_proj.bias is not None
+    ids = list(range(3, 19))
+    a = paged_logits(model, ids, [len(ids)], 4)
+    b = paged_logits(q, ids, [4] + [1] * 12, 4)
+    tol = 0.05 if quantization == "int8" else 0.25
+    assert float((a - b).abs().max()) < tol * float(a.abs().max())

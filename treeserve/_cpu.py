@@ -1,0 +1,69 @@
+"""Run-time CPU feature detection (never assume a feature: read what this machine reports).
+
+Two sources: the kernel's ``/proc/cpuinfo`` flags (Linux x86) and the ISA level torch's own
+kernels dispatched to (``torch.backends.cpu.get_cpu_capability()``: ``"DEFAULT"``, ``"AVX2"``,
+``"AVX512"``, ...). A feature counts only where the flags report it; on a machine without
+``/proc/cpuinfo`` every flag-based feature is False and only torch's capability is used.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["CPUFeatures", "cpu_features", "parse_cpuinfo"]
+
+
+@dataclass(frozen=True, slots=True)
+class CPUFeatures:
+    """What this CPU can do for inference kernels (all False where unknown)."""
+
+    model_name: str
+    torch_capability: str
+    avx2: bool
+    avx512: bool
+    avx512_bf16: bool
+    avx512_vnni: bool
+    amx: bool
+
+    @property
+    def fast_bf16(self) -> bool:
+        """Native bf16 dot products (AVX-512 BF16 or AMX-BF16): bf16 GEMMs beat float32 ones."""
+        return self.avx512_bf16 or self.amx
+
+
+def parse_cpuinfo(text: str, torch_capability: str = "DEFAULT") -> CPUFeatures:
+    """Features from ``/proc/cpuinfo`` text (the first processor's ``flags`` and ``model name``)."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be str, got {type(text).__name__}")
+    flags: set[str] = set()
+    model = "unknown"
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "flags" and not flags:
+            flags = set(value.split())
+        elif key == "model name" and model == "unknown":
+            model = value.strip() or model
+    return CPUFeatures(
+        model_name=model,
+        torch_capability=torch_capability,
+        avx2="avx2" in flags,
+        avx512="avx512f" in flags,
+        avx512_bf16="avx512_bf16" in flags,
+        avx512_vnni="avx512_vnni" in flags,
+        amx="amx_bf16" in flags and "amx_tile" in flags,
+    )
+
+
+@functools.cache
+def cpu_features() -> CPUFeatures:
+    """This machine's features (read once per process)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    return parse_cpuinfo(text, torch.backends.cpu.get_cpu_capability())

@@ -1,0 +1,361 @@
+"""Weight-only quantized linears on CPU: GGUF Q4_0 / Q4_1 / Q8_0 kept as shipped, and an exact head.
+
+Every supported code maps onto torch's CPU int4 "scales and zeros" form, group 32, whose kernel
+(``torch._weight_int4pack_mm_for_cpu``) computes ``w = (c - 8) * scale + zero`` per 4-bit code
+``c`` in ``[0, 15]`` (checked by ``tests/models/test_quant.py``):
+
+- **Q4_1** ``w = d * q + m``: ``c = q``, ``scale = d``, ``zero = m + 8 d``.
+- **Q4_0** ``w = d * (q - 8)``: ``c = q``, ``scale = d``, ``zero = 0``.
+- **Q8_0** ``w = d * q``, ``q`` int8: ``q = 16 hi + lo`` with ``lo = q & 15`` and ``hi = q >> 4``
+  (in ``[-8, 7]``); two 4-bit planes laid side by side along K (``c = lo``, ``scale = d``,
+  ``zero = 8 d``; ``c = hi + 8``, ``scale = 16 d``, ``zero = 0``) and the activations repeated
+  twice along K: one int4 GEMM over ``2K`` reads exactly the int8 bytes. (``_weight_int8pack_mm``
+  takes one scale per output channel, which a per-32-group code cannot use without re-quantizing.)
+
+No code is re-quantized: the codes are bit-identical to the file's and the scales are the file's
+f16 values. The kernel's activations/scales dtype is a choice: on this torch build float32
+activations take a scalar path (~10x slower than bfloat16 on an AVX2 EPYC, see
+``benches/bench_quant.py``), so the fast path casts the (few) activation rows and the scales to
+bfloat16 — scales then carry bf16 precision (relative 2^-9), the codes stay exact.
+``PackedLinear`` also keeps the dequantized weight in the model dtype for prefill and large
+batches, where a dense GEMM wins; the crossover in rows per step is measured on the machine
+(``measure_crossover``), never assumed.
+
+HF (float) checkpoints can opt in: ``quantize_int4`` (asymmetric group-32 min/max, the Q4_1
+form) and ``quantize_int8`` (symmetric group-32, the Q8_0 form).
+
+``ExactHead`` runs the LM head in bfloat16 and re-scores, in float32, every vocabulary entry that
+a rigorous error bound cannot rule out, so greedy picks the same token as the float32 head.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "GROUP",
+    "QUANTIZATIONS",
+    "ExactHead",
+    "Int4Planes",
+    "PackedLinear",
+    "check_quantization",
+    "measure_crossover",
+    "pack_model",
+    "planes_from_gguf",
+    "quantize_int4",
+    "quantize_int8",
+]
+
+GROUP = 32  # every supported code: 32 weights per scale
+_GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+class Int4Planes(NamedTuple):
+    """A weight ``[N, K]`` as ``planes`` 4-bit planes side by side: ``codes [N, planes*K]`` (uint8,
+    0..15), ``scales`` and ``zeros [N, planes*K/32]`` (float32). ``w[:, k] = sum over planes p of
+    (codes[:, p*K+k] - 8) * scale + zero`` of that plane's group."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    planes: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)`` of the weight."""
+        return self.codes.shape[0], self.codes.shape[1] // self.planes
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight ``[N, K]`` (computed in float64, so exact for f16 scales)."""
+        n, k = self.shape
+        c = self.codes.double().view(n, -1, GROUP) - 8
+        w = c * self.scales.double()[..., None] + self.zeros.double()[..., None]
+        return w.view(n, self.planes, k).sum(1).float()
+
+    def with_planes(self, planes: int) -> Int4Planes:
+        """The same weight over ``planes`` (>= self.planes) planes: extra planes contribute 0."""
+        if planes < self.planes:
+            raise ValueError(f"planes must be >= {self.planes}, got {planes}")
+        n, k = self.shape
+        pad = _zero_rows(n, (planes - self.planes) * k)
+        return Int4Planes(*(torch.cat([mine, extra], 1) for mine, extra in zip(self[:3], pad)), planes)
+
+    @staticmethod
+    def cat_rows(parts: list[Int4Planes]) -> Int4Planes:
+        """Stack weights along N (a fused projection); planes are padded to the largest count."""
+        planes = max(p.planes for p in parts)
+        parts = [p.with_planes(planes) for p in parts]
+        return Int4Planes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "zeros")), planes)
+
+    def permute_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> Int4Planes:
+        """Apply a row permutation ``fn`` (numpy, on ``[N, ...]`` arrays) to every field."""
+        return Int4Planes(
+            *(torch.from_numpy(np.ascontiguousarray(fn(getattr(self, f).numpy()))) for f in ("codes", "scales", "zeros")),
+            self.planes,
+        )
+
+
+def planes_from_gguf(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> Int4Planes:
+    """The planes of a GGUF ``Q4_0`` / ``Q4_1`` / ``Q8_0`` tensor (``raw``: its bytes, ``shape``: ``(N, K)``).
+
+    Raises ``ValueError`` for another type, a K not divisible by 32 or a byte count that does
+    not match ``shape``.
+    """
+    if qtype not in _GGUF_BLOCK_BYTES:
+        raise ValueError(f"qtype must be one of {sorted(_GGUF_BLOCK_BYTES)}, got {qtype!r}")
+    n, k = shape
+    if k % GROUP:
+        raise ValueError(f"K must be a multiple of {GROUP}, got shape {shape}")
+    nbytes = n * (k // GROUP) * _GGUF_BLOCK_BYTES[qtype]
+    flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    if flat.size != nbytes:
+        raise ValueError(f"{qtype} tensor of shape {shape} needs {nbytes} bytes, got {flat.size}")
+    blocks = flat.reshape(n, k // GROUP, _GGUF_BLOCK_BYTES[qtype])
+    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if qtype == "Q8_0":
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).to(torch.int16)  # [n, k/32, 32]
+        lo, hi = (q & 15).to(torch.uint8), ((q >> 4) + 8).to(torch.uint8)
+        codes = torch.cat([lo.reshape(n, k), hi.reshape(n, k)], 1)
+        return Int4Planes(codes, torch.cat([d, 16 * d], 1), torch.cat([8 * d, torch.zeros_like(d)], 1), 2)
+    qs = torch.from_numpy(blocks[..., -16:].copy())  # byte j: element j (low nibble), j + 16 (high)
+    codes = torch.cat([qs & 15, qs >> 4], -1).reshape(n, k)
+    if qtype == "Q4_0":
+        return Int4Planes(codes, d, torch.zeros_like(d), 1)
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    return Int4Planes(codes, d, (m.double() + 8 * d.double()).float(), 1)
+
+
+def _zero_rows(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes, scales, zeros of ``n`` rows that decode to 0 (code 8, scale 0, zero 0)."""
+    groups = width // GROUP
+    return torch.full((n, width), 8, dtype=torch.uint8), torch.zeros(n, groups), torch.zeros(n, groups)
+
+
+def _check_float_weight(w: torch.Tensor) -> tuple[int, int]:
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+        raise TypeError(f"weight must be a 2-D float tensor, got {getattr(w, 'shape', type(w))}")
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"weight K (columns) must be a multiple of {GROUP}, got {k}")
+    return n, k
+
+
+def quantize_int4(w: torch.Tensor) -> Int4Planes:
+    """Asymmetric group-32 int4 (the Q4_1 form): ``scale = (max - min) / 15``, ``zero = min + 8 scale``."""
+    n, k = _check_float_weight(w)
+    g = w.detach().float().cpu().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return Int4Planes(codes, scale, lo + 8 * scale, 1)
+
+
+def quantize_int8(w: torch.Tensor) -> Int4Planes:
+    """Symmetric group-32 int8 (the Q8_0 form, ``d = absmax / 127``) as two 4-bit planes."""
+    n, k = _check_float_weight(w)
+    g = w.detach().float().cpu().reshape(n, k // GROUP, GROUP)
+    d = g.abs().amax(-1) / 127
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int16)
+    lo, hi = (q & 15).to(torch.uint8), ((q >> 4) + 8).to(torch.uint8)
+    codes = torch.cat([lo.reshape(n, k), hi.reshape(n, k)], 1)
+    return Int4Planes(codes, torch.cat([d, 16 * d], 1), torch.cat([8 * d, torch.zeros_like(d)], 1), 2)
+
+
+def _pack(planes: Int4Planes, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's packed weight and ``[K'/32, N', 2]`` scales-and-zeros; N is padded to a multiple of
+    16 (the kernel's requirement) with rows that decode to 0."""
+    pad = -planes.shape[0] % 16
+    if pad:
+        planes = Int4Planes.cat_rows([planes, Int4Planes(*_zero_rows(pad, planes.codes.shape[1]), planes.planes)])
+    packed = torch._convert_weight_to_int4pack_for_cpu(planes.codes.to(torch.int32), 1)
+    sz = torch.stack([planes.scales.t(), planes.zeros.t()], -1).to(act_dtype).contiguous()
+    return packed, sz
+
+
+class PackedLinear(nn.Module):
+    """``x @ W.T (+ bias)`` with ``W`` held as int4 planes (decode) and dense (prefill).
+
+    Batches of at most ``packed_max_rows`` rows run the packed int4 GEMM with activations and
+    scales in ``act_dtype`` (bfloat16: the fast kernel; float32: exact scales, slow on AVX2);
+    larger ones ``F.linear`` on ``weight``, the planes dequantized once into the model dtype (the
+    caller passes it: a loader's own dequantization or ``planes.dequantize()``). The output has
+    ``x``'s dtype. CPU only (the int4 kernel is torch's CPU one).
+    """
+
+    def __init__(
+        self,
+        planes: Int4Planes,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        act_dtype: torch.dtype = torch.bfloat16,
+        packed_max_rows: int = 0,
+    ) -> None:
+        super().__init__()
+        n, k = planes.shape
+        if tuple(weight.shape) != (n, k):
+            raise ValueError(f"weight must have the planes' shape {(n, k)}, got {tuple(weight.shape)}")
+        self.in_features, self.out_features, self.planes = k, n, planes.planes
+        self.act_dtype = act_dtype
+        self.packed_max_rows = packed_max_rows
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = bias
+        packed, sz = _pack(planes, act_dtype)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_zeros", sz, persistent=False)
+
+    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The int4 GEMM whatever the row count (``x [M, K]``)."""
+        a = x.to(self.act_dtype)
+        if self.planes > 1:
+            a = a.repeat(1, self.planes)
+        y = torch._weight_int4pack_mm_for_cpu(a, self.packed, GROUP, self.scales_zeros)
+        y = y[:, : self.out_features].to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.packed_max_rows and x.dim() == 2:
+            return self.packed_forward(x)
+        return F.linear(x, self.weight, self.bias)
+
+
+_CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+_crossover_cache: dict[tuple[int, int, int, torch.dtype, torch.dtype, int], int] = {}
+
+
+def _best_seconds(fn: Callable[[], object], reps: int = 5) -> float:
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_crossover(layer: PackedLinear) -> int:
+    """The largest row count (of 1, 2, 4 ... 128) up to which ``layer``'s packed GEMM is at least as
+    fast as its dense one on this machine, 0 when never; measured once per process per shape,
+    dtype and thread count. ``TREESERVE_PACKED_MAX_ROWS`` (an int >= 0) overrides the measurement.
+    """
+    env = os.environ.get("TREESERVE_PACKED_MAX_ROWS")
+    if env is not None:
+        if not env.isdigit():
+            raise ValueError(f"TREESERVE_PACKED_MAX_ROWS must be an int >= 0, got {env!r}")
+        return int(env)
+    key = (layer.out_features, layer.in_features, layer.planes, layer.weight.dtype, layer.act_dtype,
+           torch.get_num_threads())
+    if key not in _crossover_cache:
+        best = 0
+        with torch.inference_mode():
+            for rows in _CROSSOVER_ROWS:
+                x = torch.randn(rows, layer.in_features, dtype=layer.weight.dtype)
+                packed = _best_seconds(lambda: layer.packed_forward(x))
+                dense = _best_seconds(lambda: F.linear(x, layer.weight, layer.bias))
+                if packed > dense:
+                    break
+                best = rows
+        _crossover_cache[key] = best
+    return _crossover_cache[key]
+
+
+class ExactHead(nn.Module):
+    """LM head whose greedy pick equals the float32 head's, at about bf16 cost.
+
+    ``forward(x [M, H])`` returns float32 logits ``[M, V]``: first ``x @ W.T`` in bfloat16
+    (``W`` rounded once); then every entry ``j`` that the bound ``|bf16 - f32| <= c * |x| * |W_j|``
+    (Cauchy-Schwarz over the rounding of x and W to bf16, relative 2^-9 each, plus float32
+    accumulation) cannot exclude from the argmax is recomputed in float32 and written back. The
+    argmax row of the result is thus the float32 head's (up to float32 rounding between two
+    float32 evaluations of one dot product); the other entries keep bf16-head precision. A row
+    with more than ``max_candidates`` such entries is computed in float32 entirely.
+    """
+
+    def __init__(self, weight: nn.Parameter, max_candidates: int = 64) -> None:
+        super().__init__()
+        if weight.dtype != torch.float32:
+            raise TypeError(f"weight must be float32, got {weight.dtype}")
+        self.weight = weight  # shared with a tied embedding
+        self.max_candidates = max_candidates
+        self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16), persistent=False)
+        self.register_buffer("row_norms", weight.detach().double().norm(dim=1).float(), persistent=False)
+        k = weight.shape[1]
+        self.bound_factor = 2.0**-8 + 2.0**-16 + 2 * (k + 2) * 2.0**-24
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        approx = F.linear(x.to(torch.bfloat16), self.weight_bf16).float()
+        bound = (self.bound_factor * x.norm(dim=1, keepdim=True)) * self.row_norms  # [M, V]
+        threshold = (approx - bound).amax(dim=1, keepdim=True)
+        candidate = approx + bound >= threshold
+        counts = candidate.sum(1)
+        full = counts > self.max_candidates
+        if bool(full.any()):
+            rows = full.nonzero()[:, 0]
+            approx[rows] = F.linear(x[rows], self.weight)
+            candidate[rows] = False
+        r, c = candidate.nonzero(as_tuple=True)
+        approx[r, c] = (x[r] * self.weight[c]).sum(-1)
+        return approx
+
+
+QUANTIZATIONS = ("auto", "int4", "int8", None)
+_PACKABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def check_quantization(quantization: object) -> None:
+    """``ValueError`` unless ``quantization`` is one of ``QUANTIZATIONS``."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+
+
+def pack_model(
+    model: nn.Module,
+    planes_for: Callable[[str], Int4Planes | None],
+    quantization: str | None,
+    act_dtype: torch.dtype = torch.bfloat16,
+) -> nn.Module:
+    """Swap ``model``'s decoder projections for ``PackedLinear`` and its head for ``ExactHead``, in place.
+
+    ``planes_for(name)`` gives a projection's codes as shipped (e.g. ``"layers.0.mlp.down_proj"``
+    of a GGUF file; the model's dense weight must be their dequantization) or None; with ``quantization`` ``"int4"`` / ``"int8"`` a projection without
+    shipped codes is quantized from its dense weight, with ``"auto"`` it stays dense; ``None``
+    leaves the model as it is. The packed/dense crossover is measured once (``measure_crossover``)
+    on the largest packed projection and applied to all. CPU models only: others are returned as is.
+    """
+    check_quantization(quantization)
+    if quantization is None or model.device.type != "cpu":
+        return model
+    quantizer = {"int4": quantize_int4, "int8": quantize_int8}.get(quantization)
+    packed: list[PackedLinear] = []
+    for i, layer in enumerate(model.layers):
+        for sub in _PACKABLE:
+            name = f"layers.{i}.{sub}"
+            dense = layer.get_submodule(sub)
+            planes, weight = planes_for(name), dense.weight  # shipped codes: the loader dequantized them
+            if planes is None and quantizer is not None:
+                planes = quantizer(dense.weight)
+                weight = planes.dequantize().to(dense.weight.dtype)
+            if planes is None:
+                continue
+            new = PackedLinear(planes, weight, dense.bias, act_dtype)
+            parent, _, attr = sub.rpartition(".")
+            setattr(layer.get_submodule(parent), attr, new)
+            packed.append(new)
+    if packed:
+        rows = measure_crossover(max(packed, key=lambda m: m.in_features * m.out_features))
+        for m in packed:
+            m.packed_max_rows = rows
+    if model.lm_head.weight.dtype == torch.float32:
+        model.lm_head = ExactHead(model.lm_head.weight)
+    return model
