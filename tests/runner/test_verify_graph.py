@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from treeserve.sampling import SamplingParams
 from treeserve.scheduler import DraftTree, Request, SampledToken, ScheduledBatch, ScheduledItem
 
-from ._helpers import VOCAB, Bench, make_bench, tiny_model
+from ._helpers import PADDED_GEMM_ATOL, VOCAB, Bench, make_bench, tiny_model
 
 K = 5  # node buckets 0, 1, 2, 4, 8
 
@@ -76,7 +76,7 @@ def real_slots(bench: Bench, items: list[ScheduledItem]) -> set[int]:
     return out
 
 
-def step(bench: Bench, items: list[ScheduledItem], atol: float = 2e-5) -> list[SampledToken]:
+def step(bench: Bench, items: list[ScheduledItem], atol: float = PADDED_GEMM_ATOL) -> list[SampledToken]:
     """One verify step through the graph runner, then the eager runner, compared."""
     batch = ScheduledBatch(items)
     before = kv_snapshot(bench)
