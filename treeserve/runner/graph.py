@@ -76,6 +76,14 @@ def decode_buckets(max_batch: int) -> tuple[int, ...]:
     return (*below, next(b for b in candidates if b >= max_batch))
 
 
+@dataclass(slots=True)
+class _Graph:
+    """One captured key: the CUDA graph and the output tensors it refreshes on replay."""
+
+    graph: torch.cuda.CUDAGraph
+    output: SampleOutput | VerifyOutput
+
+
 class DecodeGraphRunner:
     """Runs decode and verify steps of at most ``max_batch`` requests from static, padded buffers.
 
