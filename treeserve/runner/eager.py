@@ -16,7 +16,7 @@ from treeserve.kvcache import KVPool, ReqToTokenTable, compact_tree_path, rollba
 from treeserve.runner.graph import DecodeGraphRunner
 from treeserve.runner.inputs import CausalLM, StepInputs, build_step_inputs, draft_arrays, requests_sampling_batch
 from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
-from treeserve.sampling import SamplingBatch, sample, verify
+from treeserve.sampling import SamplingBatch, SamplingRows, sample, verify
 from treeserve.scheduler import Request, SampledToken, ScheduledBatch, ScheduledItem
 
 __all__ = ["CausalLM", "ModelRunner"]
@@ -51,6 +51,7 @@ class ModelRunner:
         self.page_size = kv.page_size
         self.attention = select_backend("paged_attention", "auto", kv.device, kv.dtype)
         self.compact = select_backend("compact_tree_path", "auto", kv.device, kv.dtype)
+        self.sampling_rows = SamplingRows(table.max_requests + 1, vocab_size, self.device, self.eos_token_ids)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SampledToken | None]:
@@ -120,7 +121,7 @@ class ModelRunner:
         return step, list(accumulate(logit_rows))
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        return requests_sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids)
+        return requests_sampling_batch(self.sampling_rows, reqs)
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledItem]) -> list[SampledToken]:
         reqs = [it.req for it in items]

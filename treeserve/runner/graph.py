@@ -49,7 +49,16 @@ from treeserve.kvcache import (
 )
 from treeserve.runner.inputs import CausalLM, build_step_inputs, draft_arrays, requests_sampling_batch
 from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
-from treeserve.sampling import MAX_LOGPROBS, SampleOutput, SamplingBatch, SamplingParams, VerifyOutput, sample, verify
+from treeserve.sampling import (
+    MAX_LOGPROBS,
+    SampleOutput,
+    SamplingBatch,
+    SamplingParams,
+    SamplingRows,
+    VerifyOutput,
+    sample,
+    verify,
+)
 from treeserve.scheduler import SampledToken, ScheduledBatch, ScheduledItem
 
 __all__ = ["DecodeGraphRunner", "decode_buckets"]
@@ -65,6 +74,14 @@ def decode_buckets(max_batch: int) -> tuple[int, ...]:
     candidates = [1, 2, 4, *range(8, -(-max_batch // 8) * 8 + 1, 8)]
     below = [b for b in candidates if b < max_batch]
     return (*below, next(b for b in candidates if b >= max_batch))
+
+
+@dataclass(slots=True)
+class _Graph:
+    """One captured key: the CUDA graph and the output tensors it refreshes on replay."""
+
+    graph: torch.cuda.CUDAGraph
+    output: SampleOutput | VerifyOutput
 
 
 class DecodeGraphRunner:
@@ -132,6 +149,7 @@ class DecodeGraphRunner:
         self.keys = tuple((b, k) for b in self.buckets for k in self.node_buckets)
         self.pages_per_req = -(-(table.max_context_len + self.node_buckets[-1]) // self.page_size)
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.sampling_rows = SamplingRows(table.max_requests + 1, vocab_size, self.device, self.eos_token_ids)
         self.capture_seconds = 0.0
         self.num_steps = 0
         self.num_verify_steps = 0
@@ -273,7 +291,7 @@ class DecodeGraphRunner:
         if need > self.node_buckets[-1]:
             return None
         reqs = [it.req for it in items]
-        sbatch = requests_sampling_batch(reqs, self.vocab_size, "cpu", self.eos_token_ids)
+        sbatch = requests_sampling_batch(self.sampling_rows, reqs)
         if (
             sbatch.has_penalties
             or sbatch.allowed is not None

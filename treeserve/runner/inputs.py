@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from treeserve.kvcache import AttentionMetadata, KernelBackend, KVPool
-from treeserve.sampling import SamplingBatch
+from treeserve.sampling import SamplingBatch, SamplingRows
 from treeserve.scheduler import Request, ScheduledItem
 
 __all__ = [
@@ -228,16 +228,14 @@ def draft_arrays(items: Sequence[ScheduledItem], width: int, k: int) -> DraftArr
     return DraftArrays(tokens, parents, num_draft, slot_index)
 
 
-def requests_sampling_batch(
-    reqs: Sequence[Request], vocab_size: int, device: torch.device | str, eos_token_ids: Sequence[int]
-) -> SamplingBatch:
-    """The sampling rows of ``reqs`` for this step: their params, seeds, histories and counts."""
-    return SamplingBatch.build(
-        [r.params for r in reqs],
-        [r.seed for r in reqs],
-        [r.all_ids for r in reqs],
-        vocab_size,
-        device,
-        eos_token_ids=eos_token_ids,
-        num_generated=[len(r.output_ids) for r in reqs],
-    )
+def requests_sampling_batch(rows: SamplingRows, reqs: Sequence[Request]) -> SamplingBatch:
+    """The sampling rows of ``reqs`` for this step, gathered from the resident ``rows``.
+
+    A request not yet admitted into its table row (first step there, the row's previous owner
+    was another request, or its ``params`` object was replaced) is admitted first: its
+    parameters are validated and written once.
+    """
+    for r in reqs:
+        if not rows.holds(r.row, r, r.params):
+            rows.admit(r.row, r, r.params, r.seed, r.prompt_ids)
+    return rows.batch([r.row for r in reqs], [r.output_ids for r in reqs])

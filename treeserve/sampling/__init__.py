@@ -10,6 +10,7 @@ from treeserve.sampling.batch import SamplingBatch
 from treeserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
+from treeserve.sampling.rows import SamplingRows
 from treeserve.sampling.sampler import SampleOutput, sample
 from treeserve.sampling.verify import VerifyOutput, VerifyUniforms, verify
 
@@ -19,6 +20,7 @@ __all__ = [
     "SampleOutput",
     "SamplingBatch",
     "SamplingParams",
+    "SamplingRows",
     "process_logits",
     "sample",
     "uniform",

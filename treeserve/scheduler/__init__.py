@@ -7,16 +7,8 @@ from __future__ import annotations
 
 from treeserve.scheduler.drafter import Drafter, DraftTree, NgramDrafter
 from treeserve.scheduler.request import FinishReason, Request, RequestMetrics, RequestState
-from treeserve.scheduler.scheduler import (
-    SampledToken,
-    SampleGroup,
-    ScheduledBatch,
-    ScheduledItem,
-    Scheduler,
-    SchedulerConfig,
-    SpecStats,
-    derive_seed,
-)
+from treeserve.scheduler.batch import SampledToken, ScheduledBatch, ScheduledItem, SpecStats
+from treeserve.scheduler.scheduler import SampleGroup, Scheduler, SchedulerConfig, derive_seed
 from treeserve.scheduler.stop import StopChecker, TextDecoder, TextState, WholeDecoder
 
 __all__ = [

@@ -84,10 +84,20 @@ class Request:
     # output text (a ``scheduler.stop.TextState``: fed by the stop checker, read by the engine)
     text_state: Any = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    _tokens: list[int] = field(default_factory=list, repr=False)
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt then output: one token buffer per request, extended by the newly committed
+        tokens on access (no list concatenation per access). Read it, never mutate it."""
+        buf = self._tokens
+        num_prompt = len(self.prompt_ids)
+        if len(buf) < num_prompt:
+            buf[:] = self.prompt_ids
+        missing = num_prompt + len(self.output_ids) - len(buf)
+        if missing:
+            buf.extend(self.output_ids[len(self.output_ids) - missing :])
+        return buf
 
     @property
     def text(self) -> str:

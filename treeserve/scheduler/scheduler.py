@@ -22,13 +22,13 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
 from treeserve.kvcache import PageAllocator, RadixCache, ReqToTokenTable, pages_to_slots
 from treeserve.sampling import SamplingParams
+from treeserve.scheduler.batch import SampledToken, ScheduledBatch, ScheduledItem, SpecStats
 from treeserve.scheduler.drafter import DraftTree, Drafter
 from treeserve.scheduler.request import FinishReason, Request, RequestState
 from treeserve.scheduler.stop import StopChecker
@@ -74,60 +74,6 @@ class SchedulerConfig:
         for name in ("lpm_window", "min_shared_prefix", "num_speculative_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-
-class ScheduledItem(NamedTuple):
-    """Compute tokens ``[start, start + num_tokens)`` of ``req``; sample a token if ``sample``.
-
-    With a ``draft`` (speculative decoding), the item computes the pending token plus the draft
-    nodes (``num_tokens == 1 + len(draft)``), laid out in node order after the pending token's
-    slot; the runner verifies them and compacts the accepted path's KV.
-    """
-
-    req: Request
-    start: int
-    num_tokens: int
-    sample: bool
-    draft: DraftTree | None = None
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    items: list[ScheduledItem] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(it.num_tokens for it in self.items)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-
-class SampledToken(NamedTuple):
-    """What the runner returns for a sampled row: ``accepted`` draft tokens (their KV already
-    compacted to follow the pending token), then ``token`` (sampled, or the verification's
-    bonus/correction token). ``logprob`` belongs to ``token``, ``accepted_logprobs`` (empty, or
-    one per accepted token) to the accepted tokens; a missing logprob is reported as NaN."""
-
-    token: int
-    logprob: float
-    top: dict[int, float] | None
-    accepted: tuple[int, ...] = ()
-    accepted_logprobs: tuple[float, ...] = ()
-
-
-@dataclass(slots=True)
-class SpecStats:
-    """Speculative decoding counters: draft nodes proposed / accepted, verify steps."""
-
-    proposed: int = 0
-    accepted: int = 0
-    steps: int = 0
-
-    def record(self, proposed: int, accepted: int) -> None:
-        self.proposed += proposed
-        self.accepted += accepted
-        self.steps += 1
 
 
 @dataclass(slots=True, eq=False)
