@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CPUFeatures", "cpu_features", "parse_cpuinfo"]
+__all__ = ["CPUFeatures", "auto_dtype", "cpu_features", "parse_cpuinfo"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +67,22 @@ def cpu_features() -> CPUFeatures:
     except OSError:
         text = ""
     return parse_cpuinfo(text, torch.backends.cpu.get_cpu_capability())
+
+
+def auto_dtype(device: str = "cpu", features: CPUFeatures | None = None) -> str:
+    """The compute dtype ``dtype="auto"`` picks: measured, not assumed.
+
+    - CUDA: ``"bfloat16"``.
+    - CPU with AVX-512 BF16 or AMX: ``"bfloat16"``. Issue 12's micro-benchmark on such a CPU
+      (AMD EPYC, AVX-512 BF16/VNNI, 2 threads, SmolLM2-135M shapes, all 30 layers + head, one
+      row): bf16 16.5 ms, int8 weight-only 7.8 ms, int4 group-32 5.8 ms; bf16 dense serves
+      prefill/large batches there and packed int4 the decode steps.
+    - Other CPUs (AVX2 only): ``"float32"``. Measured on the 2-core AVX2 EPYC dev VM
+      (``benches/bench_quant.py``, 1 thread, same shapes, one row): float32 dense 63 ms,
+      bf16 dense 54 ms but slower than float32 from a few rows on (no native bf16 dot product),
+      packed int4 with bf16 activations 32 ms. So float32 runs prefill and norms/attention, and
+      packed int4 (GGUF codes) still serves decode (``treeserve.models.quant``).
+    """
+    if device.startswith("cuda"):
+        return "bfloat16"
+    return "bfloat16" if (features or cpu_features()).fast_bf16 else "float32"

@@ -115,3 +115,61 @@ def single_decode(llm: LLM, max_new_tokens: int) -> WorkloadResult:
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
     seconds, outs = _timed(llm, prompts, params)
     return _result(f"single request x{max_new_tokens}", seconds, outs)
+
+
+def single_stream_breakdown(llm: LLM, max_new_tokens: int) -> WorkloadResult:
+    """``single_decode`` timed by part, in milliseconds per step: GEMMs (projections + LM head),
+    attention (attention modules minus their projections), sampling, and host (the rest: norms,
+    RoPE, embedding, scheduling, Python). Module hooks time each call with ``perf_counter``, so
+    this run is a little slower than an unhooked ``single_decode``."""
+    spent = {"gemm": 0.0, "attention": 0.0, "attention_proj": 0.0, "sampling": 0.0}
+    starts: dict[int, float] = {}
+    handles = []
+
+    def timed(module: Any, *keys: str) -> None:
+        def pre(mod: Any, args: Any) -> None:
+            starts[id(mod)] = time.perf_counter()
+
+        def post(mod: Any, args: Any, out: Any) -> None:
+            elapsed = time.perf_counter() - starts.pop(id(mod))
+            for key in keys:
+                spent[key] += elapsed
+
+        handles.extend([module.register_forward_pre_hook(pre), module.register_forward_hook(post)])
+
+    for name, mod in llm.model.named_modules():
+        if name.endswith(("qkv_proj", "o_proj")):
+            timed(mod, "gemm", "attention_proj")
+        elif name.endswith(("_proj", "lm_head")):
+            timed(mod, "gemm")
+        elif name.endswith("self_attn"):
+            timed(mod, "attention")
+    runner = getattr(llm, "runner", None)
+    inner_sample = getattr(runner, "_sample", None)
+    if inner_sample is not None:
+        def sample(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner_sample(*args, **kwargs)
+            finally:
+                spent["sampling"] += time.perf_counter() - t
+
+        runner._sample = sample
+    steps0 = llm.metrics.steps
+    try:
+        result = single_decode(llm, max_new_tokens)
+    finally:
+        for h in handles:
+            h.remove()
+        if inner_sample is not None:
+            del runner._sample
+    ms = 1e3 / max(llm.metrics.steps - steps0, 1)
+    attention = spent["attention"] - spent["attention_proj"]
+    result.name = f"single stream x{max_new_tokens}"
+    result.extra.update(
+        gemm_ms=spent["gemm"] * ms,
+        attention_ms=attention * ms,
+        sampling_ms=spent["sampling"] * ms,
+        host_ms=(result.seconds - spent["gemm"] - attention - spent["sampling"]) * ms,
+    )
+    return result

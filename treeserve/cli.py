@@ -13,7 +13,9 @@ from treeserve.sampling import SamplingParams
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="name, .gguf file or HF directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "int8", "none"],
+                   help="weight-only packing for decode (auto: a GGUF's codes as shipped)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
@@ -33,6 +35,7 @@ def _make_llm(args: argparse.Namespace) -> LLM:
     return LLM(
         args.model,
         dtype=args.dtype,
+        quantization=None if args.quantization == "none" else args.quantization,
         num_threads=args.threads,
         page_size=args.page_size,
         kv_cache_tokens=args.kv_cache_tokens,
@@ -106,8 +109,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     uncached = workloads.shared_prefix(llm_nocache, groups, per_group, prefix)
     del llm_nocache
     cached.extra["speedup_vs_no_cache"] = uncached.seconds / cached.seconds
-    rows += [cached, uncached, workloads.single_decode(llm, single)]
-    print(f"\nmodel={args.model} dtype={args.dtype} threads={args.threads or 'default'}")
+    rows += [cached, uncached, workloads.single_decode(llm, single), workloads.single_stream_breakdown(llm, single)]
+    print(f"\nmodel={args.model} dtype={args.dtype} ({llm.model.dtype}) quantization={args.quantization} "
+          f"threads={args.threads or 'default'}")
     print(f"sample output: {sample[:300]!r}\n")
     print(f"{'workload':<34}{'requests':>9}{'prompt tok':>11}{'gen tok':>9}{'seconds':>9}{'gen tok/s':>11}  notes")
     for r in rows:

@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 
+from treeserve._cpu import auto_dtype
 from treeserve._utils import log_once
 from treeserve.kvcache import KVPool, RadixCache, ReqToTokenTable
+from treeserve.models.quant import check_quantization
 from treeserve.output import SampleDelta, TrackedRequest
 from treeserve.runner import CausalLM, DecodeGraphRunner, DraftModelDrafter, ModelRunner, compile_model
 from treeserve.sampling import SamplingParams
@@ -51,6 +53,13 @@ Prompt = str | Sequence[int]
 class EngineConfig:
     """Engine-wide settings (validated; every field named in errors).
 
+    ``dtype``: ``"auto"`` (``treeserve._cpu.auto_dtype``: bfloat16 on CUDA and on CPUs with
+    AVX-512 BF16 or AMX, float32 otherwise), ``"float32"`` or ``"bfloat16"``. ``quantization``:
+    ``"auto"`` keeps a GGUF's Q4_0/Q4_1/Q8_0 codes packed for decode steps plus the exact bf16
+    head (CPU; not with an explicit ``dtype="float32"``, the parity configuration), ``"int4"`` /
+    ``"int8"`` also quantize float checkpoints, None keeps dense weights
+    (``treeserve.models.quant``).
+
     ``kv_cache_tokens``: KV pool capacity in tokens (rounded up to whole pages).
     ``max_model_len``: prompt + output cap per request; ``None`` = the model's, at most 4096.
     ``seed``: seeds the per-request seeds of unseeded requests (``None`` = fresh each run).
@@ -66,7 +75,8 @@ class EngineConfig:
     ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first).
     """
 
-    dtype: str = "float32"
+    dtype: str = "auto"
+    quantization: str | None = "auto"
     device: str = "cpu"
     page_size: int = 1
     kv_cache_tokens: int = 32768
@@ -86,8 +96,9 @@ class EngineConfig:
     ngram_max: int = 4
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        check_quantization(self.quantization)
         self._check_device()
         for name in ("page_size", "kv_cache_tokens", "max_batched_tokens", "max_running", "cuda_graph_max_batch"):
             value = getattr(self, name)
@@ -244,11 +255,13 @@ class LLM:
         cfg = self.config
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
-        dtype = getattr(torch, cfg.dtype)
+        dtype = getattr(torch, auto_dtype(cfg.device) if cfg.dtype == "auto" else cfg.dtype)
         if isinstance(model, str):
             from treeserve.models import load
 
-            self.model, self.tokenizer = load(model, dtype=dtype, device=cfg.device)
+            # An explicit float32 is the parity configuration: dense weights, float32 head.
+            quant = None if cfg.dtype == "float32" and cfg.quantization == "auto" else cfg.quantization
+            self.model, self.tokenizer = load(model, dtype=dtype, device=cfg.device, quantization=quant)
             self.model_name = model
         else:
             self.model, self.tokenizer = model

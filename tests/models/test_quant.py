@@ -193,3 +193,26 @@ def test_hf_opt_in_quantization(tmp_path, quantization, monkeypatch) -> None:
     b = paged_logits(q, ids, [4] + [1] * 12, 4)
     tol = 0.05 if quantization == "int8" else 0.25
     assert float((a - b).abs().max()) < tol * float(a.abs().max())
+
+
+@pytest.mark.slow
+def test_embedded_model_packed_decode_agrees_with_float32(smol, monkeypatch) -> None:
+    """The default CPU configuration (GGUF codes packed, every row through the int4 kernel, exact
+    head): teacher-forced top-1 agreement with the dense float32 model >= 98% on the agreement text."""
+    from tests.models.test_smollm2 import TEXT
+
+    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "4096")
+    text = " ".join([
+        TEXT,
+        "The scheduler batches prefill chunks and decode steps together.",
+        "Speculative decoding drafts several tokens and verifies them in one forward pass.",
+        "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat.",
+        "In the morning, the town market opens early: farmers sell apples, bread and fresh milk,",
+        "and children walk to school along the river before the bells ring at eight o'clock.",
+    ])
+    ids = smol.tokenizer.encode(text)
+    packed = load("smollm2-135m-instruct", quantization="auto").model
+    assert isinstance(packed.layers[0].mlp.gate_up_proj, PackedLinear)
+    fp32 = paged_logits(smol.model, ids, [len(ids)], 16).argmax(-1)
+    agreement = (paged_logits(packed, ids, [len(ids)], 16).argmax(-1) == fp32).float().mean().item()
+    assert len(ids) >= 100 and agreement >= 0.98, (len(ids), agreement)
