@@ -67,9 +67,11 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
     raise RuntimeError("server did not come up in time")
 
 
-def _start(cmd: list[str]) -> subprocess.Popen:
+def _start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """Start a server; its output goes to ``log`` (a pipe nobody reads would fill up and stall it)."""
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -110,7 +112,7 @@ def main() -> int:
     port = _free_port()
     peer = _start([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", "2",
                    "--n_threads_batch", "2", "--interrupt_requests", "False", "--host", "127.0.0.1",
-                   "--port", str(port), "--n_ctx", "2048"])  # fmt: skip
+                   "--port", str(port), "--n_ctx", "2048"], Path("/tmp/bench_serve_peer.log"))  # fmt: skip
     try:
         _wait_up(f"http://127.0.0.1:{port}", peer)
         result["peer"] = _load_run(f"http://127.0.0.1:{port}/v1", n, out_len)
@@ -119,7 +121,7 @@ def main() -> int:
 
     port = _free_port()
     ours = _start([sys.executable, "-m", "treeserve.cli", "serve", "--threads", "2", "--host", "127.0.0.1",
-                   "--port", str(port)])  # fmt: skip
+                   "--port", str(port)], Path("/tmp/bench_serve_ours.log"))  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_up(base, ours)

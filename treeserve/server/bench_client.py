@@ -216,13 +216,14 @@ async def _resolve_model(client: httpx.AsyncClient, cfg: BenchConfig) -> str:
     return r.json()["data"][0]["id"]
 
 
-async def run_bench(cfg: BenchConfig) -> BenchReport:
-    """Run ``cfg`` against ``cfg.base_url`` and summarize."""
+async def run_bench(cfg: BenchConfig, transport: httpx.AsyncBaseTransport | None = None) -> BenchReport:
+    """Run ``cfg`` against ``cfg.base_url`` (through ``transport`` if given, e.g. an in-process
+    ASGI app) and summarize."""
     prompts = make_prompts(cfg)
     rng = random.Random(cfg.seed + 1)
     limits = httpx.Limits(max_connections=cfg.concurrency + 4, max_keepalive_connections=cfg.concurrency + 4)
     async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/").removesuffix("/v1"), timeout=cfg.timeout,
-                                 limits=limits) as client:  # fmt: skip
+                                 limits=limits, transport=transport) as client:  # fmt: skip
         model = await _resolve_model(client, cfg)
         gate = asyncio.Semaphore(cfg.concurrency)
 
