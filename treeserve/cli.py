@@ -21,6 +21,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="each request's output independent of its batch (slower; see README)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +43,7 @@ def _make_llm(args: argparse.Namespace) -> LLM:
         kv_cache_tokens=args.kv_cache_tokens,
         max_batched_tokens=args.max_batched_tokens,
         max_running=args.max_running,
+        batch_invariant=args.batch_invariant,
     )
 
 

@@ -29,6 +29,7 @@ import torch
 from treeserve._cpu import auto_dtype
 from treeserve._utils import log_once
 from treeserve.kvcache import KVPool, RadixCache, ReqToTokenTable
+from treeserve.models.invariant import make_batch_invariant
 from treeserve.models.quant import check_quantization
 from treeserve.output import SampleDelta, TrackedRequest
 from treeserve.runner import CausalLM, DecodeGraphRunner, DraftModelDrafter, ModelRunner, compile_model
@@ -73,6 +74,10 @@ class EngineConfig:
     ``num_speculative_tokens`` draft nodes per step at most; ``speculative_tree_width``: 1 for
     chain drafts, more for token trees (that many alternative continuations); ``ngram_min`` /
     ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first).
+    ``batch_invariant``: every request's tokens and logprobs are bitwise the same whatever else
+    runs in its batch, in any dtype: projections on fixed row tiles, attention one request at a
+    time, the plain float32 LM head (``treeserve.models.invariant``); costs speed (see
+    benches/RESULTS.md), not available with ``cuda_graph`` or ``compile``.
     """
 
     dtype: str = "auto"
@@ -94,6 +99,7 @@ class EngineConfig:
     speculative_tree_width: int = 1
     ngram_min: int = 2
     ngram_max: int = 4
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -125,6 +131,10 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
         if self.cuda_graph not in (None, True, False) or not isinstance(self.compile, bool):
             raise TypeError(f"cuda_graph must be a bool or None and compile a bool, got {self.cuda_graph!r}, {self.compile!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.batch_invariant and (self.cuda_graph or self.compile):
+            raise ValueError("batch_invariant=True runs the eager path: it needs cuda_graph=False/None and compile=False")
 
     def _check_device(self) -> None:
         if not isinstance(self.device, str):
@@ -267,6 +277,8 @@ class LLM:
             self.model, self.tokenizer = model
             dtype = next(self.model.parameters()).dtype  # the KV pool follows the given model
             self.model_name = type(self.model).__name__
+        if cfg.batch_invariant:
+            make_batch_invariant(self.model)
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         positions = mc.max_position_embeddings
@@ -298,6 +310,7 @@ class LLM:
         )
         decode_graph = None
         use_graph = cfg.cuda_graph if cfg.cuda_graph is not None else torch.device(cfg.device).type == "cuda"
+        use_graph = use_graph and not cfg.batch_invariant
         if use_graph or cfg.compile:
             forward = compile_model(self.model) if cfg.compile else self.model
             decode_graph = DecodeGraphRunner(
@@ -307,7 +320,10 @@ class LLM:
                 max_draft_nodes=cfg.num_speculative_tokens if cfg.speculative else 0,
             )  # fmt: skip
             decode_graph.capture()
-        self.runner = ModelRunner(self.model, self.kv, self.table, self.vocab_size, eos, cfg.device, decode_graph)
+        self.runner = ModelRunner(
+            self.model, self.kv, self.table, self.vocab_size, eos, cfg.device, decode_graph,
+            attention_backend="torch_per_request" if cfg.batch_invariant else "auto",
+        )  # fmt: skip
         self.metrics = EngineMetrics()
         self._seed_gen = torch.Generator()
         self._seed_gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())

@@ -49,7 +49,21 @@ def run(batch: PagedBatch, backend: str, meta: AttentionMetadata | None = None, 
 
 # ---------------------------------------------------------------- backends vs reference
 
-BACKENDS = ["torch", "triton"]  # triton runs under TRITON_INTERPRET=1 on CPU
+
+@given(batch=paged_batches(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_per_request_backend_is_batch_invariant(batch: PagedBatch, dtype: torch.dtype) -> None:
+    """Each request's rows are bitwise what it gets alone (the batch-invariant mode's attention)."""
+    batch.q, batch.k_cache, batch.v_cache = batch.q.to(dtype), batch.k_cache.to(dtype), batch.v_cache.to(dtype)
+    out = run(batch, "torch_per_request")
+    start = 0
+    for i, (qo, kv) in enumerate(zip(batch.qo_lens, batch.kv_lens)):
+        parents = None if batch.parents is None else [batch.parents[i]]
+        meta = AttentionMetadata.build([qo], [kv], [batch.page_lists[i]], batch.page_size, parents)
+        alone = paged_attention(batch.q[start : start + qo], batch.k_cache, batch.v_cache, meta, backend="torch_per_request")
+        assert torch.equal(out[start : start + qo], alone), f"request {i} changed with its batch"
+        start += qo
+
+BACKENDS = ["torch", "torch_per_request", "triton"]  # triton runs under TRITON_INTERPRET=1 on CPU
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

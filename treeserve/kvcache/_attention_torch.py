@@ -112,6 +112,11 @@ def _groups(meta: AttentionMetadata, causal: bool) -> list[_Group]:
     return [_group(meta, decode.nonzero().squeeze(1), causal), _group(meta, (~decode).nonzero().squeeze(1), causal)]
 
 
+def _per_request_groups(meta: AttentionMetadata, causal: bool) -> list[_Group]:
+    idx = torch.arange(meta.batch_size, device=meta.device)
+    return [_group(meta, idx[i : i + 1], causal) for i in range(meta.batch_size)]
+
+
 def paged_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -125,11 +130,38 @@ def paged_attention_torch(
     groups = meta.derived.get(key)
     if groups is None:
         groups = meta.derived[key] = _groups(meta, causal)
+    return _attend(q, k_cache, v_cache, groups, scale)
+
+
+def paged_attention_torch_per_request(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """Batch-invariant torch backend: one unpadded SDPA call per request, in request order.
+
+    Every request's output then depends only on its own queries and KV (no padding to another
+    request's length, no shared reduction), so it is bitwise the same whatever else is in the
+    batch; the cost is one call per request instead of one per group.
+    """
+    key = ("torch_per_request", causal)
+    groups = meta.derived.get(key)
+    if groups is None:
+        groups = meta.derived[key] = _per_request_groups(meta, causal)
+    return _attend(q, k_cache, v_cache, groups, scale)
+
+
+def _attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[_Group], scale: float
+) -> torch.Tensor:
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
     out = None
-    for grp in groups:  # one or two groups (decode rows, the rest), never one per request
+    for grp in groups:  # one or two groups (decode rows, the rest), or one per request
         k = k_cache.view(-1, hkv, d).index_select(0, grp.kv_slots).view(grp.bsz, grp.max_kv, hkv, d)
         v = v_cache.view(-1, hkv, d).index_select(0, grp.kv_slots).view(grp.bsz, grp.max_kv, hkv, d)
         qp = q if grp.q_index is None else q.index_select(0, grp.q_index)

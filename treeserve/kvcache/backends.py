@@ -144,6 +144,11 @@ _TRITON_NEEDS = "a CUDA tensor or TRITON_INTERPRET=1"
 _KV = "treeserve.kvcache"
 for _spec in (
     BackendSpec("paged_attention", "torch", f"{_KV}._attention_torch", "paged_attention_torch", ("*",)),
+    # Batch-invariant (one call per request): chosen by name only, e.g. EngineConfig(batch_invariant=True).
+    BackendSpec(
+        "paged_attention", "torch_per_request", f"{_KV}._attention_torch", "paged_attention_torch_per_request", (),
+        graph_safe=False,
+    ),
     BackendSpec(
         "paged_attention", "triton", f"{_KV}._attention_triton", "paged_attention_triton", ("cuda",),
         _triton_ok, _TRITON_NEEDS, priority=10,

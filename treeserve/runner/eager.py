@@ -25,8 +25,8 @@ __all__ = ["CausalLM", "ModelRunner"]
 class ModelRunner:
     """Runs scheduled batches through ``model`` over the paged KV ``kv``.
 
-    ``attention_backend`` is passed to every attention call ("auto" picks flashinfer > triton on
-    CUDA, torch on CPU). ``eos_token_ids`` feed ``min_new_tokens`` suppression in sampling.
+    ``attention_backend`` names the attention kernel chosen once for every step ("auto" picks
+    flashinfer > triton on CUDA, torch on CPU; "torch_per_request" is the batch-invariant one). ``eos_token_ids`` feed ``min_new_tokens`` suppression in sampling.
     ``decode_graph``, when given, serves the decode-only batches it accepts (static buffers,
     CUDA graphs); every other batch takes the eager path below.
     """
@@ -40,6 +40,7 @@ class ModelRunner:
         eos_token_ids: Sequence[int] = (),
         device: torch.device | str = "cpu",
         decode_graph: DecodeGraphRunner | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         self.decode_graph = decode_graph
@@ -49,7 +50,7 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
         self.page_size = kv.page_size
-        self.attention = select_backend("paged_attention", "auto", kv.device, kv.dtype)
+        self.attention = select_backend("paged_attention", attention_backend, kv.device, kv.dtype)
         self.compact = select_backend("compact_tree_path", "auto", kv.device, kv.dtype)
         self.sampling_rows = SamplingRows(table.max_requests + 1, vocab_size, self.device, self.eos_token_ids)
 

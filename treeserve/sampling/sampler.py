@@ -76,6 +76,15 @@ def draw(f: Filtered, u: torch.Tensor, sync_free: bool = False) -> tuple[torch.T
     return tokens, lse
 
 
+def _kept_logsumexp(f: Filtered) -> torch.Tensor:
+    """float64 ``[R]``: logsumexp of each row's kept values (a greedy row's logprob normalizer).
+
+    One row-wise reduction, so a greedy row's logprobs do not depend on its companions' modes.
+    """
+    kept = f.scaled.masked_fill(f.scaled < f.threshold[:, None], float("-inf"))
+    return torch.logsumexp(kept, dim=1).to(torch.float64)
+
+
 def sample(
     logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor, backend: str = "auto"
 ) -> SampleOutput:
@@ -98,13 +107,13 @@ def sample(
     f = filter_logits(logits, batch, backend=backend)
     if batch.all_greedy:  # no draw: the argmax, and the kept set's normalizer for the logprobs
         tokens = f.scaled.argmax(dim=1)
-        kept = f.scaled.masked_fill(f.scaled < f.threshold[:, None], float("-inf"))
-        lse = torch.logsumexp(kept, dim=1).to(torch.float64)
+        lse = _kept_logsumexp(f)
     else:
         u = uniform(batch.seeds, positions, Purpose.SAMPLE)
         tokens, lse = draw(f, u, sync_free=backend == "triton")
-        if batch.any_greedy:
+        if batch.any_greedy:  # greedy rows: the same argmax and normalizer as in an all-greedy batch
             tokens = torch.where(batch.greedy, f.scaled.argmax(dim=1), tokens)
+            lse = torch.where(batch.greedy, _kept_logsumexp(f), lse)
     invalid = ~f.valid
     tokens = tokens.masked_fill(invalid, 0)
     chosen = f.scaled.gather(1, tokens[:, None])[:, 0].to(torch.float64) - lse
