@@ -90,8 +90,9 @@ def host_cost(batches: tuple[int, ...], steps: int) -> None:
 
 def gemm_seconds(model, b: int, reps: int) -> float:
     """Median time of one step's GEMMs alone: every linear layer on ``[b, in_features]``."""
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    xs = [torch.randn(b, m.in_features, dtype=m.weight.dtype) for m in layers]
+    # Every projection (the model's own Linear modules hold a 2-D ``weight``) and the LM head.
+    layers = [m for m in model.modules() if type(m).__name__ == "Linear" or isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(b, m.weight.shape[1], dtype=m.weight.dtype) for m in layers]
     times = []
     with torch.inference_mode():
         for _ in range(reps):
@@ -103,6 +104,7 @@ def gemm_seconds(model, b: int, reps: int) -> float:
 
 
 def real_step(dtypes: tuple[str, ...], batches: tuple[int, ...], steps: int) -> None:
+    """SmolLM2 decode steps through the eager runner vs their GEMMs, same process, same threads."""
     from treeserve.models import load
 
     for name in dtypes:
@@ -122,6 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--skip-host", action="store_true")
     args = ap.parse_args()
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(threads)
@@ -129,7 +132,8 @@ def main() -> None:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
     print(f"CPU: {cpu}; threads {threads}; load {os.getloadavg()}; torch {torch.__version__}")
     steps = 20 if args.quick else 60
-    host_cost((1, 64, 256), steps)
+    if not args.skip_host:
+        host_cost((1, 64, 256), steps)
     if not args.skip_model:
         real_step(("bfloat16", "float32"), (1, 64), 5 if args.quick else 15)
     print(f"load after: {os.getloadavg()}")

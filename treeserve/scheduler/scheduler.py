@@ -380,7 +380,7 @@ class Scheduler:
         req.num_cached = req.num_computed = match.length
         req.num_pages = 0
         if match.length:
-            self.table.table[req.row, : match.length] = match.slots
+            self.table.write(req.row, 0, match.slots)
 
     def _detach(self, req: Request) -> None:
         """Undo :meth:`_attach` for a request that could not be admitted."""
@@ -416,9 +416,7 @@ class Scheduler:
                 return False
         if need:
             pages = self.allocator.alloc(need)
-            self.table.table[req.row, capacity : capacity + need * self.page_size] = pages_to_slots(
-                pages, self.page_size
-            )
+            self.table.write(req.row, capacity, pages_to_slots(pages, self.page_size))
             req.num_pages += need
         return True
 
@@ -426,7 +424,10 @@ class Scheduler:
         """Give every decoding request a slot for its pending token, allocating in one call.
 
         Pauses the newest running requests while the pages cannot be had (a paused request's
-        own need goes with it). One vectorized allocation and table write for the whole batch.
+        own need goes with it). One vectorized allocation and table write for the whole batch
+        (the one write that bypasses ``ReqToTokenTable.write``: rows come from ``table.alloc``
+        and columns from the requests' own page accounting, and a per-row call would cost the
+        hot path a Python call per request).
         """
         ps = self.page_size
         needy = [r for r in decoding if r.num_computed + 1 > r.num_cached + r.num_pages * ps]
@@ -485,7 +486,7 @@ class Scheduler:
         new_lock = self.radix.lock(match.node)
         self.radix.unlock(req.lock)
         req.lock = new_lock
-        self.table.table[req.row, :aligned] = match.slots
+        self.table.write(req.row, 0, match.slots)
         req.num_pages -= (aligned - req.num_cached) // ps
         req.num_cached = aligned
 
