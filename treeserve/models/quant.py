@@ -94,14 +94,12 @@ class Int4Planes(NamedTuple):
         """Stack weights along N (a fused projection); planes are padded to the largest count."""
         planes = max(p.planes for p in parts)
         parts = [p.with_planes(planes) for p in parts]
-        return Int4Planes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "zeros")), planes)
+        return Int4Planes(*(torch.cat([p[i] for p in parts]) for i in range(3)), planes)
 
     def permute_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> Int4Planes:
         """Apply a row permutation ``fn`` (numpy, on ``[N, ...]`` arrays) to every field."""
-        return Int4Planes(
-            *(torch.from_numpy(np.ascontiguousarray(fn(getattr(self, f).numpy()))) for f in ("codes", "scales", "zeros")),
-            self.planes,
-        )
+        moved = (torch.from_numpy(np.ascontiguousarray(fn(field.numpy()))) for field in self[:3])
+        return Int4Planes(*moved, self.planes)
 
 
 def planes_from_gguf(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> Int4Planes:
@@ -122,16 +120,21 @@ def planes_from_gguf(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> Int
     blocks = flat.reshape(n, k // GROUP, _GGUF_BLOCK_BYTES[qtype])
     d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
     if qtype == "Q8_0":
-        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).to(torch.int16)  # [n, k/32, 32]
-        lo, hi = (q & 15).to(torch.uint8), ((q >> 4) + 8).to(torch.uint8)
-        codes = torch.cat([lo.reshape(n, k), hi.reshape(n, k)], 1)
-        return Int4Planes(codes, torch.cat([d, 16 * d], 1), torch.cat([8 * d, torch.zeros_like(d)], 1), 2)
+        return _int8_planes(torch.from_numpy(blocks[..., 2:].copy().view(np.int8)), d)
     qs = torch.from_numpy(blocks[..., -16:].copy())  # byte j: element j (low nibble), j + 16 (high)
     codes = torch.cat([qs & 15, qs >> 4], -1).reshape(n, k)
     if qtype == "Q4_0":
         return Int4Planes(codes, d, torch.zeros_like(d), 1)
     m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
     return Int4Planes(codes, d, (m.double() + 8 * d.double()).float(), 1)
+
+
+def _int8_planes(q: torch.Tensor, d: torch.Tensor) -> Int4Planes:
+    """Int8 codes ``q [N, K/32, 32]`` with scales ``d [N, K/32]`` as two planes: ``q = 16 hi + lo``."""
+    n = q.shape[0]
+    q = q.to(torch.int16).reshape(n, -1)
+    lo, hi = (q & 15).to(torch.uint8), ((q >> 4) + 8).to(torch.uint8)
+    return Int4Planes(torch.cat([lo, hi], 1), torch.cat([d, 16 * d], 1), torch.cat([8 * d, torch.zeros_like(d)], 1), 2)
 
 
 def _zero_rows(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,10 +169,7 @@ def quantize_int8(w: torch.Tensor) -> Int4Planes:
     g = w.detach().float().cpu().reshape(n, k // GROUP, GROUP)
     d = g.abs().amax(-1) / 127
     safe = torch.where(d > 0, d, torch.ones_like(d))
-    q = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int16)
-    lo, hi = (q & 15).to(torch.uint8), ((q >> 4) + 8).to(torch.uint8)
-    codes = torch.cat([lo.reshape(n, k), hi.reshape(n, k)], 1)
-    return Int4Planes(codes, torch.cat([d, 16 * d], 1), torch.cat([8 * d, torch.zeros_like(d)], 1), 2)
+    return _int8_planes((g / safe[..., None]).round().clamp(-127, 127), d)
 
 
 def _pack(planes: Int4Planes, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,9 +328,9 @@ def pack_model(
     """Swap ``model``'s decoder projections for ``PackedLinear`` and its head for ``ExactHead``, in place.
 
     ``planes_for(name)`` gives a projection's codes as shipped (e.g. ``"layers.0.mlp.down_proj"``
-    of a GGUF file; the model's dense weight must be their dequantization) or None; with ``quantization`` ``"int4"`` / ``"int8"`` a projection without
-    shipped codes is quantized from its dense weight, with ``"auto"`` it stays dense; ``None``
-    leaves the model as it is. The packed/dense crossover is measured once (``measure_crossover``)
+    of a GGUF file; the model's dense weight must be their dequantization) or None; with
+    ``quantization`` ``"int4"`` / ``"int8"`` a projection without shipped codes is quantized
+    from its dense weight, with ``"auto"`` it stays dense; ``None`` leaves the model as it is. The packed/dense crossover is measured once (``measure_crossover``)
     on the largest packed projection and applied to all. CPU models only: others are returned as is.
     """
     check_quantization(quantization)
