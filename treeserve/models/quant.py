@@ -231,6 +231,7 @@ class PackedLinear(nn.Module):
 
 _CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 _crossover_cache: dict[tuple[int, int, int, torch.dtype, torch.dtype, int], int] = {}
+_head_cache: dict[tuple[int, int, int], bool] = {}
 
 
 def _best_seconds(fn: Callable[[], object], reps: int = 5) -> float:
@@ -278,7 +279,8 @@ class ExactHead(nn.Module):
     accumulation) cannot exclude from the argmax is recomputed in float32 and written back. The
     argmax row of the result is thus the float32 head's (up to float32 rounding between two
     float32 evaluations of one dot product); the other entries keep bf16-head precision. A row
-    with more than ``max_candidates`` such entries is computed in float32 entirely.
+    with more than ``max_candidates`` such entries is computed in float32 entirely, and so is
+    everything where the bf16 GEMM was measured slower than the float32 one (``use_bf16``).
     """
 
     def __init__(self, weight: nn.Parameter, max_candidates: int = 64) -> None:
@@ -291,10 +293,34 @@ class ExactHead(nn.Module):
         self.register_buffer("row_norms", weight.detach().double().norm(dim=1).float(), persistent=False)
         k = weight.shape[1]
         self.bound_factor = 2.0**-8 + 2.0**-16 + 2 * (k + 2) * 2.0**-24
+        self.use_bf16 = self._bf16_pays()
+
+    def _bf16_pays(self) -> bool:
+        """Whether the bf16 head is faster than the float32 one for a decode row on this machine
+        (measured once per process per shape and thread count; without native bf16 dot products
+        and under CPU contention it can be slower). ``TREESERVE_EXACT_HEAD=bf16|f32`` overrides."""
+        env = os.environ.get("TREESERVE_EXACT_HEAD")
+        if env is not None:
+            if env not in ("bf16", "f32"):
+                raise ValueError(f"TREESERVE_EXACT_HEAD must be 'bf16' or 'f32', got {env!r}")
+            return env == "bf16"
+        key = (*self.weight.shape, torch.get_num_threads())
+        if key not in _head_cache:
+            with torch.inference_mode():
+                x = torch.randn(1, self.weight.shape[1])
+                _head_cache[key] = _best_seconds(lambda: self._approx(x)) < _best_seconds(
+                    lambda: F.linear(x, self.weight)
+                )
+        return _head_cache[key]
+
+    def _approx(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight_bf16).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        approx = F.linear(x.to(torch.bfloat16), self.weight_bf16).float()
+        if not self.use_bf16:
+            return F.linear(x, self.weight)
+        approx = self._approx(x)
         bound = (self.bound_factor * x.norm(dim=1, keepdim=True)) * self.row_norms  # [M, V]
         threshold = (approx - bound).amax(dim=1, keepdim=True)
         candidate = approx + bound >= threshold
