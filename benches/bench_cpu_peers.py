@@ -137,9 +137,11 @@ def run_ctranslate2(w: Workload, threads: int, reps: int, cache: Path) -> tuple[
     if not (out_dir / "model.bin").is_file():
         hf_dir = cache / "smollm2-hf"
         if not (hf_dir / "config.json").is_file():
-            model = _hf(torch.float32)
-            model.save_pretrained(hf_dir)
             from transformers import AutoTokenizer
+
+            from treeserve.models import load, save_hf_dir
+
+            save_hf_dir(load(MODEL).model, hf_dir)  # the GGUF dequantized, as HF safetensors
 
             path = resolve_model_path(MODEL)
             AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(hf_dir)

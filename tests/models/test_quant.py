@@ -124,6 +124,13 @@ def test_bad_inputs_name_the_field(monkeypatch) -> None:
     assert measure_crossover(layer) == 7
     with pytest.raises(TypeError, match="float32"):
         ExactHead(torch.nn.Parameter(torch.zeros(4, 32, dtype=torch.bfloat16)))
+    monkeypatch.setenv("TREESERVE_EXACT_HEAD", "fast")
+    with pytest.raises(ValueError, match="TREESERVE_EXACT_HEAD"):
+        ExactHead(torch.nn.Parameter(torch.zeros(4, 32)))
+    monkeypatch.setenv("TREESERVE_EXACT_HEAD", "f32")
+    w = torch.randn(4, 32)
+    head = ExactHead(torch.nn.Parameter(w))
+    assert not head.use_bf16 and torch.equal(head(torch.ones(2, 32)), F.linear(torch.ones(2, 32), w))
 
 
 def test_measured_crossover_is_a_candidate_row_count(monkeypatch) -> None:
@@ -134,7 +141,8 @@ def test_measured_crossover_is_a_candidate_row_count(monkeypatch) -> None:
 
 @given(seed=st.integers(0, 2**20), margin=st.sampled_from([0.0, 1e-4, 1e-3, 1e-2]), max_cand=st.sampled_from([1, 64]))
 def test_exact_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: float, max_cand: int) -> None:
-    """Rows where the two best logits differ by ~margin (far below bf16's resolution at |logit| ~ 10)."""
+    """Rows where the two best logits differ by ~margin (far below bf16's resolution at |logit| ~ 10);
+    the bf16 path forced (on a machine where it is slower the head would skip it)."""
     gen = torch.Generator().manual_seed(seed)
     v, h, m = 300, 64, 4
     w = torch.randn(v, h, generator=gen)
@@ -146,7 +154,10 @@ def test_exact_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: f
         d = (f32[r, a] - f32[r, b] - margin) / x[r].dot(x[r])
         w[b] = w[b] + d * x[r]
     head = ExactHead(torch.nn.Parameter(w, requires_grad=False), max_candidates=max_cand)
+    head.use_bf16 = True
     logits = head(x)
+    if max_cand == 64:  # some rows keep bf16 values: the bf16 GEMM really ran
+        assert float((logits - F.linear(x, w)).abs().max()) > 0
     ref = F.linear(x, w)
     assert logits.dtype == torch.float32 and logits.shape == (m, v)
     best = logits.argmax(1)

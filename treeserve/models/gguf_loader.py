@@ -197,7 +197,8 @@ def load_gguf_model(
             qtype = GGMLQuantizationType(t.tensor_type).name
             if qtype not in ("Q4_0", "Q4_1", "Q8_0"):
                 return None
-            planes = planes_from_gguf(qtype, np.asarray(t.data).view(np.ndarray), tuple(int(d) for d in reversed(t.shape)))
+            shape = tuple(int(d) for d in reversed(t.shape))
+            planes = planes_from_gguf(qtype, np.asarray(t.data).view(np.ndarray), shape)
             if config.architecture == "llama":
                 for proj, heads in permute_heads.items():
                     if f".{proj}." in hf:

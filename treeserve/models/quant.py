@@ -94,14 +94,12 @@ class Int4Planes(NamedTuple):
         """Stack weights along N (a fused projection); planes are padded to the largest count."""
         planes = max(p.planes for p in parts)
         parts = [p.with_planes(planes) for p in parts]
-        return Int4Planes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "zeros")), planes)
+        return Int4Planes(*(torch.cat([p[i] for p in parts]) for i in range(3)), planes)
 
     def permute_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> Int4Planes:
         """Apply a row permutation ``fn`` (numpy, on ``[N, ...]`` arrays) to every field."""
-        return Int4Planes(
-            *(torch.from_numpy(np.ascontiguousarray(fn(getattr(self, f).numpy()))) for f in ("codes", "scales", "zeros")),
-            self.planes,
-        )
+        moved = (torch.from_numpy(np.ascontiguousarray(fn(field.numpy()))) for field in self[:3])
+        return Int4Planes(*moved, self.planes)
 
 
 def planes_from_gguf(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> Int4Planes:
@@ -122,16 +120,21 @@ def planes_from_gguf(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> Int
     blocks = flat.reshape(n, k // GROUP, _GGUF_BLOCK_BYTES[qtype])
     d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
     if qtype == "Q8_0":
-        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).to(torch.int16)  # [n, k/32, 32]
-        lo, hi = (q & 15).to(torch.uint8), ((q >> 4) + 8).to(torch.uint8)
-        codes = torch.cat([lo.reshape(n, k), hi.reshape(n, k)], 1)
-        return Int4Planes(codes, torch.cat([d, 16 * d], 1), torch.cat([8 * d, torch.zeros_like(d)], 1), 2)
+        return _int8_planes(torch.from_numpy(blocks[..., 2:].copy().view(np.int8)), d)
     qs = torch.from_numpy(blocks[..., -16:].copy())  # byte j: element j (low nibble), j + 16 (high)
     codes = torch.cat([qs & 15, qs >> 4], -1).reshape(n, k)
     if qtype == "Q4_0":
         return Int4Planes(codes, d, torch.zeros_like(d), 1)
     m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
     return Int4Planes(codes, d, (m.double() + 8 * d.double()).float(), 1)
+
+
+def _int8_planes(q: torch.Tensor, d: torch.Tensor) -> Int4Planes:
+    """Int8 codes ``q [N, K/32, 32]`` with scales ``d [N, K/32]`` as two planes: ``q = 16 hi + lo``."""
+    n = q.shape[0]
+    q = q.to(torch.int16).reshape(n, -1)
+    lo, hi = (q & 15).to(torch.uint8), ((q >> 4) + 8).to(torch.uint8)
+    return Int4Planes(torch.cat([lo, hi], 1), torch.cat([d, 16 * d], 1), torch.cat([8 * d, torch.zeros_like(d)], 1), 2)
 
 
 def _zero_rows(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,10 +169,7 @@ def quantize_int8(w: torch.Tensor) -> Int4Planes:
     g = w.detach().float().cpu().reshape(n, k // GROUP, GROUP)
     d = g.abs().amax(-1) / 127
     safe = torch.where(d > 0, d, torch.ones_like(d))
-    q = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int16)
-    lo, hi = (q & 15).to(torch.uint8), ((q >> 4) + 8).to(torch.uint8)
-    codes = torch.cat([lo.reshape(n, k), hi.reshape(n, k)], 1)
-    return Int4Planes(codes, torch.cat([d, 16 * d], 1), torch.cat([8 * d, torch.zeros_like(d)], 1), 2)
+    return _int8_planes((g / safe[..., None]).round().clamp(-127, 127), d)
 
 
 def _pack(planes: Int4Planes, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,6 +231,7 @@ class PackedLinear(nn.Module):
 
 _CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 _crossover_cache: dict[tuple[int, int, int, torch.dtype, torch.dtype, int], int] = {}
+_head_cache: dict[tuple[int, int, int], bool] = {}
 
 
 def _best_seconds(fn: Callable[[], object], reps: int = 5) -> float:
@@ -278,7 +279,8 @@ class ExactHead(nn.Module):
     accumulation) cannot exclude from the argmax is recomputed in float32 and written back. The
     argmax row of the result is thus the float32 head's (up to float32 rounding between two
     float32 evaluations of one dot product); the other entries keep bf16-head precision. A row
-    with more than ``max_candidates`` such entries is computed in float32 entirely.
+    with more than ``max_candidates`` such entries is computed in float32 entirely, and so is
+    everything where the bf16 GEMM was measured slower than the float32 one (``use_bf16``).
     """
 
     def __init__(self, weight: nn.Parameter, max_candidates: int = 64) -> None:
@@ -291,10 +293,34 @@ class ExactHead(nn.Module):
         self.register_buffer("row_norms", weight.detach().double().norm(dim=1).float(), persistent=False)
         k = weight.shape[1]
         self.bound_factor = 2.0**-8 + 2.0**-16 + 2 * (k + 2) * 2.0**-24
+        self.use_bf16 = self._bf16_pays()
+
+    def _bf16_pays(self) -> bool:
+        """Whether the bf16 head is faster than the float32 one for a decode row on this machine
+        (measured once per process per shape and thread count; without native bf16 dot products
+        and under CPU contention it can be slower). ``TREESERVE_EXACT_HEAD=bf16|f32`` overrides."""
+        env = os.environ.get("TREESERVE_EXACT_HEAD")
+        if env is not None:
+            if env not in ("bf16", "f32"):
+                raise ValueError(f"TREESERVE_EXACT_HEAD must be 'bf16' or 'f32', got {env!r}")
+            return env == "bf16"
+        key = (*self.weight.shape, torch.get_num_threads())
+        if key not in _head_cache:
+            with torch.inference_mode():
+                x = torch.randn(1, self.weight.shape[1])
+                _head_cache[key] = _best_seconds(lambda: self._approx(x)) < _best_seconds(
+                    lambda: F.linear(x, self.weight)
+                )
+        return _head_cache[key]
+
+    def _approx(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight_bf16).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        approx = F.linear(x.to(torch.bfloat16), self.weight_bf16).float()
+        if not self.use_bf16:
+            return F.linear(x, self.weight)
+        approx = self._approx(x)
         bound = (self.bound_factor * x.norm(dim=1, keepdim=True)) * self.row_norms  # [M, V]
         threshold = (approx - bound).amax(dim=1, keepdim=True)
         candidate = approx + bound >= threshold
@@ -328,9 +354,9 @@ def pack_model(
     """Swap ``model``'s decoder projections for ``PackedLinear`` and its head for ``ExactHead``, in place.
 
     ``planes_for(name)`` gives a projection's codes as shipped (e.g. ``"layers.0.mlp.down_proj"``
-    of a GGUF file; the model's dense weight must be their dequantization) or None; with ``quantization`` ``"int4"`` / ``"int8"`` a projection without
-    shipped codes is quantized from its dense weight, with ``"auto"`` it stays dense; ``None``
-    leaves the model as it is. The packed/dense crossover is measured once (``measure_crossover``)
+    of a GGUF file; the model's dense weight must be their dequantization) or None; with
+    ``quantization`` ``"int4"`` / ``"int8"`` a projection without shipped codes is quantized
+    from its dense weight, with ``"auto"`` it stays dense; ``None`` leaves the model as it is. The packed/dense crossover is measured once (``measure_crossover``)
     on the largest packed projection and applied to all. CPU models only: others are returned as is.
     """
     check_quantization(quantization)
