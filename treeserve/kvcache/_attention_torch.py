@@ -15,6 +15,7 @@ softmax and the weighted sum in float32 (upcasting K/V first would cost 3x on CP
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -124,34 +125,24 @@ def paged_attention_torch(
     meta: AttentionMetadata,
     scale: float,
     causal: bool,
+    per_request: bool = False,
 ) -> torch.Tensor:
-    """Torch backend of :func:`treeserve.kvcache.paged_attention` (inputs already validated)."""
-    key = ("torch", causal)
-    groups = meta.derived.get(key)
-    if groups is None:
-        groups = meta.derived[key] = _groups(meta, causal)
-    return _attend(q, k_cache, v_cache, groups, scale)
+    """Torch backend of :func:`treeserve.kvcache.paged_attention` (inputs already validated).
 
-
-def paged_attention_torch_per_request(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    causal: bool,
-) -> torch.Tensor:
-    """Batch-invariant torch backend: one unpadded SDPA call per request, in request order.
-
-    Every request's output then depends only on its own queries and KV (no padding to another
-    request's length, no shared reduction), so it is bitwise the same whatever else is in the
-    batch; the cost is one call per request instead of one per group.
+    Rows are attended in at most two padded groups (decode rows, the rest). ``per_request=True``
+    is the batch-invariant variant: one unpadded SDPA call per request, in request order, so a
+    request's output depends only on its own queries and KV (no padding to another request's
+    length, no shared reduction) and is bitwise the same whatever else is in the batch.
     """
-    key = ("torch_per_request", causal)
+    key = ("torch", causal, per_request)
     groups = meta.derived.get(key)
     if groups is None:
-        groups = meta.derived[key] = _per_request_groups(meta, causal)
+        groups = meta.derived[key] = (_per_request_groups if per_request else _groups)(meta, causal)
     return _attend(q, k_cache, v_cache, groups, scale)
+
+
+paged_attention_torch_per_request = functools.partial(paged_attention_torch, per_request=True)
+"""Batch-invariant torch backend (``paged_attention_torch`` with ``per_request=True``)."""
 
 
 def _attend(
