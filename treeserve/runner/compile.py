@@ -10,11 +10,10 @@ reuse the compiled code; the recompile limit is raised so a few special cases (s
 
 from __future__ import annotations
 
+import importlib
 import time
 
 import torch
-import torch._dynamo
-from torch._dynamo.utils import counters
 
 from treeserve.kvcache import AttentionMetadata, KVPool
 
@@ -37,6 +36,9 @@ class CompiledForward:
         self.config = getattr(model, "config", None)
         self.backend = backend
         self._compiled = torch.compile(model, backend=backend, mode=mode, dynamic=True)
+        # Dynamo is imported here, not at module level: importing it costs ~3 s of every start.
+        self._dynamo = importlib.import_module("torch._dynamo")
+        self._counters = importlib.import_module("torch._dynamo.utils").counters
         self.compile_seconds = 0.0
         self.num_compiles = 0
 
@@ -49,9 +51,10 @@ class CompiledForward:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
+        counters = self._counters
         before = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        with self._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
             out = self._compiled(input_ids, positions, kv, out_slots, meta, logits_indices)
         new_graphs = counters["stats"]["unique_graphs"] - before
         if new_graphs:
