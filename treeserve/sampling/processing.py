@@ -87,7 +87,9 @@ def scale_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.ban_ids.shape[1] > 0:
         banned = (batch.ban_ids >= 0) & (batch.min_tokens_left > 0)[:, None]
         ids = batch.ban_ids.clamp(min=0)
-        x = x.scatter(1, ids, torch.where(banned, float("-inf"), x.gather(1, ids)))
+        # amin, not a plain scatter: a padding entry (-1 -> id 0) must not overwrite a real ban
+        # of id 0 in the same row (duplicate scatter indices have no defined winner).
+        x = x.scatter_reduce(1, ids, torch.where(banned, float("-inf"), x.gather(1, ids)), reduce="amin")
     if batch.bias_ids.shape[1] > 0:
         x = x.scatter_add(1, batch.bias_ids, batch.bias_values.to(x.dtype))
     if batch.allowed is not None:
