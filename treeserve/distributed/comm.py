@@ -15,7 +15,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "Communicator"]
+__all__ = ["STARTUP_TIMEOUT_S", "CollectiveError", "Communicator"]
+
+# Bound on a launch: spawning the workers, the rendezvous and loading every shard.
+STARTUP_TIMEOUT_S = 600.0
 
 _IDLE_WAIT = timedelta(days=365)  # a worker's wait for the next step: bounded by its parent's life
 
@@ -28,20 +31,23 @@ class Communicator:
     """Rank ``rank`` of a ``world``-rank group over ``store``; tensors live on ``device``.
 
     Implements :class:`treeserve.models.parallel.Collectives` (``all_reduce``, ``gather_cols``)
-    plus the step broadcast and a barrier. ``timeout_s`` bounds every collective and the group's
-    rendezvous.
+    plus the step broadcast and a barrier. ``timeout_s`` bounds every collective;
+    ``connect_timeout_s`` the group's rendezvous (workers start and import torch first).
     """
 
-    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float, connect_timeout_s: float
+    ) -> None:
         self.rank, self.world, self.device = rank, world, torch.device(device)
         self.timeout = timedelta(seconds=timeout_s)
+        connect = timedelta(seconds=max(timeout_s, connect_timeout_s))
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
+            opts._timeout = connect
             self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, world, opts)
         else:
             opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = self.timeout
+            opts._timeout = connect
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             self.pg = dist.ProcessGroupGloo(store, rank, world, opts)
         self.collective_seconds = 0.0  # time spent inside all_reduce / gather (benchmarks)
@@ -53,13 +59,13 @@ class Communicator:
         except Exception as exc:
             raise CollectiveError(f"{what} failed on tensor-parallel rank {self.rank}: {exc}") from exc
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the ranks, in place; returns ``t``."""
+    def all_reduce(self, t: torch.Tensor, timeout: timedelta | None = None) -> torch.Tensor:
+        """Sum ``t`` over the ranks, in place; returns ``t`` (``timeout``: default the group's)."""
         t0 = time.perf_counter()
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        opts.timeout = self.timeout
-        self._wait("all_reduce", self.pg.allreduce([t], opts))
+        opts.timeout = timeout or self.timeout
+        self._wait("all_reduce", self.pg.allreduce([t], opts), timeout)
         self.collective_seconds += time.perf_counter() - t0
         return t
 
@@ -92,7 +98,6 @@ class Communicator:
         self.broadcast_seconds += time.perf_counter() - t0
         return t
 
-    def barrier(self) -> None:
-        """Wait until every rank got here (used once: every shard is loaded)."""
-        flag = torch.zeros(1, device=self.device)
-        self.all_reduce(flag)
+    def barrier(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` until every rank got here (used once: every shard is loaded)."""
+        self.all_reduce(torch.zeros(1, device=self.device), timedelta(seconds=timeout_s))

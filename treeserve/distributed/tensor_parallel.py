@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from treeserve.distributed.comm import Communicator
+from treeserve.distributed.comm import STARTUP_TIMEOUT_S, Communicator
 from treeserve.distributed.protocol import pack_compact, pack_forward, pack_stop
 from treeserve.distributed.worker import ModelSource, build_shard, worker_main
 from treeserve.kvcache import AttentionMetadata, KVPool, compact_tree_path
@@ -180,6 +180,10 @@ class TensorParallelModel:
         self._kill()
         self._closed = True
 
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
     def _kill(self) -> None:
         for p in self._procs:
             if p.is_alive():
@@ -206,7 +210,7 @@ def launch_tensor_parallel(
     workers once, at launch; the shards take its dtype). ``threads``: torch threads per worker
     (default: this process's threads divided by ``world``). Raises ``ValueError`` for a
     ``world`` the model cannot be split over (before any process starts) and
-    ``TensorParallelError`` when a worker fails to start or load within ``timeout_s``.
+    ``TensorParallelError`` when a worker fails to start or load (within ``STARTUP_TIMEOUT_S``).
     """
     from treeserve.models.loader import load, load_config
 
@@ -233,7 +237,8 @@ def launch_tensor_parallel(
     else:
         devices = ["cpu"] * world
     threads = threads or max(1, torch.get_num_threads() // world)
-    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    startup = max(timeout_s, STARTUP_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=startup), wait_for_workers=False)
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     procs = [
@@ -248,13 +253,13 @@ def launch_tensor_parallel(
     for p in procs:
         p.start()
     try:
-        comm = Communicator(store, 0, world, torch.device(devices[0]), timeout_s)
+        comm = Communicator(store, 0, world, torch.device(devices[0]), timeout_s, startup)
         shard = TPShard(0, world, comm)
         if isinstance(model, str):
             local, tokenizer = load(model, dtype=dtype, device=devices[0], shard=shard)
         else:
             local = build_shard(source, shard, dtype, torch.device(devices[0]))
-        comm.barrier()
+        comm.barrier(startup)
     except BaseException as exc:
         for p in procs:
             p.kill()

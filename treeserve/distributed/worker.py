@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from treeserve.distributed.comm import Communicator
+from treeserve.distributed.comm import STARTUP_TIMEOUT_S, Communicator
 from treeserve.distributed.protocol import HEADER_LEN, Op, payload_len, unpack
 from treeserve.kvcache import KVPool, compact_tree_path
 from treeserve.models import LlamaForCausalLM
@@ -91,11 +91,12 @@ def _serve(
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=timeout_s))
-    comm = Communicator(store, rank, world, device, timeout_s)
+    startup = max(timeout_s, STARTUP_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=startup))
+    comm = Communicator(store, rank, world, device, timeout_s, startup)
     shard = TPShard(rank, world, comm)
     model = build_shard(source, shard, dtype, device)
-    comm.barrier()
+    comm.barrier(startup)
     pools: dict[int, KVPool] = {}
     cfg = model.config
     with torch.inference_mode():
