@@ -37,6 +37,7 @@ from treeserve.distributed.protocol import pack_compact, pack_forward, pack_stop
 from treeserve.distributed.worker import ModelSource, build_shard, worker_main
 from treeserve.kvcache import AttentionMetadata, KVPool, compact_tree_path
 from treeserve.models import LlamaForCausalLM, ModelConfig
+from treeserve.models.llama import check_forward_inputs
 from treeserve.models.parallel import TPShard, check_tensor_parallel
 
 __all__ = ["TensorParallelError", "TensorParallelModel", "launch_tensor_parallel"]
@@ -104,12 +105,7 @@ class TensorParallelModel:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """``LlamaForCausalLM.forward`` over all ranks; returns rank 0's gathered logits ``[M, vocab]``."""
-        n = input_ids.shape[0]
-        if input_ids.dim() != 1 or positions.shape != (n,) or out_slots.shape != (n,) or logits_indices.dim() != 1:
-            raise ValueError(
-                "input_ids, positions and out_slots must be 1-D of equal length and logits_indices 1-D, got "
-                f"{tuple(input_ids.shape)}, {tuple(positions.shape)}, {tuple(out_slots.shape)}, {tuple(logits_indices.shape)}"
-            )
+        check_forward_inputs(input_ids, positions, out_slots, logits_indices)  # before a worker sees them
         if kv.num_kv_heads != self.kv_heads_per_rank or len(kv.k_caches) != self.config.num_layers:
             raise ValueError(
                 f"kv must hold {self.config.num_layers} layers of {self.kv_heads_per_rank} KV heads (this rank's share), "
