@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import tokenizers
 import torch
 
 from tests.distributed._helpers import FEATURES, greedy, prompts, run, tiny_model
 from treeserve import LLM, SamplingParams
-from treeserve.models import LlamaForCausalLM
+from treeserve.models import LlamaForCausalLM, save_hf_dir
 from treeserve.runner import PagedSequence
 
 
@@ -82,3 +83,18 @@ def test_seeded_sampling_matches_single_rank(ref: LLM, tp: LLM) -> None:
     got = [[c.token_ids for c in o.outputs] for o in tp.generate(prompts()[:3], sp, use_tqdm=False)]
     assert got == want
     assert any(a != b for a, b in want), "two samples of a prompt should differ"
+
+
+def test_draft_model_speculation_matches_single_rank(model: LlamaForCausalLM, tmp_path) -> None:
+    """The draft model runs whole on rank 0; the target's verify steps run on both ranks."""
+    path = save_hf_dir(model, tmp_path / "draft")
+    words = {f"w{i}": i for i in range(model.config.vocab_size)}  # a loadable tokenizer of the same vocab
+    tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="w0")).save(str(path / "tokenizer.json"))
+    spec = dict(FEATURES, speculative=f"draft:{path}", speculative_tree_width=1)
+    want = [t for t, _ in run(LLM((model, None), **spec), prompts()[:3], greedy(False, 16))]
+    llm = LLM((model, None), tensor_parallel_size=2, **spec)
+    try:
+        assert [t for t, _ in run(llm, prompts()[:3], greedy(False, 16))] == want
+        assert llm.metrics.accepted_tokens > 0
+    finally:
+        llm.close()
