@@ -226,7 +226,14 @@ main()
 EOF
 run_stage kernels 40 "$PY" "$OUT/kernels.py" cuda
 
-# ---------------------------------------------------------------- 3. end-to-end decode throughput
+# ---------------------------------------------------------------- 3. tensor parallelism, 2 GPUs (NCCL)
+if "$PY" -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)"; then
+    run_stage tp2 25 "$PY" benches/bench_tp.py --quick --sizes 1,2 --device cuda
+else
+    SUMMARY+=("tp2: skipped (fewer than 2 GPUs)")
+fi
+
+# ---------------------------------------------------------------- 4. end-to-end decode throughput
 cat >"$OUT/e2e.py" <<'EOF'
 """Decode throughput of the engine on SmolLM2-135M (bf16) for batch 1..256, CUDA graphs off/on.
 
@@ -287,7 +294,7 @@ fi
 echo
 echo "== gpu_check summary ($(($(date +%s) - START))s, logs in $OUT/)"
 printf '  %s\n' "${SUMMARY[@]}"
-for log in kernels e2e_decode; do
-    [[ -f "$OUT/$log.log" ]] && { echo "-- $log"; grep -E '^(copy|kernel|decode|tree|sampling|verify|batch| +[0-9])' "$OUT/$log.log"; }
+for log in kernels tp2 e2e_decode; do
+    [[ -f "$OUT/$log.log" ]] && { echo "-- $log"; grep -E '^(copy|kernel|decode|tree|sampling|verify|batch|model| N| +[0-9])' "$OUT/$log.log"; }
 done
 [[ ! "${SUMMARY[*]}" =~ (FAILED|TIMED) ]]

@@ -23,6 +23,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--batch-invariant", action="store_true",
                    help="each request's output independent of its batch (slower; see README)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N worker processes (gloo on CPU, one GPU each on CUDA)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +46,7 @@ def _make_llm(args: argparse.Namespace) -> LLM:
         max_batched_tokens=args.max_batched_tokens,
         max_running=args.max_running,
         batch_invariant=args.batch_invariant,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

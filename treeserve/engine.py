@@ -78,6 +78,10 @@ class EngineConfig:
     runs in its batch, in any dtype: projections on fixed row tiles, attention one request at a
     time, the plain float32 LM head (``treeserve.models.invariant``); costs speed (see
     benches/RESULTS.md), not available with ``cuda_graph`` or ``compile``.
+    ``tensor_parallel_size``: ranks the model is split over (``treeserve.distributed``: worker
+    processes, one CUDA device each from ``device`` on; dense weights, eager path only);
+    ``distributed_timeout_s`` bounds every collective, so a dead or hung worker fails the step
+    with a ``RuntimeError`` instead of hanging it.
     """
 
     dtype: str = "auto"
@@ -100,6 +104,8 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     batch_invariant: bool = False
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -135,6 +141,23 @@ class EngineConfig:
             raise TypeError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
         if self.batch_invariant and (self.cuda_graph or self.compile):
             raise ValueError("batch_invariant=True runs the eager path: it needs cuda_graph=False/None and compile=False")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if not _is_int(tp) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        t = self.distributed_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
+            raise ValueError(f"distributed_timeout_s must be a number in (0, 1e6) seconds, got {t!r}")
+        if tp == 1:
+            return
+        if self.compile or self.cuda_graph or self.batch_invariant:
+            raise ValueError("tensor_parallel_size > 1 runs the eager path: compile, cuda_graph and batch_invariant must be off")
+        if self.quantization not in (None, "auto"):
+            raise ValueError(f"quantization must be None or 'auto' (dense shards) with tensor_parallel_size > 1, got {self.quantization!r}")
+        if isinstance(self.speculative, str) and self.speculative.startswith("draft:self:"):
+            raise ValueError("speculative='draft:self:N' is not supported with tensor_parallel_size > 1; use 'draft:<model>'")
 
     def _check_device(self) -> None:
         if not isinstance(self.device, str):
@@ -266,6 +289,13 @@ class LLM:
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         dtype = getattr(torch, auto_dtype(cfg.device) if cfg.dtype == "auto" else cfg.dtype)
+        tp_name = model if isinstance(model, str) else None
+        if cfg.tensor_parallel_size > 1:  # this process is rank 0; the workers hold the other shards
+            from treeserve.distributed import launch_tensor_parallel
+
+            model = launch_tensor_parallel(
+                model, cfg.tensor_parallel_size, dtype, cfg.device, cfg.distributed_timeout_s, cfg.num_threads
+            )
         if isinstance(model, str):
             from treeserve.models import load
 
@@ -276,7 +306,7 @@ class LLM:
         else:
             self.model, self.tokenizer = model
             dtype = next(self.model.parameters()).dtype  # the KV pool follows the given model
-            self.model_name = type(self.model).__name__
+            self.model_name = tp_name or type(self.model).__name__
         if cfg.batch_invariant:
             make_batch_invariant(self.model)
         mc = self.model.config
@@ -291,7 +321,8 @@ class LLM:
         max_len = self.max_model_len
         ps = cfg.page_size
         num_pages = -(-cfg.kv_cache_tokens // ps) + 1  # + the dummy page
-        self.kv = KVPool(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, dtype, cfg.device)
+        kv_heads = getattr(self.model, "kv_heads_per_rank", mc.num_kv_heads)  # rank 0's share under TP
+        self.kv = KVPool(mc.num_layers, num_pages, ps, kv_heads, mc.head_dim, dtype, cfg.device)
         self.radix = RadixCache(self.kv.allocator, ps, disable=not cfg.enable_prefix_cache)
         self.table = ReqToTokenTable(cfg.max_running, -(-max_len // ps) * ps, device=cfg.device)
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids or [])
@@ -310,6 +341,7 @@ class LLM:
         )
         decode_graph = None
         use_graph = cfg.cuda_graph if cfg.cuda_graph is not None else torch.device(cfg.device).type == "cuda"
+        use_graph = use_graph and cfg.tensor_parallel_size == 1
         use_graph = use_graph and not cfg.batch_invariant
         if use_graph or cfg.compile:
             forward = compile_model(self.model) if cfg.compile else self.model
@@ -330,6 +362,14 @@ class LLM:
         self._lock = threading.RLock()
         self._tracked: dict[str, TrackedRequest] = {}  # step-API requests not fully delivered
         log_once(f"treeserve engine: dtype={cfg.dtype} page_size={ps} kv_tokens={cfg.kv_cache_tokens}")
+
+    def close(self) -> None:
+        """Release what outlives the engine object: with tensor parallelism, stop and join every
+        worker (also done at interpreter exit and when the model is collected). Idempotent; the
+        engine cannot step afterwards."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ step API
     def add_request(

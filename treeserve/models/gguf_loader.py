@@ -19,6 +19,7 @@ from gguf.quants import dequantize
 from treeserve.models.config import ModelConfig
 from treeserve.models.gguf_file import GGUFTensor, read_gguf
 from treeserve.models.llama import LlamaForCausalLM
+from treeserve.models.parallel import TPShard, check_shard_quantization
 from treeserve.models.quant import Int4Planes, pack_model, planes_from_gguf
 from treeserve.models.weights import build_model, fused_names
 
@@ -138,14 +139,20 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _dequantize(t: GGUFTensor) -> np.ndarray:
+def _dequantize(t: GGUFTensor, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor as float32 (only ``rows = (start, stop)`` of its first dim when given: each row
+    is quantized on its own, so only those rows are read)."""
     qtype = GGMLQuantizationType(t.tensor_type)
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest-varying dim first
+    # A plain ndarray view: numpy.memmap slicing overhead dominates otherwise.
+    data = np.asarray(t.data).view(np.ndarray)
+    if rows is not None:
+        data = data.reshape(shape[0], -1)[rows[0] : rows[1]]
+        shape = (rows[1] - rows[0], *shape[1:])
     try:
-        # A plain ndarray view: numpy.memmap slicing overhead dominates otherwise.
-        flat = dequantize(np.asarray(t.data).view(np.ndarray), qtype)
+        flat = dequantize(data, qtype)
     except NotImplementedError as exc:
         raise ValueError(f"tensor {t.name!r}: quantization type {qtype.name} is not supported") from exc
-    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest-varying dim first
     return np.ascontiguousarray(flat, dtype=np.float32).reshape(shape)
 
 
@@ -154,12 +161,16 @@ def load_gguf_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     quantization: str | None = None,
+    shard: TPShard | None = None,
 ) -> LlamaForCausalLM:
     """Dequantize ``g``'s tensors into a model (see ``build_model`` for the errors it raises).
 
     With ``quantization`` (see ``treeserve.models.quant.pack_model``) the decoder projections
     whose tensors are all Q4_0 / Q4_1 / Q8_0 also keep the file's codes, packed, for decode steps.
+    ``shard``: build that tensor-parallel rank's shard (dense only); row slices (QKV, gate|up,
+    vocab) are read and dequantized alone, column slices (o_proj, down_proj) from the whole tensor.
     """
+    check_shard_quantization(shard, quantization)
     config = gguf_config(g)
     if "rope_freqs.weight" in g.tensors:
         raise ValueError(f"{g.path}: per-frequency RoPE factors (rope_freqs.weight) are not supported")
@@ -169,17 +180,25 @@ def load_gguf_model(
         "self_attn.k_proj": config.num_kv_heads,
     }
 
-    def get(hf: str) -> torch.Tensor:
-        w = _dequantize(by_hf[hf])
+    def get(hf: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        w = _dequantize(by_hf[hf], rows)
+        full_rows = int(by_hf[hf].shape[-1])
         if config.architecture == "llama":
             for proj, heads in permute_heads.items():
-                # A wrong row count is left for build_model to report with the tensor's name.
-                if f".{proj}." in hf and w.shape[0] == heads * config.head_dim:
-                    w = unpermute_qk(w, heads)
+                # A wrong row count is left for build_model to report with the tensor's name;
+                # a head-aligned row slice is unpermuted head by head like the whole tensor.
+                if f".{proj}." in hf and full_rows == heads * config.head_dim:
+                    w = unpermute_qk(w, w.shape[0] // config.head_dim)
         # F32 tensors come back as read-only views of the mapped file: copy those.
         return torch.from_numpy(w if w.flags.writeable else w.copy())
 
-    model = build_model(config, get, by_hf, dtype=dtype, device=device)
+    def get_slice(hf: str, dim: int, start: int, stop: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+        full = tuple(int(d) for d in reversed(by_hf[hf].shape))
+        if dim == 0 and full[0] >= stop:
+            return get(hf, (start, stop)), full
+        return get(hf), full  # build_model narrows it
+
+    model = build_model(config, get, by_hf, dtype=dtype, device=device, shard=shard, get_slice=get_slice)
     sources = dict(fused_names(config))
 
     def planes_for(name: str) -> Int4Planes | None:

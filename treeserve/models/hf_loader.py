@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from treeserve.models.config import ModelConfig
 from treeserve.models.llama import LlamaForCausalLM
+from treeserve.models.parallel import TPShard, check_shard_quantization
 from treeserve.models.quant import pack_model
 from treeserve.models.weights import build_model
 
@@ -39,15 +40,18 @@ def load_hf_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     quantization: str | None = None,
+    shard: TPShard | None = None,
 ) -> LlamaForCausalLM:
     """Build the model stored in a HF directory (``model.safetensors`` or an indexed set of shards).
 
     ``quantization`` ``"int4"`` / ``"int8"`` packs the decoder projections weight-only (see
     ``treeserve.models.quant.pack_model``); ``"auto"`` and None keep the float weights.
+    ``shard``: build that tensor-parallel rank's shard (dense only), reading only its slices.
 
     Raises ``ValueError`` for a missing/unreadable config or weight file (truncated safetensors
     included), an unsupported architecture, a missing tensor or a shape mismatch.
     """
+    check_shard_quantization(shard, quantization)
     path = Path(path)
     config = load_hf_config(path)
     index_file = path / "model.safetensors.index.json"
@@ -62,11 +66,11 @@ def load_hf_model(
         raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
     with ExitStack() as stack:
         handles = {}
-        for shard in shards:
+        for file in shards:
             try:
-                handles[shard] = stack.enter_context(safe_open(str(path / shard), framework="pt"))
+                handles[file] = stack.enter_context(safe_open(str(path / file), framework="pt"))
             except Exception as exc:  # safetensors raises its own error types for corrupt headers
-                raise ValueError(f"cannot read safetensors file {path / shard}: {exc}") from exc
+                raise ValueError(f"cannot read safetensors file {path / file}: {exc}") from exc
         if not weight_map:
             weight_map = {name: shards[0] for name in handles[shards[0]].keys()}
 
@@ -76,7 +80,18 @@ def load_hf_model(
             except Exception as exc:
                 raise ValueError(f"cannot read tensor {name!r} from {weight_map[name]}: {exc}") from exc
 
-        model = build_model(config, get, weight_map, dtype=dtype, device=device)
+        def get_slice(name: str, dim: int, start: int, stop: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+            try:
+                sl = handles[weight_map[name]].get_slice(name)
+                full = tuple(sl.get_shape())
+                index = (slice(None),) * dim + (slice(start, stop),)
+                return (sl[index] if len(full) > dim else torch.empty(0)), full
+            except Exception as exc:
+                raise ValueError(f"cannot read tensor {name!r} from {weight_map[name]}: {exc}") from exc
+
+        model = build_model(
+            config, get, weight_map, dtype=dtype, device=device, shard=shard, get_slice=get_slice
+        )
     return pack_model(model, lambda name: None, quantization)
 
 

@@ -24,7 +24,7 @@ from treeserve.kvcache import AttentionMetadata, KVPool, paged_attention, store_
 from treeserve.models.config import ModelConfig
 from treeserve.models.rope import apply_rope, rope_table
 
-__all__ = ["LlamaForCausalLM"]
+__all__ = ["LlamaForCausalLM", "check_forward_inputs"]
 
 
 @contextmanager
@@ -211,14 +211,7 @@ class LlamaForCausalLM(nn.Module):
         - ``logits_indices``: int ``[M]`` rows of the batch whose logits are wanted (e.g. the last
           token of each prefill chunk); only those rows go through the final norm and LM head.
         """
-        n = input_ids.shape[0]
-        if input_ids.dim() != 1 or positions.shape != (n,) or out_slots.shape != (n,):
-            raise ValueError(
-                "input_ids, positions and out_slots must be 1-D of equal length, got "
-                f"{tuple(input_ids.shape)}, {tuple(positions.shape)}, {tuple(out_slots.shape)}"
-            )
-        if logits_indices.dim() != 1:
-            raise ValueError(f"logits_indices must be 1-D, got shape {tuple(logits_indices.shape)}")
+        check_forward_inputs(input_ids, positions, out_slots, logits_indices)
         if len(kv.k_caches) != len(self.layers):
             raise ValueError(f"kv has {len(kv.k_caches)} layers, the model has {len(self.layers)}")
         dtype = self.dtype
@@ -228,6 +221,21 @@ class LlamaForCausalLM(nn.Module):
         for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches):
             h = layer(h, cos, sin, k_cache, v_cache, out_slots, meta)
         return self.lm_head(self.norm(h[logits_indices]).float())
+
+
+def check_forward_inputs(
+    input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor, logits_indices: torch.Tensor
+) -> None:
+    """``ValueError`` unless the token tensors of ``forward`` are 1-D of one length and
+    ``logits_indices`` is 1-D (shapes only: no host read)."""
+    n = input_ids.shape[0]
+    if input_ids.dim() != 1 or positions.shape != (n,) or out_slots.shape != (n,):
+        raise ValueError(
+            "input_ids, positions and out_slots must be 1-D of equal length, got "
+            f"{tuple(input_ids.shape)}, {tuple(positions.shape)}, {tuple(out_slots.shape)}"
+        )
+    if logits_indices.dim() != 1:
+        raise ValueError(f"logits_indices must be 1-D, got shape {tuple(logits_indices.shape)}")
 
 
 def truncated_copy(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:

@@ -13,13 +13,15 @@ from typing import NamedTuple
 
 import torch
 
+from treeserve.models.config import ModelConfig
 from treeserve.models.gguf_loader import gguf_config, load_gguf_model, open_gguf
 from treeserve.models.hf_loader import load_hf_config, load_hf_model
 from treeserve.models.llama import LlamaForCausalLM
+from treeserve.models.parallel import TPShard
 from treeserve.models.quant import check_quantization
 from treeserve.models.tokenizer import Tokenizer
 
-__all__ = ["EMBEDDED_MODELS", "LoadedModel", "load", "resolve_model_path"]
+__all__ = ["EMBEDDED_MODELS", "LoadedModel", "load", "load_config", "resolve_model_path"]
 
 
 class _Embedded(NamedTuple):
@@ -67,11 +69,22 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
     return path
 
 
+def load_config(name_or_path: str | Path) -> ModelConfig:
+    """The configuration of the model ``load`` would load, without reading its weights."""
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        return load_hf_config(path)
+    if path.suffix == ".gguf":
+        return gguf_config(open_gguf(path))
+    raise ValueError(f"{path} must be a .gguf file or a HF model directory")
+
+
 def load(
     name_or_path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     quantization: str | None = None,
+    shard: TPShard | None = None,
 ) -> LoadedModel:
     """Load model + tokenizer from an embedded name, a ``.gguf`` file or a HF model directory.
 
@@ -79,19 +92,20 @@ def load(
     tokenizer's ``eos_token_ids`` include every EOS id the model config lists. ``quantization``
     (``"auto"``: a GGUF's Q4_0/Q4_1/Q8_0 codes as shipped; ``"int4"`` / ``"int8"``: also quantize
     float weights; None: dense only) packs decoder projections for small decode batches and gives
-    the model the exact bf16 head (``treeserve.models.quant``); CPU only.
+    the model the exact bf16 head (``treeserve.models.quant``); CPU only. ``shard``: load only
+    that tensor-parallel rank's shard (``treeserve.models.parallel``; dense weights only).
     """
     check_quantization(quantization)
     path = resolve_model_path(name_or_path)
     if path.is_dir():
         config = load_hf_config(path)
         tokenizer = Tokenizer.from_hf_dir(path, extra_eos_token_ids=config.eos_token_ids)
-        model = load_hf_model(path, dtype=dtype, device=device, quantization=quantization)
+        model = load_hf_model(path, dtype=dtype, device=device, quantization=quantization, shard=shard)
     elif path.suffix == ".gguf":
         contents = open_gguf(path)
         config = gguf_config(contents)
         tokenizer = Tokenizer.from_gguf_metadata(contents.metadata, extra_eos_token_ids=config.eos_token_ids)
-        model = load_gguf_model(contents, dtype=dtype, device=device, quantization=quantization)
+        model = load_gguf_model(contents, dtype=dtype, device=device, quantization=quantization, shard=shard)
     else:
         raise ValueError(f"{path} must be a .gguf file or a HF model directory")
     if tokenizer.vocab_size > config.vocab_size:

@@ -13,11 +13,15 @@ import torch
 
 from treeserve.models.config import ModelConfig
 from treeserve.models.llama import LlamaForCausalLM
+from treeserve.models.parallel import TPShard
 
 __all__ = ["MissingTensorError", "build_model", "expected_hf_shapes", "fused_names", "hf_state_dict"]
 
 # A loader hands tensors over lazily: name -> tensor, called once per expected name.
 TensorGetter = Callable[[str], torch.Tensor]
+# Optional: (name, dim, start, stop) -> (that slice of the tensor, the tensor's full shape),
+# reading only the slice where the format allows (tensor-parallel loading).
+SliceGetter = Callable[[str, int, int, int], tuple[torch.Tensor, tuple[int, ...]]]
 
 
 class MissingTensorError(ValueError):
@@ -80,6 +84,8 @@ def build_model(
     available: Iterable[str],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    shard: TPShard | None = None,
+    get_slice: SliceGetter | None = None,
 ) -> LlamaForCausalLM:
     """Materialise a model from HF-named tensors.
 
@@ -87,6 +93,9 @@ def build_model(
     dtype; it is converted to the parameter's dtype on ``device``: ``dtype`` for the decoder,
     float32 for the LM head and a tied embedding). Raises ``MissingTensorError`` naming the
     first absent tensor and ``ValueError`` naming a tensor whose shape disagrees with ``config``.
+
+    With ``shard``, builds that tensor-parallel rank's shard (``TPShard.build``) and loads only
+    its slices: through ``get_slice`` when given, else by narrowing ``get(name)``.
     """
     have = set(available)
     shapes = expected_hf_shapes(config)
@@ -97,12 +106,20 @@ def build_model(
         )
 
     def fetch(name: str) -> torch.Tensor:
-        t = get(name)
-        if tuple(t.shape) != shapes[name]:
-            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, config expects {shapes[name]}")
+        cut = shard.weight_slice(name, config) if shard is not None else None
+        if cut is not None and get_slice is not None:
+            t, full = get_slice(name, *cut)
+        else:
+            t = get(name)
+            full = tuple(t.shape)
+        if full != shapes[name]:
+            raise ValueError(f"tensor {name!r} has shape {full}, config expects {shapes[name]}")
+        if cut is not None and tuple(t.shape) == full:
+            t = t.narrow(cut[0], cut[1], cut[2] - cut[1])
         return t
 
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)  # uninitialised parameters
+    # uninitialised parameters
+    model = LlamaForCausalLM(config, dtype=dtype, device=device) if shard is None else shard.build(config, dtype, device)
     target = model.state_dict()
     state = {}
     for ours, hf in fused_names(config):

@@ -52,6 +52,8 @@ class ModelRunner:
         self.page_size = kv.page_size
         self.attention = select_backend("paged_attention", attention_backend, kv.device, kv.dtype)
         self.compact = select_backend("compact_tree_path", "auto", kv.device, kv.dtype)
+        # A sharded model moves every rank's share of the KV itself (treeserve.distributed).
+        self.compact_kv = getattr(model, "compact_kv", None)
         self.sampling_rows = SamplingRows(table.max_requests + 1, vocab_size, self.device, self.eos_token_ids)
 
     @torch.inference_mode()
@@ -148,6 +150,8 @@ class ModelRunner:
             positions,
         )
         plan = rollback_slots(draft_slots, num_draft, out.path)
-        if plan.src_slots.numel():
+        if plan.src_slots.numel() and self.compact_kv is not None:
+            self.compact_kv(self.kv, plan.src_slots, plan.dst_slots)
+        elif plan.src_slots.numel():
             compact_tree_path(self.kv.k_caches, self.kv.v_caches, plan.src_slots, plan.dst_slots, backend=self.compact)
         return verified_tokens(out, len(items))  # host sync

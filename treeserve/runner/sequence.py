@@ -24,6 +24,7 @@ class PagedSequence:
     Pages are allocated up front; with ``shuffle_seed`` they are used in a random order, so page
     tables are non-contiguous (as they are in a busy server). ``extend`` feeds new tokens and
     returns their logits; ``truncate`` rolls back; ``length`` counts the tokens whose K/V is cached.
+    A tensor-parallel model (``treeserve.distributed``) gets a pool of its ``kv_heads_per_rank``.
     """
 
     __slots__ = ("model", "pool", "page_size", "max_len", "_pages", "_slots", "length")
@@ -47,7 +48,7 @@ class PagedSequence:
         self.page_size = page_size
         self.max_len = max_len
         self.pool = KVPool(
-            cfg.num_layers, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_layers, num_pages + 1, page_size, getattr(model, "kv_heads_per_rank", cfg.num_kv_heads), cfg.head_dim,
             dtype=model.dtype, device=model.device,
         )
         pages = self.pool.allocator.alloc(num_pages)
