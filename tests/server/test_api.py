@@ -4,6 +4,7 @@ engine's own ``generate`` as the reference."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -61,6 +62,10 @@ def test_info_endpoints(engine) -> None:
                          "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):  # fmt: skip
                 assert f"\n{name}{{" in metrics.text, name
             assert 'vllm:generation_tokens_total{model_name="tiny-synthetic"} 3.0' in metrics.text
+            steps = re.search(r'^treeserve:engine_steps_total{model_name="tiny-synthetic"} (\S+)$', metrics.text, re.M)
+            busy = re.search(r'^treeserve:engine_busy_seconds_total{model_name="tiny-synthetic"} (\S+)$', metrics.text,
+                             re.M)  # fmt: skip
+            assert steps and float(steps.group(1)) >= 1 and busy and float(busy.group(1)) > 0
             missing = await c.get("/v1/nothing")
             assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
             assert (await c.get("/v1/chat/completions")).status_code == 405
@@ -216,6 +221,7 @@ ERRORS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),
     ("/v1/chat/completions", {"messages": MSGS, "n": 100, "max_tokens": 400}, "n"),
+    ("/v1/chat/completions", {"messages": MSGS, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"prompt": [1, 10**7]}, "prompt"),
@@ -245,6 +251,30 @@ def test_malformed_bodies(engine) -> None:
 
     run(go())
     assert_engine_drained(engine)
+
+
+SURROGATES = [  # JSON may escape a lone surrogate, which no tokenizer (or UTF-8 response) can take
+    ("/v1/completions", '{"prompt": "ok \\udcff", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["\\ud800"], "max_tokens": 2}', "prompt[0]"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\udfff"}]}', "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/completions", '{"prompt": "ok", "stop": ["x", "\\ud800"]}', "stop[1]"),
+]
+
+
+@pytest.mark.parametrize("path, raw, param", SURROGATES, ids=[s[2] for s in SURROGATES])
+def test_lone_surrogates_get_400_naming_the_field(engine, path, raw, param) -> None:
+    r = run(post_raw(engine, path, raw.encode()))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "UTF-8" in err["message"]
+    assert_engine_drained(engine)
+
+
+async def post_raw(engine, path: str, content: bytes):
+    async with http(engine) as c:
+        return await c.post(path, content=content, headers={"content-type": "application/json"})
 
 
 def test_full_queue_gets_503_with_retry_after() -> None:

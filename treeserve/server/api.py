@@ -143,7 +143,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError("invalid request body")
-    first = errors[0]
+    # a union reports one error per member: our own validators' complaint is the precise one
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     parts: list[str] = []
     for x in first.get("loc", ())[1:]:
         if isinstance(x, int):
@@ -356,10 +357,11 @@ class _Server:
 
     async def _start(self, raw: Request, req: ChatCompletionRequest | CompletionRequest, ids: list[int],
                      params: SamplingParams, logprobs: int | None, *, echo: str, chat: bool) -> Response:  # fmt: skip
+        include_usage = req.include_usage  # validated before anything is queued
         rid, stream = await self.submit(ids, params, chat)
         job = _Job(chat=chat, request_id=rid, model=self.model_name,
                    stream=stream, logprobs=logprobs, echo=echo, streaming=req.stream,
-                   include_usage=req.include_usage, samples=[_Sample() for _ in range(params.n)])  # fmt: skip
+                   include_usage=include_usage, samples=[_Sample() for _ in range(params.n)])  # fmt: skip
         job.prompt_tokens = len(ids)
         return await self.respond(raw, job)
 
