@@ -6,8 +6,8 @@ Full: 32 concurrent streaming chats x 128 tokens; --quick: 16 x 64; each over tw
 random prompts, and shared-prefix (two long documents, a distinct question each). EOS is banned
 through ``logit_bias`` (an OpenAI field both servers honour) so every request runs its full length.
 Then 200 requests (8 tokens) against ours with every 5th client disconnecting after its first
-token; the KV usage gauge must return to 0 (no leaked pages). Both servers get 2 threads and bind
-to 127.0.0.1. Prints a JSON summary with the CPU model and load average.
+token; the KV usage gauge must return to 0 (no leaked pages). Both servers get ``--threads`` (2)
+threads and bind to 127.0.0.1. Prints a JSON summary with the CPU model and load average.
 
 Not a pytest benchmark (it starts servers); run it directly.
 """
@@ -68,9 +68,9 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
     raise RuntimeError("server did not come up in time")
 
 
-def _start(cmd: list[str], log: Path) -> subprocess.Popen:
+def _start(cmd: list[str], log: Path, threads: int) -> subprocess.Popen:
     """Start a server; its output goes to ``log`` (a pipe nobody reads would fill up and stall it)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
@@ -120,16 +120,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="16 concurrent x 64 tokens instead of 32 x 128")
     ap.add_argument("--leak-requests", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads of each server (the issue: 2)")
     args = ap.parse_args()
     n, out_len = (16, 64) if args.quick else (32, 128)
     gguf = str(resolve_model_path("smollm2-135m-instruct"))
     result: dict = {"cpu": _cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    "load_before": _load(), "concurrency": n, "output_len": out_len}  # fmt: skip
+                    "load_before": _load(), "threads": args.threads, "concurrency": n, "output_len": out_len}  # fmt: skip
 
     port = _free_port()
-    peer = _start([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", "2",
-                   "--n_threads_batch", "2", "--interrupt_requests", "False", "--host", "127.0.0.1",
-                   "--port", str(port), "--n_ctx", "2048"], Path("/tmp/bench_serve_peer.log"))  # fmt: skip
+    peer = _start([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", str(args.threads),
+                   "--n_threads_batch", str(args.threads), "--interrupt_requests", "False", "--host", "127.0.0.1",
+                   "--port", str(port), "--n_ctx", "2048"], Path("/tmp/bench_serve_peer.log"), args.threads)  # fmt: skip
     try:
         _wait_up(f"http://127.0.0.1:{port}", peer)
         result["peer"] = _load_runs(f"http://127.0.0.1:{port}", n, out_len, ours=False)
@@ -137,8 +138,8 @@ def main() -> int:
         _stop(peer)
 
     port = _free_port()
-    ours = _start([sys.executable, "-m", "treeserve", "serve", "--threads", "2", "--host", "127.0.0.1",
-                   "--port", str(port)], Path("/tmp/bench_serve_ours.log"))  # fmt: skip
+    ours = _start([sys.executable, "-m", "treeserve", "serve", "--threads", str(args.threads), "--host", "127.0.0.1",
+                   "--port", str(port)], Path("/tmp/bench_serve_ours.log"), args.threads)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_up(base, ours)
