@@ -2,11 +2,12 @@
 
     flock /tmp/treeserve-bench.lock python benches/bench_serve.py [--quick]
 
-Full: 32 concurrent streaming chats x 128 tokens; --quick: 16 x 64. EOS is banned through
-``logit_bias`` (an OpenAI field both servers honour) so every request runs its full length.
-Then 200 requests (short) against ours with every 5th client disconnecting after its first
-token; the KV usage gauge must return to 0 (no leaked pages). Both servers get 2 threads and bind
-to 127.0.0.1. Prints a JSON summary with the CPU model and load average.
+Full: 32 concurrent streaming chats x 128 tokens; --quick: 16 x 64; each over two datasets:
+random prompts, and shared-prefix (two long documents, a distinct question each). EOS is banned
+through ``logit_bias`` (an OpenAI field both servers honour) so every request runs its full length.
+Then 200 requests (8 tokens) against ours with every 5th client disconnecting after its first
+token; the KV usage gauge must return to 0 (no leaked pages). Both servers get ``--threads`` (2)
+threads and bind to 127.0.0.1. Prints a JSON summary with the CPU model and load average.
 
 Not a pytest benchmark (it starts servers); run it directly.
 """
@@ -67,9 +68,9 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
     raise RuntimeError("server did not come up in time")
 
 
-def _start(cmd: list[str], log: Path) -> subprocess.Popen:
+def _start(cmd: list[str], log: Path, threads: int) -> subprocess.Popen:
     """Start a server; its output goes to ``log`` (a pipe nobody reads would fill up and stall it)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
@@ -91,42 +92,59 @@ def _gauge(url: str, name: str) -> float:
     return float(m.group(1))
 
 
-def _load_run(url: str, n: int, out_len: int) -> dict:
-    cfg = BenchConfig(base_url=url, num_requests=n, concurrency=n, output_len=out_len, input_len=32,
-                      logit_bias=BAN_EOS, timeout=1800)  # fmt: skip
-    report = asyncio.run(run_bench(cfg)).as_dict()
-    report["load_after"] = _load()
-    return report
+DATASETS = ("random", "shared-prefix")
+
+
+def _engine_time(base: str) -> tuple[float, float]:
+    return _gauge(base, "treeserve:engine_steps_total"), _gauge(base, "treeserve:engine_busy_seconds_total")
+
+
+def _load_runs(base: str, n: int, out_len: int, ours: bool) -> dict:
+    """One run per dataset, keyed by its name; for ours also where the time went (engine steps:
+    count, mean time, share of the run's wall time, output tokens per step)."""
+    out = {}
+    for dataset in DATASETS:
+        cfg = BenchConfig(base_url=base + "/v1", num_requests=n, concurrency=n, output_len=out_len, input_len=32,
+                          dataset=dataset, prefix_len=128, num_prefixes=2, logit_bias=BAN_EOS, timeout=1800)  # fmt: skip
+        before = _engine_time(base) if ours else None
+        rep = out[dataset] = asyncio.run(run_bench(cfg)).as_dict()
+        rep["load_after"] = _load()
+        if before is not None:
+            steps, busy = (b - a for a, b in zip(before, _engine_time(base)))
+            rep["engine"] = {"steps": steps, "mean_step_ms": 1e3 * busy / max(steps, 1),
+                             "busy_share": busy / rep["duration"], "tokens_per_step": rep["output_tokens"] / max(steps, 1)}  # fmt: skip
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="16 concurrent x 64 tokens instead of 32 x 128")
     ap.add_argument("--leak-requests", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads of each server (the issue: 2)")
     args = ap.parse_args()
     n, out_len = (16, 64) if args.quick else (32, 128)
     gguf = str(resolve_model_path("smollm2-135m-instruct"))
     result: dict = {"cpu": _cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    "load_before": _load(), "concurrency": n, "output_len": out_len}  # fmt: skip
+                    "load_before": _load(), "threads": args.threads, "concurrency": n, "output_len": out_len}  # fmt: skip
 
     port = _free_port()
-    peer = _start([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", "2",
-                   "--n_threads_batch", "2", "--interrupt_requests", "False", "--host", "127.0.0.1",
-                   "--port", str(port), "--n_ctx", "2048"], Path("/tmp/bench_serve_peer.log"))  # fmt: skip
+    peer = _start([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", str(args.threads),
+                   "--n_threads_batch", str(args.threads), "--interrupt_requests", "False", "--host", "127.0.0.1",
+                   "--port", str(port), "--n_ctx", "2048"], Path("/tmp/bench_serve_peer.log"), args.threads)  # fmt: skip
     try:
         _wait_up(f"http://127.0.0.1:{port}", peer)
-        result["peer"] = _load_run(f"http://127.0.0.1:{port}/v1", n, out_len)
+        result["peer"] = _load_runs(f"http://127.0.0.1:{port}", n, out_len, ours=False)
     finally:
         _stop(peer)
 
     port = _free_port()
-    ours = _start([sys.executable, "-m", "treeserve.cli", "serve", "--threads", "2", "--host", "127.0.0.1",
-                   "--port", str(port)], Path("/tmp/bench_serve_ours.log"))  # fmt: skip
+    ours = _start([sys.executable, "-m", "treeserve", "serve", "--threads", str(args.threads), "--host", "127.0.0.1",
+                   "--port", str(port)], Path("/tmp/bench_serve_ours.log"), args.threads)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_up(base, ours)
-        result["ours"] = _load_run(base + "/v1", n, out_len)
-        leak = BenchConfig(base_url=base + "/v1", num_requests=args.leak_requests, concurrency=n, output_len=16,
+        result["ours"] = _load_runs(base, n, out_len, ours=True)
+        leak = BenchConfig(base_url=base + "/v1", num_requests=args.leak_requests, concurrency=n, output_len=8,
                            input_len=16, logit_bias=BAN_EOS, drop_every=5, timeout=1800)  # fmt: skip
         lr = asyncio.run(run_bench(leak))
         deadline = time.monotonic() + 60
@@ -140,11 +158,13 @@ def main() -> int:
                                  "waiting_after": _gauge(base, "vllm:num_requests_waiting")}  # fmt: skip
     finally:
         _stop(ours)
-    p, o = result["peer"], result["ours"]
-    result["ratios"] = {
-        "output_tok_s": o["output_tok_s"] / p["output_tok_s"] if p["output_tok_s"] else None,
-        "p99_ttft": o["ttft"]["p99"] / p["ttft"]["p99"] if p["ttft"]["p99"] else None,
-    }
+    result["ratios"] = {}
+    for dataset in DATASETS:
+        p, o = result["peer"][dataset], result["ours"][dataset]
+        result["ratios"][dataset] = {
+            "output_tok_s": o["output_tok_s"] / p["output_tok_s"] if p["output_tok_s"] else None,
+            "p99_ttft": o["ttft"]["p99"] / p["ttft"]["p99"] if p["ttft"]["p99"] else None,
+        }
     result["load_after"] = _load()
     print(json.dumps(result, indent=1))
     return 0

@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
+import torch
 
 from treeserve import LLM
 from treeserve.models import random_model, tiny_config
@@ -28,11 +29,12 @@ MODEL = "tiny-synthetic"
 ENGINE = dict(kv_cache_tokens=4096, max_batched_tokens=128, max_running=16, max_model_len=512, page_size=4)
 
 
-def synthetic_llm(**kw: Any) -> LLM:
+def synthetic_llm(wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None, **kw: Any) -> LLM:
+    """The synthetic engine; ``wrap`` replaces its model by ``wrap(model)`` (e.g. a poisoned one)."""
     tok = smol_tokenizer()
     cfg = tiny_config("llama", vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids, max_position_embeddings=1024)
     model = random_model(cfg, seed=0, init_std=0.3)
-    return LLM((model, tok), **{**ENGINE, **kw})
+    return LLM((wrap(model) if wrap else model, tok), **{**ENGINE, **kw})
 
 
 def scripted_llm(text: str, prompt_len: int, **kw: Any) -> LLM:

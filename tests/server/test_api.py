@@ -4,6 +4,7 @@ engine's own ``generate`` as the reference."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -11,6 +12,7 @@ from treeserve import SamplingParams
 from treeserve.server.engine_client import AsyncLLMEngine
 from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 
+from ..engine.test_engine import PoisonedModel
 from ._helpers import MODEL, assert_engine_drained, http, running, scripted_llm, sse_events, synthetic_llm
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Name a colour."}]
@@ -61,6 +63,10 @@ def test_info_endpoints(engine) -> None:
                          "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):  # fmt: skip
                 assert f"\n{name}{{" in metrics.text, name
             assert 'vllm:generation_tokens_total{model_name="tiny-synthetic"} 3.0' in metrics.text
+            steps = re.search(r'^treeserve:engine_steps_total{model_name="tiny-synthetic"} (\S+)$', metrics.text, re.M)
+            busy = re.search(r'^treeserve:engine_busy_seconds_total{model_name="tiny-synthetic"} (\S+)$', metrics.text,
+                             re.M)  # fmt: skip
+            assert steps and float(steps.group(1)) >= 1 and busy and float(busy.group(1)) > 0
             missing = await c.get("/v1/nothing")
             assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
             assert (await c.get("/v1/chat/completions")).status_code == 405
@@ -166,6 +172,11 @@ def test_seed_reproducible_and_default_max_tokens(engine) -> None:
     prompt = chat["usage"]["prompt_tokens"]  # no max_tokens: runs to the context limit; model may be omitted
     assert chat["usage"]["completion_tokens"] == engine.max_model_len - prompt
     assert chat["choices"][0]["finish_reason"] == "length"
+    prompt = [7] * (engine.max_model_len - 4)  # exactly fits with 4 new tokens, not with 5
+    fits = run(post(engine, "/v1/completions", dict(prompt=prompt, max_tokens=4, ignore_eos=True)))
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 4
+    over = run(post(engine, "/v1/completions", dict(prompt=prompt, max_tokens=5)))
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
 
 
 TEXT = "Paris is lovely 😀 in spring, says the END of the story."
@@ -216,6 +227,11 @@ ERRORS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),
     ("/v1/chat/completions", {"messages": MSGS, "n": 100, "max_tokens": 400}, "n"),
+    ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 500}, "max_tokens"),  # 500 + prompt > 512
+    ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 5, "max_completion_tokens": 10**9},
+     "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 512}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSGS, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"prompt": [1, 10**7]}, "prompt"),
@@ -245,6 +261,54 @@ def test_malformed_bodies(engine) -> None:
 
     run(go())
     assert_engine_drained(engine)
+
+
+SURROGATES = [  # JSON may escape a lone surrogate, which no tokenizer (or UTF-8 response) can take
+    ("/v1/completions", '{"prompt": "ok \\udcff", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["\\ud800"], "max_tokens": 2}', "prompt[0]"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\udfff"}]}', "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/completions", '{"prompt": "ok", "stop": ["x", "\\ud800"]}', "stop[1]"),
+]
+
+
+@pytest.mark.parametrize("path, raw, param", SURROGATES, ids=[s[2] for s in SURROGATES])
+def test_lone_surrogates_get_400_naming_the_field(engine, path, raw, param) -> None:
+    r = run(post_raw(engine, path, raw.encode()))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "UTF-8" in err["message"]
+    assert_engine_drained(engine)
+
+
+async def post_raw(engine, path: str, content: bytes):
+    async with http(engine) as c:
+        return await c.post(path, content=content, headers={"content-type": "application/json"})
+
+
+def test_request_failing_while_running_gets_500_and_spares_the_others() -> None:
+    """A row whose model output is invalid (NaN logits) fails alone: 500 (or an error event when
+    streamed), while a concurrent request completes in full."""
+    eng = AsyncLLMEngine(synthetic_llm(wrap=PoisonedModel))
+    bad = {"prompt": [4, 5, PoisonedModel.POISON], "max_tokens": 5, "ignore_eos": True}
+    good = {"prompt": [4, 5, 6], "max_tokens": 40, "ignore_eos": True}
+    with running(eng):
+        async def go():
+            async with http(eng) as c:
+                ok, failed, streamed = await asyncio.gather(
+                    c.post("/v1/completions", json=good), c.post("/v1/completions", json=bad),
+                    c.post("/v1/completions", json={**bad, "stream": True}))  # fmt: skip
+                return ok, failed, streamed
+
+        ok, failed, streamed = run(go())
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 40
+        err = failed.json()["error"]
+        assert failed.status_code == 500 and err["type"] == "server_error" and "invalid logits" in err["message"]
+        datas = [line for line in streamed.text.split("\n") if line.startswith("data: ")]
+        assert "invalid logits" in datas[-1] and "[DONE]" not in streamed.text
+        assert eng.is_healthy()
+        assert_engine_drained(eng)
 
 
 def test_full_queue_gets_503_with_retry_after() -> None:

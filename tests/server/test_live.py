@@ -6,6 +6,7 @@ server starts in seconds. Every loop is bounded in count and time.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -46,12 +47,11 @@ def _model_dir(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = _model_dir(tmp_path_factory.mktemp("live-model"))
+def _start_server(model: Path) -> tuple[subprocess.Popen, str]:
+    """``python -m treeserve serve`` (how users run it) on a free port; returns once healthy."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "treeserve.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "treeserve", "serve", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", NAME, "--dtype", "float32", "--threads", "1",
            "--kv-cache-tokens", "4096", "--max-running", "32", "--page-size", "4"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -60,13 +60,31 @@ def server(tmp_path_factory):
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
+                return proc, base
         except httpx.HTTPError:
             time.sleep(0.2)
-    else:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"server did not start: {err[-2000:]}")
+    proc.kill()
+    _, err = proc.communicate()
+    pytest.fail(f"server did not start: {err[-2000:]}")
+
+
+def _stopped_cleanly(proc: subprocess.Popen, sig: int) -> str:
+    """Send ``sig``; assert exit status 0 and no traceback; return stderr."""
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert "Traceback" not in err and f"serving {NAME!r} at http://127.0.0.1:" in err
+    return err
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return _model_dir(tmp_path_factory.mktemp("live-model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc, base = _start_server(model_dir)
     yield proc, base
     if proc.poll() is None:
         proc.kill()
@@ -148,10 +166,32 @@ def test_live_server_with_openai_client(server, client) -> None:
     # graceful shutdown: SIGINT with a request in flight -> exit 0, no traceback
     stream = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=500, stream=True, extra_body=NO_EOS)
     next(iter(stream))
-    proc.send_signal(signal.SIGINT)
     try:
-        _, err = proc.communicate(timeout=60)
+        _stopped_cleanly(proc, signal.SIGINT)
     finally:
         stream.close()
-    assert proc.returncode == 0, err[-2000:]
-    assert "Traceback" not in err and f"serving {NAME!r} at http://127.0.0.1:" in err
+
+
+@pytest.mark.slow
+def test_sigterm_with_a_non_streaming_request_in_flight(model_dir) -> None:
+    """SIGTERM while a long non-streaming request runs: it finishes or gets a clean 503 (never a
+    dropped connection), and the process exits 0 without a traceback."""
+    proc, base = _start_server(model_dir)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            body = {"model": NAME, "prompt": "Once", "max_tokens": 1000, "ignore_eos": True}
+            pending = pool.submit(httpx.post, base + "/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and _gauge(base, "vllm:num_requests_running") < 1:
+                time.sleep(0.05)
+            assert _gauge(base, "vllm:num_requests_running") == 1
+            _stopped_cleanly(proc, signal.SIGTERM)
+            r = pending.result(timeout=60)
+        if r.status_code == 200:  # finished within the grace period
+            assert r.json()["usage"]["completion_tokens"] == 1000 and r.json()["choices"][0]["finish_reason"] == "length"
+        else:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

@@ -143,7 +143,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError("invalid request body")
-    first = errors[0]
+    # a union reports one error per member: our own validators' complaint is the precise one
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     parts: list[str] = []
     for x in first.get("loc", ())[1:]:
         if isinstance(x, int):
@@ -199,6 +200,18 @@ class _Server:
             raise APIError(f"prompt token ids must lie in [0, {self.client.tokenizer.vocab_size}), got {bad[:5]}",
                            param="prompt")  # fmt: skip
         return list(prompt), self.client.tokenizer.decode(prompt)
+
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
+        """The output budget: ``requested``, or what the context leaves when omitted. A request
+        that cannot fit (prompt + ``requested`` > ``max_model_len``) is refused naming ``param``,
+        as OpenAI and vLLM do; a prompt too long on its own is the engine's error to report."""
+        room = self.client.max_model_len - prompt_len
+        if requested is None:
+            return max(1, room)
+        if room >= 1 and requested > room:
+            raise APIError(f"{param}={requested} does not fit: the context holds {self.client.max_model_len} "
+                           f"tokens and the prompt takes {prompt_len}, leaving {room}", param=param)  # fmt: skip
+        return requested
 
     async def submit(self, ids: list[int], params: SamplingParams, chat: bool) -> tuple[str, RequestStream]:
         """Queue a request; its id is also the response id. Engine refusals become ``APIError``."""
@@ -343,23 +356,24 @@ class _Server:
         self.check_model(req.model)
         logprobs = req.num_logprobs()
         ids = self.chat_prompt(req)
-        max_tokens = req.requested_max_tokens() or max(1, self.client.max_model_len - len(ids))
-        params = sampling_params(req, max_tokens, logprobs)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = sampling_params(req, self.max_tokens(req.requested_max_tokens(), len(ids), param), logprobs)
         return await self._start(raw, req, ids, params, logprobs, echo="", chat=True)
 
     async def completion(self, raw: Request, req: CompletionRequest) -> Response:
         self.check_model(req.model)
         logprobs = req.num_logprobs()
         ids, text = self.completion_prompt(req.single_prompt())
-        params = sampling_params(req, req.max_tokens or max(1, self.client.max_model_len - len(ids)), logprobs)
+        params = sampling_params(req, self.max_tokens(req.max_tokens, len(ids), "max_tokens"), logprobs)
         return await self._start(raw, req, ids, params, logprobs, echo=text if req.echo else "", chat=False)
 
     async def _start(self, raw: Request, req: ChatCompletionRequest | CompletionRequest, ids: list[int],
                      params: SamplingParams, logprobs: int | None, *, echo: str, chat: bool) -> Response:  # fmt: skip
+        include_usage = req.include_usage  # validated before anything is queued
         rid, stream = await self.submit(ids, params, chat)
         job = _Job(chat=chat, request_id=rid, model=self.model_name,
                    stream=stream, logprobs=logprobs, echo=echo, streaming=req.stream,
-                   include_usage=req.include_usage, samples=[_Sample() for _ in range(params.n)])  # fmt: skip
+                   include_usage=include_usage, samples=[_Sample() for _ in range(params.n)])  # fmt: skip
         job.prompt_tokens = len(ids)
         return await self.respond(raw, job)
 

@@ -55,6 +55,8 @@ class EngineStats:
 
     ``kv_usage`` counts pages held by requests (running samples and prefixes they lock) as used;
     pages only kept by the prefix cache are reclaimable, so they count as free (vLLM's meaning).
+    ``steps`` / ``busy_seconds``: engine steps so far and the time spent in them (schedule,
+    forward, sample, update), to tell engine time from serving overhead.
     """
 
     num_running: int = 0
@@ -62,6 +64,8 @@ class EngineStats:
     kv_total_pages: int = 1
     kv_free_pages: int = 1
     kv_cached_pages: int = 0
+    steps: int = 0
+    busy_seconds: float = 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -79,6 +83,8 @@ def read_engine_stats(llm: LLM) -> EngineStats:
         kv_total_pages=alloc.capacity,
         kv_free_pages=alloc.num_free,
         kv_cached_pages=llm.radix.evictable_tokens // llm.kv.page_size,
+        steps=llm.metrics.steps,
+        busy_seconds=llm.metrics.busy_seconds,
     )
 
 

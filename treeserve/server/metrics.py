@@ -1,7 +1,9 @@
 """Prometheus metrics under vLLM's names, so routers and dashboards built for vLLM read them.
 
 Gauges are read at scrape time from :meth:`EngineClient.stats`; histograms and counters are fed
-once per finished (or aborted) request from its :class:`RequestStream` timings.
+once per finished (or aborted) request from its :class:`RequestStream` timings. Two counters of
+treeserve's own (``treeserve:engine_steps_total``, ``treeserve:engine_busy_seconds_total``) tell
+engine time from serving overhead.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from treeserve.server.engine_client import EngineClient, RequestStream
@@ -27,7 +29,7 @@ class _EngineGauges(Collector):
     def __init__(self, client: EngineClient, model_name: str, metrics: ServerMetrics) -> None:
         self.client, self.labels, self.metrics = client, [model_name], metrics
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.client.stats()
         m = self.metrics
         hit_rate = m.cached_tokens / m.queried_tokens if m.queried_tokens else 0.0
@@ -41,6 +43,14 @@ class _EngineGauges(Collector):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(self.labels, float(value))
             yield g
+        for name, doc, total in (  # no vLLM equivalent: treeserve's own names
+            ("treeserve:engine_steps", "Engine steps run.", s.steps),
+            ("treeserve:engine_busy_seconds", "Time spent in engine steps (schedule, forward, sample).",
+             s.busy_seconds),
+        ):  # fmt: skip
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(self.labels, float(total))
+            yield c
 
 
 class ServerMetrics:

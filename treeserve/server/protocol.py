@@ -8,9 +8,9 @@ ranges the engine checks (``SamplingParams``) are reported with the API's field 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from treeserve.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -34,6 +34,18 @@ class APIError(Exception):
         super().__init__(message)
         self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
         self.headers = headers or {}
+
+
+def _utf8(text: str) -> str:
+    """``text`` if it is encodable as UTF-8 (JSON can carry lone surrogates, e.g. ``"\\udcff"``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be valid UTF-8 text; lone surrogate at character {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class ErrorBody(BaseModel):
@@ -81,7 +93,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
@@ -91,19 +103,23 @@ class _Sampling(BaseModel):
 
     @property
     def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk; ``APIError`` for ``stream_options``
+        on a request that does not stream (as OpenAI and vLLM answer)."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed with stream=true", param="stream_options")
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -131,7 +147,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
