@@ -59,3 +59,27 @@ def test_sampling_vs_sort_based_top_p(benchmark, name: str, vocab: int) -> None:
         assert ratio > 2.0, f"expected >= 3x (asserting > 2x for noise), got {ratio:.2f}x"
     else:
         assert ratio > 0.7, f"flat logits should not be much slower than a full sort, got {ratio:.2f}x"
+
+
+# Issue 15: one pass over the vocabulary. A plain greedy batch (EOS ban already lifted,
+# temperature 1, no logprobs asked) should cost one argmax; top-p one threshold search + draw.
+ONE_PASS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "greedy_logprobs": SamplingParams(temperature=0.0, logprobs=0),
+    "top_p0.9": SamplingParams(temperature=0.8, top_p=0.9),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_PASS))
+def test_one_pass_sampling_64x49152(benchmark, name: str) -> None:
+    """Absolute times only (printed and in extra_info); run it against two checkouts in one
+    session (``PYTHONPATH=<checkout>:benches``) for before/after."""
+    vocab = 49152
+    logits = torch.randn(BATCH, vocab, generator=torch.Generator().manual_seed(0)) * 4.0
+    batch = SamplingBatch.build([ONE_PASS[name]] * BATCH, list(range(BATCH)), [[5]] * BATCH, vocab,
+                                eos_token_ids=[2], num_generated=[1] * BATCH)  # fmt: skip
+    positions = torch.ones(BATCH, dtype=torch.int64)
+    benchmark.pedantic(lambda: sample(logits, batch, positions, backend="torch"), rounds=10, warmup_rounds=2)
+    ms = benchmark.stats.stats.min * 1e3
+    benchmark.extra_info.update(ms=ms, threads=torch.get_num_threads())
+    print(f"\n{name} 64x{vocab}: {ms:.2f} ms ({torch.get_num_threads()} threads)")

@@ -695,7 +695,7 @@ class LLM:
                     index=req.sample_index,
                     text=self._final_text(req),
                     token_ids=list(req.output_ids),
-                    logprobs=list(req.output_logprobs),
+                    logprobs=list(req.output_logprobs) if req.params.logprobs is not None else [],
                     top_logprobs=list(req.output_top_logprobs),
                     finish_reason=req.finish_reason.value if req.finish_reason else "",
                     stop_reason=req.stop_reason,

@@ -32,6 +32,7 @@ def filter_rows(draw: st.DrawFn):
             top_k=draw(st.sampled_from([-1, 1, 3, vocab - 1])),
             top_p=draw(st.sampled_from([1.0, 0.9, 0.3])),
             min_p=draw(st.sampled_from([0.0, 0.2])),
+            logprobs=0,
         )
         for _ in range(rows)
     ]

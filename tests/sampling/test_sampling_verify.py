@@ -86,7 +86,7 @@ def test_greedy_accepts_longest_argmax_path(trees, salt: int, penalty: float) ->
 
 def test_zero_drafts_equals_sample_and_rows_are_batch_invariant() -> None:
     vocab = 30
-    params = [SamplingParams(top_p=0.9, seed=1), SamplingParams(temperature=0), SamplingParams(top_k=4, min_p=0.05),
+    params = [SamplingParams(top_p=0.9, seed=1, logprobs=0), SamplingParams(temperature=0), SamplingParams(top_k=4, min_p=0.05),
               SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4)]
     b = len(params)
     batch = SamplingBatch.build(params, [11, 12, 13, 14], [[1, 2, 2]] * b, vocab)

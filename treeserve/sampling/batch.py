@@ -52,6 +52,7 @@ class SamplingBatch:
     all_greedy: bool  # every row is greedy: sampling needs no random draw
     any_top_p: bool
     any_filter: bool  # some row uses top_k, top_p or min_p
+    any_logprobs: bool = True  # some row asked for logprobs (``logprobs`` not None); False: not computed
 
     @property
     def num_rows(self) -> int:
@@ -149,6 +150,7 @@ class SamplingBatch:
             all_greedy=all(p.greedy for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_filter=any(k > 0 or p.top_p < 1.0 or p.min_p > 0 for k, p in zip(top_ks, params)),
+            any_logprobs=any(p.logprobs is not None for p in params),
         )
 
     def expand_rows(

@@ -84,7 +84,7 @@ def scale_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     x = logits.to(work_dtype(logits))
     if batch.has_penalties:
         x = apply_penalties(x, batch)
-    if batch.ban_ids.shape[1] > 0:
+    if batch.ban_ids.shape[1] > 0 and _needed(batch.min_tokens_left > 0):
         banned = (batch.ban_ids >= 0) & (batch.min_tokens_left > 0)[:, None]
         ids = batch.ban_ids.clamp(min=0)
         # amin, not a plain scatter: a padding entry (-1 -> id 0) must not overwrite a real ban
@@ -94,7 +94,18 @@ def scale_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         x = x.scatter_add(1, batch.bias_ids, batch.bias_values.to(x.dtype))
     if batch.allowed is not None:
         x = x.masked_fill(~batch.allowed, float("-inf"))
+    if not _needed(batch.temperature != 1.0):
+        return x  # dividing by 1 is exact: skipping it changes no bit
     return x / batch.temperature.to(x.dtype)[:, None]
+
+
+def _needed(rows: torch.Tensor) -> bool:
+    """Whether a stage flagged per row by ``rows [R]`` (bool) must run.
+
+    On CPU the answer is read (microseconds), so neutral stages skip their full-vocabulary pass;
+    on other devices it is always True (no host sync, the op sequence stays graph-capturable).
+    """
+    return rows.device.type != "cpu" or bool(rows.any())
 
 
 def thresholds(
@@ -173,7 +184,13 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch, backend: str = "to
     thresholds with the sort-free kernel (no host sync; ``fits`` is then all False and the
     candidates are only the top logprobs).
     """
-    scaled = scale_logits(logits, batch)
+    return filter_scaled(scale_logits(logits, batch), batch, backend)
+
+
+def filter_scaled(scaled: torch.Tensor, batch: SamplingBatch, backend: str = "torch") -> Filtered:
+    """Stage 5 on already scaled logits ``scaled [R, V]`` (``scale_logits``'s output): the same
+    thresholds and candidates as ``filter_logits``. Only the filter fields of ``batch`` are read
+    (``top_k/top_p/min_p`` and the host flags), so a row subset from ``select_rows`` will do."""
     vocab = batch.vocab_size
     if not batch.any_filter or backend == "triton":
         # Candidates only serve the reported top logprobs (and the row max); every row is drawn
@@ -212,6 +229,17 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch, backend: str = "to
 def _select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
     """The filter parameters of a subset of rows (only the fields ``thresholds`` reads)."""
     return replace(batch, top_k=batch.top_k[rows], top_p=batch.top_p[rows], min_p=batch.min_p[rows])
+
+
+def select_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
+    """The filter view of ``rows [R']`` (CPU int64) for ``filter_scaled``: their ``top_k/top_p/
+    min_p`` and ``any_filter / any_top_p`` narrowed to them (both only switch stages that are
+    no-ops on rows without a filter, so a row's thresholds do not change). The candidate bound
+    (``max_top_k``, ``num_logprobs``) stays the batch's, as it was when every row was filtered
+    together."""
+    sub = _select_rows(batch, rows)
+    on_p = sub.top_p < 1.0
+    return replace(sub, any_top_p=bool(on_p.any()), any_filter=bool(((sub.top_k > 0) | on_p | (sub.min_p > 0)).any()))
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch, backend: str = "auto") -> torch.Tensor:

@@ -81,6 +81,7 @@ class SamplingRows:
         self._flag_allowed = np.zeros(num_rows, dtype=bool)
         self._top_k = np.zeros(num_rows, dtype=np.int64)
         self._logprobs = np.zeros(num_rows, dtype=np.int64)
+        self._flag_logprobs = np.zeros(num_rows, dtype=bool)
         self._ban_len = np.zeros(num_rows, dtype=np.int64)
         self._bias_len = np.zeros(num_rows, dtype=np.int64)
         self._state: list[_RowState | None] = [None] * num_rows
@@ -130,6 +131,7 @@ class SamplingRows:
         self._flag_allowed[row] = p.allowed_token_ids is not None
         self._top_k[row] = top_k
         self._logprobs[row] = p.logprobs or 0
+        self._flag_logprobs[row] = p.logprobs is not None
         self._ban_len[row] = len(ban)
         self._bias_len[row] = len(state.bias)
         self._state[row] = state
@@ -190,6 +192,7 @@ class SamplingRows:
             all_greedy=bool(greedy_flags.all()),
             any_top_p=bool(self._flag_top_p[idx].any()),
             any_filter=bool(self._flag_filter[idx].any()),
+            any_logprobs=bool(self._flag_logprobs[idx].any()),
         )
 
     def _history(
