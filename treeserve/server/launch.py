@@ -2,8 +2,8 @@
 
 SIGINT / SIGTERM: uvicorn stops accepting connections; in-flight requests get half of
 ``graceful_seconds`` to finish, then the engine shuts down, which aborts what still runs (streams
-end with an error event, non-streaming requests get 503) before uvicorn would cancel them; the
-process exits 0 without a traceback.
+end with an error event, non-streaming requests get 503) before uvicorn would cancel them; a
+second signal aborts at once. The process exits 0 without a traceback.
 """
 
 from __future__ import annotations
@@ -59,6 +59,13 @@ class _Server(uvicorn.Server):
             logging.getLogger("uvicorn.error").info(self.announce)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self.should_exit and self._loop is not None:
+        if self._loop is None:
+            super().handle_exit(sig, frame)
+        elif not self.should_exit:
             self._loop.call_soon_threadsafe(self._loop.call_later, self.abort_after, self.engine.shutdown)
-        super().handle_exit(sig, frame)
+            super().handle_exit(sig, frame)
+        else:
+            # A second signal (Ctrl-C twice): abort everything now, so every response ends with an
+            # error event / 503, instead of uvicorn's force exit, which cancels handlers mid-response
+            # and logs their tracebacks.
+            self._loop.call_soon_threadsafe(self.engine.shutdown)
