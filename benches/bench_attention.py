@@ -107,3 +107,34 @@ def test_torch_attention_vs_naive_loop(benchmark, threads: int, name: str) -> No
     )
     assert ratio > floor, f"torch attention vs the naive loop: {ratio:.2f}x, expected > {floor}x"
 
+
+
+def test_cpu_decode_operator_crossover() -> None:
+    """Issue 15: the C++ decode operator (backend ``cpu``) vs the torch backend on pure decode
+    steps, batch 1/16/64 x context 128/1024 x page size 1/16, float32 and bf16. Prints a table
+    (ms per layer, plan memoized for torch); asserts only that both agree."""
+    from treeserve.kvcache._attention_cpu import load_cpu_decode_op
+
+    if load_cpu_decode_op() is not None:
+        pytest.skip(f"C++ operator unavailable: {load_cpu_decode_op()}")
+    torch.set_num_threads(THREADS)
+    print(f"\nthreads={THREADS}  batch ctx page dtype: torch ms / cpu ms = speedup")
+    for dtype in (torch.float32, torch.bfloat16):
+        for page in (1, 16):
+            for bsz in (1, 16, 64):
+                for ctx in (128, 1024):
+                    gen = torch.Generator().manual_seed(bsz + ctx)
+                    need = -(-ctx // page)
+                    perm = (torch.randperm(bsz * need, generator=gen) + 1).tolist()
+                    pages = [perm[i * need : (i + 1) * need] for i in range(bsz)]
+                    kc = torch.randn(1 + bsz * need, page, HKV, D, generator=gen).to(dtype)
+                    vc = torch.randn(1 + bsz * need, page, HKV, D, generator=gen).to(dtype)
+                    q = torch.randn(bsz, HQ, D, generator=gen).to(dtype)
+                    meta = AttentionMetadata.build([1] * bsz, [ctx] * bsz, pages, page)
+                    ref = paged_attention(q, kc, vc, meta, backend="torch")
+                    got = paged_attention(q, kc, vc, meta, backend="cpu")
+                    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+                    t_torch = min_seconds(lambda: paged_attention(q, kc, vc, meta, backend="torch"), 5)
+                    t_cpu = min_seconds(lambda: paged_attention(q, kc, vc, meta, backend="cpu"), 5)
+                    print(f"{bsz:3d} {ctx:5d} {page:3d} {str(dtype)[6:]:8s}: {t_torch * 1e3:7.3f} / "
+                          f"{t_cpu * 1e3:7.3f} = {t_torch / t_cpu:5.2f}x")

@@ -140,6 +140,12 @@ def _flashinfer_ok(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and flashinfer_available()
 
 
+def _cpu_op_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    from treeserve.kvcache._attention_cpu import cpu_decode_op_usable  # builds the operator once
+
+    return cpu_decode_op_usable(device, dtype)
+
+
 _TRITON_NEEDS = "a CUDA tensor or TRITON_INTERPRET=1"
 _KV = "treeserve.kvcache"
 for _spec in (
@@ -156,6 +162,11 @@ for _spec in (
     BackendSpec(
         "paged_attention", "flashinfer", f"{_KV}._attention_flashinfer", "paged_attention_flashinfer", ("cuda",),
         _flashinfer_ok, "CUDA and the flashinfer package", priority=20, graph_safe=False,
+    ),
+    # C++ decode operator, torch elsewhere; built on first use (usable() builds it, False without a compiler).
+    BackendSpec(
+        "paged_attention", "cpu", f"{_KV}._attention_cpu", "paged_attention_cpu", ("cpu",),
+        _cpu_op_ok, "a float32 CPU tensor and a C++ compiler for torch's cpp_extension", priority=5,
     ),
     BackendSpec("store_kv", "torch", f"{_KV}._ops_torch", "store_kv_torch", ("*",)),
     BackendSpec("store_kv", "triton", f"{_KV}._triton_ops", "store_kv_triton", ("cuda",), _triton_ok, _TRITON_NEEDS, 10),
