@@ -141,7 +141,7 @@ def _flashinfer_ok(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _cpu_op_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    from treeserve.kvcache._attention_cpu import cpu_decode_op_usable  # builds the operator once
+    from treeserve.kvcache._cpu_op import cpu_decode_op_usable  # builds the operator once
 
     return cpu_decode_op_usable(device, dtype)
 
