@@ -15,6 +15,7 @@ import pytest
 
 from tests.distributed._helpers import greedy, tiny_model
 from treeserve import LLM
+from treeserve.distributed import TensorParallelError, launch_tensor_parallel
 from treeserve.engine import EngineConfig
 
 TIMEOUT_S = 2.0
@@ -78,3 +79,13 @@ def test_dead_or_hung_worker_raises_within_bounded_time(sig: signal.Signals) -> 
         llm.generate(PROMPT, greedy(False, 8), use_tqdm=False)
     assert time.monotonic() - t0 < 1.0
     llm.close()
+
+
+def test_worker_dying_before_the_rendezvous_fails_the_launch_at_once() -> None:
+    """A worker that exits before reaching the store (here: an invalid thread count) fails the
+    launch as soon as it is gone, not after the rendezvous timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="exited before joining"):
+        launch_tensor_parallel((tiny_model(), None), 2, threads=-1)
+    assert time.monotonic() - t0 < 60
+    assert not multiprocessing.active_children()

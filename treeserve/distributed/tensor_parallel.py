@@ -22,6 +22,7 @@ import atexit
 import contextlib
 import os
 import queue
+import time
 import weakref
 from collections.abc import Iterator
 from datetime import timedelta
@@ -34,7 +35,7 @@ from torch import nn
 
 from treeserve.distributed.comm import STARTUP_TIMEOUT_S, Communicator
 from treeserve.distributed.protocol import pack_compact, pack_forward, pack_stop
-from treeserve.distributed.worker import ModelSource, build_shard, worker_main
+from treeserve.distributed.worker import ModelSource, build_shard, worker_main, worker_up_key
 from treeserve.kvcache import AttentionMetadata, KVPool, compact_tree_path
 from treeserve.models import LlamaForCausalLM, ModelConfig
 from treeserve.models.llama import check_forward_inputs
@@ -191,6 +192,20 @@ class TensorParallelModel:
         _LIVE.discard(self)
 
 
+def _await_workers(store: dist.Store, procs: list[Any], timeout_s: float) -> None:
+    """Wait until every worker reached the store (``worker_up_key``), failing as soon as one exits
+    (e.g. it could not import treeserve), instead of letting the rendezvous wait out its timeout."""
+    keys = [worker_up_key(r) for r in range(1, len(procs) + 1)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(procs, start=1) if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"worker {', '.join(dead)} exited before joining the group")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers did not reach the rendezvous within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
 def launch_tensor_parallel(
     model: str | tuple[LlamaForCausalLM, Any],
     world: int,
@@ -249,6 +264,7 @@ def launch_tensor_parallel(
     for p in procs:
         p.start()
     try:
+        _await_workers(store, procs, startup)
         comm = Communicator(store, 0, world, torch.device(devices[0]), timeout_s, startup)
         shard = TPShard(0, world, comm)
         if isinstance(model, str):

@@ -24,11 +24,17 @@ from treeserve.kvcache import KVPool, compact_tree_path
 from treeserve.models import LlamaForCausalLM
 from treeserve.models.parallel import TPShard
 
-__all__ = ["ModelSource", "build_shard", "worker_main"]
+__all__ = ["ModelSource", "build_shard", "worker_main", "worker_up_key"]
 
 # How a rank gets its weights: ("path", name_or_path) or ("state", {hf_name: tensor}) (the
 # caller's in-memory model, shared with the workers once, at launch).
 ModelSource = tuple[str, Any]
+
+
+def worker_up_key(rank: int) -> str:
+    """The store key a worker sets once it reached rank 0's store (rank 0 polls it, watching
+    for workers that exit first)."""
+    return f"treeserve/tp/up/{rank}"
 
 
 def build_shard(source: ModelSource, shard: TPShard, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
@@ -93,6 +99,7 @@ def _serve(
         torch.cuda.set_device(device)
     startup = max(timeout_s, STARTUP_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=startup))
+    store.set(worker_up_key(rank), "1")
     comm = Communicator(store, rank, world, device, timeout_s, startup)
     shard = TPShard(rank, world, comm)
     model = build_shard(source, shard, dtype, device)
