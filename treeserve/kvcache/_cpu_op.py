@@ -6,14 +6,12 @@ without importing the attention modules (which import ``backends`` through ``met
 
 from __future__ import annotations
 
-import hashlib
-import platform
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from treeserve._utils import log_once
+from treeserve._cpp import load_cpp_op
 
 __all__ = ["SOURCE", "cpu_decode_op_usable", "load_cpu_decode_op"]
 
@@ -21,39 +19,11 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _cpu_flags() -> str:
-    """The host CPU's feature flags (Linux), part of the build's cache key."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 @lru_cache(maxsize=1)
 def load_cpu_decode_op() -> str | None:
     """Build (first time on this host) and load the operator; ``None`` when it is available,
     else the reason it is not (logged once; callers then use the torch path)."""
-    if hasattr(torch.ops.treeserve, "paged_decode_attention"):
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        key = hashlib.sha1(SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
-        load(
-            name=f"treeserve_paged_decode_{key}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler / headers / ninja: the torch path serves
-        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-        log_once(f"treeserve.kvcache: C++ CPU decode attention unavailable, using the torch path ({reason})")
-        return reason
-    return None
+    return load_cpp_op(SOURCE, "paged_decode_attention", "C++ CPU decode attention")
 
 
 def cpu_decode_op_usable(device: torch.device, dtype: torch.dtype) -> bool:

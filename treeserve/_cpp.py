@@ -1,0 +1,64 @@
+"""Building and loading treeserve's C++ CPU operators (``torch.library`` ops under ``treeserve::``).
+
+One builder for every operator: the source is compiled once per host with torch's
+``cpp_extension`` (``-O3 -march=native``; the cache key is the source, the host's CPU flags and the
+torch version, so a machine with other features builds its own copy) and loaded into the process.
+An operator that cannot be built (no compiler, no headers, no ninja) is reported once and its
+callers use their torch path: a missing compiler costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from treeserve._utils import log_once
+
+__all__ = ["cpu_flags", "load_cpp_op"]
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> str:
+    """The host CPU's feature flags (Linux ``/proc/cpuinfo``), else the processor name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@lru_cache(maxsize=None)
+def load_cpp_op(source: Path, op_name: str, what: str) -> str | None:
+    """Build (first time on this host) and load ``source``, which registers ``treeserve::op_name``.
+
+    Returns ``None`` when ``torch.ops.treeserve.<op_name>`` is usable, else the reason it is not
+    (logged once as "``what`` unavailable"). ``source`` must be a path to a ``.cpp`` file."""
+    if hasattr(torch.ops.treeserve, op_name):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        key = hashlib.sha1(source.read_bytes() + cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
+        load(
+            name=f"treeserve_{source.stem}_{key}",
+            sources=[str(source)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler / headers / ninja: the caller's torch path serves
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
+        log_once(f"treeserve: {what} unavailable, using the torch path ({reason})")
+        return reason
+    if not hasattr(torch.ops.treeserve, op_name):
+        reason = f"{source.name} built but did not register treeserve::{op_name}"
+        log_once(f"treeserve: {what} unavailable, using the torch path ({reason})")
+        return reason
+    return None
