@@ -97,7 +97,7 @@ def test_kv_matches_fresh_prefill_after_every_verify(loopy, spec: str, width: in
         llm.scheduler.check_invariants()
         for req in llm.scheduler.running:
             seqs_seen.append(req.all_ids)
-            n = req.num_computed
+            n = req.num_computed_tokens
             slots = llm.table.table[req.row, :n]
             ref = fresh_prefill_kv(loopy, req.all_ids[:n])
             for layer, k_ref in enumerate(ref):

@@ -1,8 +1,8 @@
 """What passes between the scheduler and the runner each step.
 
 ``ScheduledBatch`` (scheduler -> runner): items, each computing a range of one request's tokens
-(``ScheduledItem.num_tokens``: the tokens *computed this step*, not the request's total, which
-is ``Request.num_tokens``). ``SampledToken`` (runner -> scheduler): one per sampled item.
+(``ScheduledItem.num_scheduled_tokens``: the tokens *computed this step*, not the request's
+length, which is ``Request.seq_len``). ``SampledToken`` (runner -> scheduler): one per sampled item.
 ``SpecStats``: the speculative-decoding counters the scheduler keeps.
 """
 
@@ -18,16 +18,16 @@ __all__ = ["SampledToken", "ScheduledBatch", "ScheduledItem", "SpecStats"]
 
 
 class ScheduledItem(NamedTuple):
-    """Compute tokens ``[start, start + num_tokens)`` of ``req``; sample a token if ``sample``.
+    """Compute tokens ``[start, start + num_scheduled_tokens)`` of ``req``; sample a token if ``sample``.
 
     With a ``draft`` (speculative decoding), the item computes the pending token plus the draft
-    nodes (``num_tokens == 1 + len(draft)``), laid out in node order after the pending token's
+    nodes (``num_scheduled_tokens == 1 + len(draft)``), laid out in node order after the pending token's
     slot; the runner verifies them and compacts the accepted path's KV.
     """
 
     req: Request
     start: int
-    num_tokens: int
+    num_scheduled_tokens: int
     sample: bool
     draft: DraftTree | None = None
 
@@ -37,9 +37,9 @@ class ScheduledBatch:
     items: list[ScheduledItem] = field(default_factory=list)
 
     @property
-    def num_tokens(self) -> int:
-        """Tokens computed by the whole step (the sum of the items' ``num_tokens``)."""
-        return sum(it.num_tokens for it in self.items)
+    def total_scheduled_tokens(self) -> int:
+        """Tokens computed by the whole step (the sum of the items' ``num_scheduled_tokens``)."""
+        return sum(it.num_scheduled_tokens for it in self.items)
 
     def __len__(self) -> int:
         return len(self.items)
