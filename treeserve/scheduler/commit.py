@@ -5,7 +5,8 @@ pending token plus the accepted draft nodes); a sampled row's accepted draft tok
 token are appended one at a time, each checked by the :class:`StopChecker` and against
 ``max_model_len``; the first stop condition finishes the request (later tokens are dropped).
 The first committed token publishes the prompt's KV to the radix tree (so ``n``-sample siblings
-and later prompts share it); a drafted item that goes on frees the pages of its rejected nodes.
+and later prompts share it); an item that asked for a draft and goes on frees the pages of its
+unused and rejected draft slots.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def commit_step(
         if reason is not None:
             queues.finish(req, reason)
             finished.append(req)
-        elif draft is not None:
+        elif item.draft_budget:
             queues.ledger.trim(req)
     return finished
 

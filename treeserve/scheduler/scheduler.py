@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from treeserve.kvcache import PageAllocator, RadixCache, ReqToTokenTable
@@ -28,7 +28,6 @@ from treeserve.sampling import SamplingParams
 from treeserve.scheduler.admission import admit
 from treeserve.scheduler.batch import SampledToken, ScheduledBatch, ScheduledItem, SpecStats
 from treeserve.scheduler.commit import commit_step
-from treeserve.scheduler.drafter import DraftTree, Drafter
 from treeserve.scheduler.ledger import KVLedger
 from treeserve.scheduler.preemption import reserve_decode_slots, reserve_or_preempt
 from treeserve.scheduler.queues import RequestQueues
@@ -56,8 +55,8 @@ class SchedulerConfig:
     ``max_running``: most requests holding KV at once. ``max_model_len``: prompt + output cap.
     ``lpm_window``: waiting requests ordered by longest cached prefix when the queue is at most
     this long (FCFS beyond, where matching every request each step would cost too much).
-    ``num_speculative_tokens``: most draft nodes per request and step (0 = no speculation; needs
-    a drafter). ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
+    ``num_speculative_tokens``: most draft nodes per request and step (0 = no speculation); the
+    scheduler asks for drafts through ``ScheduledItem.draft_budget``, the engine drafts. ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
     being prefilled (and not yet cached) waits for that prefill instead of duplicating it.
     """
 
@@ -89,6 +88,10 @@ class SampleGroup:
 class Scheduler:
     """Builds each step's batch under a token budget and a running-requests limit.
 
+    ``on_release(req)`` is called whenever a request stops running (finished, paused or aborted),
+    e.g. for a drafter to drop its state. The scheduler never runs a model or a drafter: with
+    ``num_speculative_tokens`` it only sets the decoding items' ``draft_budget``.
+
     Guarantees: a request is admitted only when the pages for its first chunk can be allocated
     now while keeping one page of headroom per running request; when pages run out mid-decode
     the newest running request is paused (its computed KV goes into the radix tree, evictable)
@@ -102,10 +105,9 @@ class Scheduler:
         radix: RadixCache,
         table: ReqToTokenTable,
         stop_checker: StopChecker,
-        drafter: Drafter | None = None,
+        on_release: Callable[[Request], None] | None = None,
     ) -> None:
         self.config = config
-        self.drafter = drafter
         self.allocator = allocator
         self.radix = radix
         self.table = table
@@ -118,7 +120,7 @@ class Scheduler:
                 f"up to the page size ({width})"
             )
         self.ledger = KVLedger(allocator, radix, table)
-        self.queues = RequestQueues(self.ledger, self._on_release)
+        self.queues = RequestQueues(self.ledger, on_release)
         self.waiting: deque[Request] = self.queues.waiting
         self.running: list[Request] = self.queues.running
         self.spec = SpecStats()
@@ -182,32 +184,32 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's work: running requests first (oldest first), then admissions."""
+        """Pick this step's work: running requests first (oldest first), then admissions, then
+        draft budgets for decoding requests from the token budget left."""
         batch = ScheduledBatch()
         items = batch.items
         budget = self.config.max_batched_tokens
         running = list(self.running)
         queues, ledger = self.queues, self.ledger
         reserve_decode_slots(queues, [r for r in running if r.seq_len - r.num_computed_tokens == 1])
-        for i, req in enumerate(running):
+        for req in running:
             if budget <= 0:
                 break
             if req.state is not RequestState.RUNNING:
                 continue  # paused earlier in this loop to make room
             computed = req.num_computed_tokens
             seq_len = req.seq_len
-            draft = self._draft_for(req, budget, headroom=len(running) - i - 1)
-            if draft is not None:
-                n = 1 + len(draft)
-            else:
-                n = min(seq_len - computed, budget)
-                if computed + n > ledger.capacity(req) and not reserve_or_preempt(queues, req, computed + n):
-                    continue  # req itself was paused
-            items.append(ScheduledItem(req, computed, n, computed + n >= seq_len, draft))
+            n = min(seq_len - computed, budget)
+            if computed + n > ledger.capacity(req) and not reserve_or_preempt(queues, req, computed + n):
+                continue  # req itself was paused
+            items.append(ScheduledItem(req, computed, n, computed + n >= seq_len))
             budget -= n
         if budget > 0:
             cfg = self.config
             admit(queues, batch, budget, cfg.max_running, cfg.lpm_window, cfg.min_shared_prefix)
+            budget = cfg.max_batched_tokens - batch.total_scheduled_tokens
+        if budget > 0 and self.config.num_speculative_tokens:
+            self._ask_for_drafts(batch, budget)
         return batch
 
     def update(self, batch: ScheduledBatch, sampled: Sequence[SampledToken | None]) -> list[Request]:
@@ -233,36 +235,23 @@ class Scheduler:
         self.ledger.check(self.running, self.waiting)
 
     # ------------------------------------------------------------------ speculation
-    def _draft_for(self, req: Request, budget: int, headroom: int) -> DraftTree | None:
-        """A draft for a decoding ``req`` whose pages can be had without preempting anyone.
-
-        Drafts shrink first: with no pages to spare (``headroom`` pages stay obtainable for the
-        requests after this one) the request decodes plainly this step.
-        """
+    def _ask_for_drafts(self, batch: ScheduledBatch, budget: int) -> None:
+        """Give decoding items a ``draft_budget`` from the ``budget`` tokens left, oldest first,
+        reserving their draft slots without preempting or evicting for anyone else's need."""
         k = self.config.num_speculative_tokens
-        if self.drafter is None or k == 0 or req.seq_len - req.num_computed_tokens != 1:
-            return None
-        if req.params.logprobs:
-            return None  # verification reports no top logprobs: such requests decode plainly
-        room = min(
-            k,
-            budget - 1,
-            req.params.max_new_tokens - len(req.output_ids) - 1,
-            self.config.max_model_len - req.seq_len - 1,
-        )
-        if room <= 0:
-            return None
-        draft = self.drafter.propose(req.rid, req.all_ids, room)
-        if not draft:
-            return None
-        if not self.ledger.try_reserve(req, req.num_computed_tokens + 1 + len(draft), headroom=headroom):
-            return None
-        return draft
-
-    def _on_release(self, req: Request) -> None:
-        if self.drafter is not None:
-            self.drafter.release(req.rid)
-
+        max_len = self.config.max_model_len
+        items = batch.items
+        for j, it in enumerate(items):
+            if budget <= 0:
+                return
+            req = it.req
+            seq_len = req.seq_len
+            if it.start != seq_len - 1 or req.params.logprobs:
+                continue  # not a decode; verification reports no top logprobs: decode plainly
+            room = min(k, budget, req.params.max_new_tokens - len(req.output_ids) - 1, max_len - seq_len - 1)
+            if room > 0 and self.ledger.try_reserve(req, seq_len + room):
+                items[j] = it._replace(draft_budget=room)
+                budget -= room
 
 __all__ = [
     "SampleGroup",
