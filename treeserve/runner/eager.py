@@ -66,54 +66,66 @@ class ModelRunner:
             if done is not None:
                 return list(done)
         items, dev = batch.items, self.device
-        step, logit_end = self._inputs(items)
+        reqs, starts, qo, samples, drafts, _ = zip(*items)
+        drafted = [i for i, d in enumerate(drafts) if d is not None]
+        step, logit_end = self._inputs(items, reqs, starts, qo, samples, drafted)
         logits = self.model(step.input_ids, step.positions, self.kv, step.out_slots, step.meta, step.logits_indices)
         results: list[SampledToken | None] = [None] * len(items)
-        plain = [i for i, it in enumerate(items) if it.sample and it.draft is None]
-        drafted = [i for i, it in enumerate(items) if it.draft is not None]
+        plain = [i for i, (s, d) in enumerate(zip(samples, drafts)) if s and d is None]
         if plain:
-            idx = torch.tensor([logit_end[i] - 1 for i in plain], dtype=torch.long, device=dev)
-            for i, token in zip(plain, self._sample(logits.index_select(0, idx), [items[i] for i in plain])):
+            if len(plain) == len(items):  # every item samples its last row: the common decode step
+                rows = logits  # one logits row per item, in order
+                sreqs, positions = reqs, [s + n for s, n in zip(starts, qo)]
+            else:
+                rows = logits.index_select(0, torch.tensor([logit_end[i] - 1 for i in plain], dtype=torch.long, device=dev))
+                sreqs, positions = [reqs[i] for i in plain], [starts[i] + qo[i] for i in plain]
+            for i, token in zip(plain, self._sample(rows, sreqs, positions)):
                 results[i] = token
         if drafted:
-            rows_of = [range(logit_end[i] - items[i].num_scheduled_tokens, logit_end[i]) for i in drafted]
+            rows_of = [range(logit_end[i] - qo[i], logit_end[i]) for i in drafted]
             idx = torch.tensor([r for rs in rows_of for r in rs], dtype=torch.long, device=dev)
             verified = self._verify(logits.index_select(0, idx), [items[i] for i in drafted])
             for i, token in zip(drafted, verified):
                 results[i] = token
         return results
 
-    def _inputs(self, items: list[ScheduledItem]) -> tuple[StepInputs, list[int]]:
-        """The step inputs of ``items`` and, per item, the end of its rows in the logits.
+    def _inputs(
+        self,
+        items: Sequence[ScheduledItem],
+        reqs: Sequence[Request],
+        starts: Sequence[int],
+        qo: Sequence[int],
+        samples: Sequence[bool],
+        drafted: list[int],
+    ) -> tuple[StepInputs, list[int]]:
+        """The step inputs of ``items`` (given also as columns) and, per item, the end of its
+        rows in the logits.
 
         A plain item computes tokens ``[start, start + n)`` (logits of the last one when it
-        samples); a drafted item its pending token then the draft nodes at their tree depths,
-        KV in node order after the pending token's slot, logits of every node.
+        samples); a drafted item (indices ``drafted``) its pending token then the draft nodes at
+        their tree depths, KV in node order after the pending token's slot, logits of every node.
         """
-        ids: list[int] = []
-        logit_rows: list[int] = []
-        drafted: list[int] = []
-        for i, it in enumerate(items):
-            if it.draft is None:
-                ids.extend(it.req.all_ids[it.start : it.start + it.num_scheduled_tokens])
-                logit_rows.append(1 if it.sample else 0)
-            else:
-                ids.append(it.req.all_ids[it.start])
-                ids.extend(it.draft.tokens)
-                logit_rows.append(it.num_scheduled_tokens)
-                drafted.append(i)
-        qo = [it.num_scheduled_tokens for it in items]
+        logit_rows = [1 if s else 0 for s in samples]
         parents = None
-        if drafted:  # causal items are chains, drafted ones their trees under the pending token
-            width = max(qo)
-            parents = (torch.arange(width) - 1).repeat(len(items), 1)
+        if not drafted:
+            ids = [t for r, s, n in zip(reqs, starts, qo) for t in r.tokens(s, s + n)]
+        else:  # causal items are chains, drafted ones their trees under the pending token
+            ids = []
+            for it in items:
+                if it.draft is None:
+                    ids.extend(it.req.tokens(it.start, it.start + it.num_scheduled_tokens))
+                else:
+                    ids.extend(it.req.tokens(it.start, it.start + 1))
+                    ids.extend(it.draft.tokens)
+            parents = (torch.arange(max(qo)) - 1).repeat(len(items), 1)
             for i in drafted:
                 tree = items[i].draft
+                logit_rows[i] = qo[i]
                 parents[i, 1 : 1 + len(tree)] = torch.tensor(tree.parents, dtype=torch.long) + 1
         step = build_step_inputs(
             self.table.table,
-            [it.req.row for it in items],
-            [it.start for it in items],
+            [r.row for r in reqs],
+            starts,
             qo,
             ids,
             self.page_size,
@@ -126,9 +138,9 @@ class ModelRunner:
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         return requests_sampling_batch(self.sampling_rows, reqs)
 
-    def _sample(self, logits: torch.Tensor, items: list[ScheduledItem]) -> list[SampledToken]:
-        reqs = [it.req for it in items]
-        gen_positions = torch.tensor([r.seq_len for r in reqs], dtype=torch.long, device=self.device)
+    def _sample(self, logits: torch.Tensor, reqs: Sequence[Request], positions: Sequence[int]) -> list[SampledToken]:
+        """Sample one token per row of ``logits`` for ``reqs``, whose next token sits at ``positions``."""
+        gen_positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         out = sample(logits, self._sampling_batch(reqs), gen_positions)
         return to_sampled_tokens(out, [r.params.logprobs for r in reqs])  # host sync
 

@@ -116,7 +116,8 @@ def build_step_inputs(
     ``attention_backend``: the kernel the caller chose once, carried by the metadata.
 
     Index arithmetic runs in numpy on the host (a few microseconds per array op, against
-    several for a small torch op); the results travel to the device in one copy.
+    several for a small torch op); on CPU the table is gathered in numpy too and the results
+    wrap the arrays (no copy), on an accelerator they travel to the device in one copy.
     """
     dev = table.device
     width = table.shape[1]
@@ -155,18 +156,26 @@ def build_step_inputs(
     logits_indices = np.flatnonzero(offs >= (qo - logit_a)[owner])
     last_page_len = kv_lens - (npages - 1) * page_size
     ids = np.asarray(input_ids, dtype=np.int64) if not isinstance(input_ids, torch.Tensor) else input_ids.cpu().numpy()
-    # One host->device copy of every index, one gather from the table.
-    parts = (slot_index, page_index, positions, logits_indices, qo_indptr, kv_indptr, last_page_len, ids)
-    packed = torch.from_numpy(np.concatenate(parts)).to(dev, non_blocking=True)
-    gathered = table.view(-1)[packed[: total + num_pages]]
-    sizes = (total, num_pages, total, logits_indices.shape[0], bsz + 1, bsz + 1, bsz, total)
-    _, _, positions_d, logits_d, qo_indptr_d, kv_indptr_d, last_d, ids_d = packed.split(sizes)
-    i32 = torch.int32
+    if dev.type == "cpu":  # numpy gathers straight from the table's memory; no copies
+        flat = table.numpy().reshape(-1)
+        out_slots = torch.from_numpy(flat[slot_index])
+        kv_pages = torch.from_numpy((flat[page_index] // page_size).astype(np.int32))
+        positions_d, logits_d, ids_d = (torch.from_numpy(x) for x in (positions, logits_indices, ids))
+        qo_indptr_d, kv_indptr_d, last_d = (torch.from_numpy(x.astype(np.int32)) for x in (qo_indptr, kv_indptr, last_page_len))
+    else:  # one host->device copy of every index, one gather from the table
+        parts = (slot_index, page_index, positions, logits_indices, qo_indptr, kv_indptr, last_page_len, ids)
+        packed = torch.from_numpy(np.concatenate(parts)).to(dev, non_blocking=True)
+        gathered = table.view(-1)[packed[: total + num_pages]]
+        sizes = (total, num_pages, total, logits_indices.shape[0], bsz + 1, bsz + 1, bsz, total)
+        _, _, positions_d, logits_d, qo_indptr_d, kv_indptr_d, last_d, ids_d = packed.split(sizes)
+        out_slots = gathered[:total]
+        kv_pages = torch.div(gathered[total:], page_size, rounding_mode="floor").to(torch.int32)
+        qo_indptr_d, kv_indptr_d, last_d = (x.to(torch.int32) for x in (qo_indptr_d, kv_indptr_d, last_d))
     meta = AttentionMetadata(
-        qo_indptr=qo_indptr_d.to(i32),
-        kv_indptr=kv_indptr_d.to(i32),
-        kv_page_indices=torch.div(gathered[total:], page_size, rounding_mode="floor").to(i32),
-        kv_last_page_len=last_d.to(i32),
+        qo_indptr=qo_indptr_d,
+        kv_indptr=kv_indptr_d,
+        kv_page_indices=kv_pages,
+        kv_last_page_len=last_d,
         page_size=page_size,
         max_qo_len=qo_max,
         max_kv_len=int(kv_lens.max()),
@@ -175,7 +184,7 @@ def build_step_inputs(
         tree_mask_indptr=tree_indptr,
         attention_backend=attention_backend,
     )
-    return StepInputs(ids_d, positions_d, gathered[:total], meta, logits_d)
+    return StepInputs(ids_d, positions_d, out_slots, meta, logits_d)
 
 
 def _step_ancestors(parents: torch.Tensor, qo_lens: torch.Tensor, qo_max: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
 
 from treeserve.sampling import SampleOutput, VerifyOutput
 from treeserve.scheduler import SampledToken
@@ -19,12 +20,14 @@ def to_sampled_tokens(out: SampleOutput, num_logprobs: Sequence[int | None]) -> 
     tokens = out.tokens[:n].tolist()
     logprobs = out.logprobs[:n].tolist()
     want_top = any(num_logprobs)
-    top_ids = out.top_ids[:n].tolist() if want_top else None
-    top_lps = out.top_logprobs[:n].tolist() if want_top else None
+    if not want_top:
+        return list(map(SampledToken, tokens, logprobs, repeat(None, n)))
+    top_ids = out.top_ids[:n].tolist()
+    top_lps = out.top_logprobs[:n].tolist()
     result = []
     for j in range(n):
         k = num_logprobs[j] or 0
-        top = dict(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids is not None else None
+        top = dict(zip(top_ids[j][:k], top_lps[j][:k])) if k else None
         result.append(SampledToken(tokens[j], logprobs[j], top))
     return result
 

@@ -21,19 +21,20 @@ __all__ = ["admit"]
 
 def admit(
     queues: RequestQueues, batch: ScheduledBatch, budget: int, max_running: int, lpm_window: int, min_shared_prefix: int
-) -> None:
-    """Admit waiting requests into ``batch`` while ``budget`` tokens and rows remain."""
+) -> int:
+    """Admit waiting requests into ``batch`` while ``budget`` tokens and rows remain; return
+    the budget left."""
     ledger = queues.ledger
     running = queues.running
     # Prompts whose KV is being computed and not yet in the radix tree.
     in_flight = [r.prompt_ids for r in running if r.num_computed_tokens < r.num_prompt_tokens]
     for req in admission_order(queues, ledger.radix, lpm_window):
         if budget <= 0 or len(running) >= max_running:
-            return
+            return budget
         if req.group is not None and req.sample_index > 0 and not req.group.prompt_cached:
             continue  # wait for the leader's prompt KV, then share it via the radix tree
         if ledger.table.num_free == 0:
-            return
+            return budget
         if shares_in_flight_prefix(ledger.radix, req, in_flight, min_shared_prefix):
             continue  # admitted once that prefix is cached, instead of computing it twice
         ledger.attach(req)
@@ -41,12 +42,13 @@ def admit(
         n = min(req.seq_len - computed, budget)
         if not ledger.try_reserve(req, computed + n, headroom=len(running)):
             ledger.release(req, cache=False)  # nothing was computed: undo the attach
-            return
+            return budget
         queues.start(req)
         if computed < req.num_prompt_tokens:
             in_flight.append(req.prompt_ids)
         batch.items.append(ScheduledItem(req, computed, n, computed + n == req.seq_len))
         budget -= n
+    return budget
 
 
 def admission_order(queues: RequestQueues, radix: RadixCache, lpm_window: int) -> list[Request]:

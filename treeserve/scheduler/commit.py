@@ -11,9 +11,10 @@ unused and rejected draft slots.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from treeserve.scheduler.batch import SampledToken, ScheduledBatch, SpecStats
+from treeserve.scheduler.ledger import KVLedger
 from treeserve.scheduler.queues import RequestQueues
 from treeserve.scheduler.request import FinishReason, Request, RequestState
 from treeserve.scheduler.stop import StopChecker
@@ -35,6 +36,8 @@ def commit_step(
     """Commit ``batch``'s results (``sampled[i]`` for ``batch.items[i]``); return the requests
     that finished. See :meth:`Scheduler.update` for the contract."""
     finished: list[Request] = []
+    ledger = queues.ledger
+    check = stop_checker.check
     for item, out in zip(batch.items, sampled):
         req = item.req
         if req.state is not _RUNNING:
@@ -52,50 +55,51 @@ def commit_step(
             finished.append(req)
             continue
         if draft is None:
-            reason = _commit_one(queues, stop_checker, max_model_len, req, out.token, out.logprob, out.top)
+            reason = _commit_one(ledger, check, max_model_len, req, out.token, out.logprob, out.top)
         else:
             spec.record(len(draft), len(out.accepted))
-            reason = _commit_drafted(queues, stop_checker, max_model_len, req, out)
+            reason = _commit_drafted(ledger, check, max_model_len, req, out)
         if reason is not None:
             queues.finish(req, reason)
             finished.append(req)
         elif item.draft_budget:
-            queues.ledger.trim(req)
+            ledger.trim(req)
     return finished
 
 
 def _commit_one(
-    queues: RequestQueues,
-    stop_checker: StopChecker,
+    ledger: KVLedger,
+    check: Callable[[Request], FinishReason | None],
     max_model_len: int,
     req: Request,
     token: int,
     logprob: float,
     top: dict[int, float] | None,
 ) -> FinishReason | None:
-    """Append one token; the stop condition it meets, if any."""
+    """Append one token; the stop condition it meets, if any. The first one publishes the
+    prompt's KV (and releases ``n``-sample siblings waiting for it)."""
     req.output_ids.append(token)
     req.output_logprobs.append(logprob)
     if top is not None:
         req.output_top_logprobs.append(top)
     if len(req.output_ids) == 1:
-        queues.ledger.publish(req)
+        ledger.publish(req)
         if req.group is not None and req.sample_index == 0:
             req.group.prompt_cached = True
-    reason = stop_checker.check(req)
+    reason = check(req)
     if reason is None and len(req.prompt_ids) + len(req.output_ids) >= max_model_len:
         return FinishReason.LENGTH
     return reason
 
 
 def _commit_drafted(
-    queues: RequestQueues, stop_checker: StopChecker, max_model_len: int, req: Request, out: SampledToken
+    ledger: KVLedger, check: Callable[[Request], FinishReason | None], max_model_len: int, req: Request, out: SampledToken
 ) -> FinishReason | None:
     """Append the accepted draft tokens then the verified token, stopping at the first stop."""
     missing = len(out.accepted) - len(out.accepted_logprobs)
     logprobs = (*out.accepted_logprobs, *[float("nan")] * missing)
     for token, logprob in zip(out.accepted, logprobs):
-        reason = _commit_one(queues, stop_checker, max_model_len, req, token, logprob, None)
+        reason = _commit_one(ledger, check, max_model_len, req, token, logprob, None)
         if reason is not None:
             return reason
-    return _commit_one(queues, stop_checker, max_model_len, req, out.token, out.logprob, out.top)
+    return _commit_one(ledger, check, max_model_len, req, out.token, out.logprob, out.top)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from treeserve.kvcache import PageAllocator, RadixCache, ReqToTokenTable, pages_to_slots
@@ -32,6 +33,8 @@ class KVLedger:
         self.radix = radix
         self.table = table
         self.page_size = allocator.page_size
+        # The table's memory as a flat numpy array when it lives on the CPU (cheap scatters).
+        self._host_table = table.table.numpy().reshape(-1) if table.table.device.type == "cpu" else None
 
     # ------------------------------------------------------------------ sizes
     def pages_for(self, num_tokens: int) -> int:
@@ -88,10 +91,15 @@ class KVLedger:
         the decode hot path a Python call per request.
         """
         ps = self.page_size
+        width = self.table.max_context_len
         pages = self.allocator.alloc(len(reqs))
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.long)
-        starts = torch.tensor([r.num_cached_tokens + r.num_owned_pages * ps for r in reqs], dtype=torch.long)
-        self.table.table[rows[:, None], starts[:, None] + torch.arange(ps)] = pages_to_slots(pages, ps).view(-1, ps)
+        starts = np.fromiter((r.row * width + r.num_cached_tokens + r.num_owned_pages * ps for r in reqs), np.int64, len(reqs))
+        index = (starts[:, None] + np.arange(ps)).reshape(-1)
+        slots = pages if ps == 1 else pages_to_slots(pages, ps)
+        if self._host_table is not None:  # a CPU table: one numpy scatter
+            self._host_table[index] = slots.numpy()
+        else:
+            self.table.table.view(-1)[torch.from_numpy(index).to(slots.device)] = slots
         for r in reqs:
             r.num_owned_pages += 1
 

@@ -106,6 +106,16 @@ class Request:
             buf.extend(self.output_ids[len(self.output_ids) - missing :])
         return buf
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``all_ids[start:end]`` (``0 <= start <= end <= seq_len``), read from the prompt or the
+        output directly when the range lies in one of them."""
+        num_prompt = len(self.prompt_ids)
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_ids[start:end]
+        return self.all_ids[start:end]
+
     @property
     def text(self) -> str:
         """Output text decoded so far (trimmed at a matched stop string); "" without a text state."""

@@ -47,6 +47,9 @@ def derive_seed(seed: int, index: int) -> int:
     return x & _MASK63
 
 
+_RUNNING = RequestState.RUNNING
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """Batching limits.
@@ -190,24 +193,26 @@ class Scheduler:
         items = batch.items
         budget = self.config.max_batched_tokens
         running = list(self.running)
-        queues, ledger = self.queues, self.ledger
-        reserve_decode_slots(queues, [r for r in running if r.seq_len - r.num_computed_tokens == 1])
-        for req in running:
+        queues, ps = self.queues, self.page_size
+        reserve_decode_slots(queues, [r for r in running if len(r.prompt_ids) + len(r.output_ids) - r.num_computed_tokens == 1])
+        for req in running:  # the hot loop: properties inlined
             if budget <= 0:
                 break
-            if req.state is not RequestState.RUNNING:
+            if req.state is not _RUNNING:
                 continue  # paused earlier in this loop to make room
             computed = req.num_computed_tokens
-            seq_len = req.seq_len
-            n = min(seq_len - computed, budget)
-            if computed + n > ledger.capacity(req) and not reserve_or_preempt(queues, req, computed + n):
+            seq_len = len(req.prompt_ids) + len(req.output_ids)
+            n = seq_len - computed
+            if n > budget:
+                n = budget
+            end = computed + n
+            if end > req.num_cached_tokens + req.num_owned_pages * ps and not reserve_or_preempt(queues, req, end):
                 continue  # req itself was paused
-            items.append(ScheduledItem(req, computed, n, computed + n >= seq_len))
+            items.append(ScheduledItem(req, computed, n, end >= seq_len))
             budget -= n
-        if budget > 0:
+        if budget > 0 and self.waiting:
             cfg = self.config
-            admit(queues, batch, budget, cfg.max_running, cfg.lpm_window, cfg.min_shared_prefix)
-            budget = cfg.max_batched_tokens - batch.total_scheduled_tokens
+            budget = admit(queues, batch, budget, cfg.max_running, cfg.lpm_window, cfg.min_shared_prefix)
         if budget > 0 and self.config.num_speculative_tokens:
             self._ask_for_drafts(batch, budget)
         return batch
