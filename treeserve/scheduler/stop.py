@@ -137,10 +137,13 @@ class StopChecker:
 
     def check(self, req: Request) -> FinishReason | None:
         params = req.params
-        n_out = len(req.output_ids)
-        token = req.output_ids[-1]
+        output = req.output_ids
+        n_out = len(output)
+        token = output[-1]
         below_min = n_out < params.min_new_tokens
-        hit = self._push_text(req, token, match=not below_min)
+        hit = None
+        if req.text_state is not None or params.stop:  # no text to follow otherwise
+            hit = self._push_text(req, token, match=not below_min)
         if below_min:
             return FinishReason.LENGTH if n_out >= params.max_new_tokens else None
         if not params.ignore_eos and token in self.eos_token_ids:
@@ -157,10 +160,9 @@ class StopChecker:
         return None
 
     def _push_text(self, req: Request, token: int, match: bool) -> str | None:
+        """Feed ``token`` to the request's text (created for stop strings on first use)."""
         state = req.text_state
         if state is None:
-            if not req.params.stop:
-                return None
             if self.detokenize is None:
                 raise ValueError("stop strings need a tokenizer to detokenize the output")
             state = req.text_state = TextState(WholeDecoder(self.detokenize), req.params.stop)
