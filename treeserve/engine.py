@@ -32,12 +32,20 @@ from treeserve.kvcache import KVPool, RadixCache, ReqToTokenTable
 from treeserve.models.invariant import make_batch_invariant
 from treeserve.models.quant import check_quantization
 from treeserve.output import SampleDelta, TrackedRequest
-from treeserve.runner import CausalLM, DecodeGraphRunner, DraftModelDrafter, ModelRunner, compile_model
+from treeserve.runner import (
+    CausalLM,
+    DecodeGraphRunner,
+    DraftModelDrafter,
+    Drafter,
+    ModelRunner,
+    NgramDrafter,
+    compile_model,
+    draft_pool_tokens,
+    fill_drafts,
+)
 from treeserve.sampling import SamplingParams
 from treeserve.scheduler import (
-    Drafter,
     FinishReason,
-    NgramDrafter,
     Request,
     SampledToken,
     ScheduledBatch,
@@ -326,6 +334,8 @@ class LLM:
         self.radix = RadixCache(self.kv.allocator, ps, disable=not cfg.enable_prefix_cache)
         self.table = ReqToTokenTable(cfg.max_running, -(-max_len // ps) * ps, device=cfg.device)
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids or [])
+        self.drafter = self._make_drafter(max_len)  # run by the engine; the scheduler only asks
+        drafter = self.drafter
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_batched_tokens=cfg.max_batched_tokens,
@@ -337,7 +347,7 @@ class LLM:
             self.radix,
             self.table,
             StopChecker(eos, None),  # every request gets an incremental TextState instead
-            drafter=self._make_drafter(max_len),
+            on_release=None if drafter is None else (lambda req: drafter.release(req.rid)),
         )
         decode_graph = None
         use_graph = cfg.cuda_graph if cfg.cuda_graph is not None else torch.device(cfg.device).type == "cuda"
@@ -554,6 +564,8 @@ class LLM:
         sched = self.scheduler
         try:
             batch = sched.schedule()
+            if self.drafter is not None:
+                batch = fill_drafts(batch, self.drafter)
         except Exception as exc:
             self._fail(list(sched.running), exc)
             raise
@@ -630,7 +642,8 @@ class LLM:
         if dc.vocab_size != self.vocab_size:
             raise ValueError(f"draft model vocab {dc.vocab_size} differs from the target's {self.vocab_size}")
         dtype = next(draft.parameters()).dtype
-        pool = KVPool(dc.num_layers, cfg.kv_cache_tokens + 1, 1, dc.num_kv_heads, dc.head_dim, dtype, cfg.device)
+        tokens = draft_pool_tokens(cfg.max_running, max_len, cfg.num_speculative_tokens, cfg.kv_cache_tokens)
+        pool = KVPool(dc.num_layers, tokens + 1, 1, dc.num_kv_heads, dc.head_dim, dtype, cfg.device)
         return DraftModelDrafter(draft, pool, cfg.max_running, max_len, cfg.speculative_tree_width)
 
     def _account_finished(self, req: Request) -> None:

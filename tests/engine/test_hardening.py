@@ -163,7 +163,7 @@ def test_faults_at_random_steps_leave_a_clean_engine(tiny, fault_expected, fault
         "runner.run": (llm.runner, "run"),
         "sample": (runner_mod, "sample"),
         "scheduler.update": (llm.scheduler, "update"),
-        "drafter.propose": (llm.scheduler.drafter, "propose"),
+        "drafter.propose": (llm.drafter, "propose"),
     }
     calls = dict.fromkeys(TARGETS, 0)
 

@@ -97,7 +97,7 @@ def test_kv_matches_fresh_prefill_after_every_verify(loopy, spec: str, width: in
         llm.scheduler.check_invariants()
         for req in llm.scheduler.running:
             seqs_seen.append(req.all_ids)
-            n = req.num_computed
+            n = req.num_computed_tokens
             slots = llm.table.table[req.row, :n]
             ref = fresh_prefill_kv(loopy, req.all_ids[:n])
             for layer, k_ref in enumerate(ref):
@@ -107,7 +107,7 @@ def test_kv_matches_fresh_prefill_after_every_verify(loopy, spec: str, width: in
             assert any(s[: len(path)] == path for s in seqs_seen + [r.all_ids for _, rs in outs for r in rs])
     assert llm.metrics.accepted_tokens > 0
     assert_drained(llm)
-    drafter = llm.scheduler.drafter
+    drafter = llm.drafter
     if hasattr(drafter, "kv"):  # the draft model's own pool is empty again
         assert drafter.kv.allocator.num_free == drafter.kv.allocator.capacity
 
@@ -143,3 +143,16 @@ def test_sampling_law_unchanged_by_speculation() -> None:
     _, p, _, _ = stats.chi2_contingency(merged)
     assert p > 1e-3, f"speculation changed the law of the first two tokens (p={p:.2e})"
     print(f"accepted {llm.metrics.accepted_tokens} of {llm.metrics.draft_tokens} drafts, p={p:.3f}")
+
+
+def test_draft_pool_is_sized_for_the_drafts(loopy) -> None:
+    """The draft model's KV pool holds the running requests' contexts plus their draft nodes,
+    not a copy of the target's whole pool; the drafts still come and are accepted."""
+    llm = make_llm(loopy, speculative="draft:self:1", num_speculative_tokens=4, max_running=4, kv_cache_tokens=4096)
+    assert llm.drafter.kv.allocator.capacity == 4 * (256 + 4) < llm.kv.allocator.capacity
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    outs = llm.generate(repetitive_prompts(5, 6), params, use_tqdm=False)
+    plain = make_llm(loopy).generate(repetitive_prompts(5, 6), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.metrics.accepted_tokens > 0
+    assert llm.drafter.kv.allocator.num_free == llm.drafter.kv.allocator.capacity

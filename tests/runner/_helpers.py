@@ -98,7 +98,7 @@ def make_bench(
 
 def decode_batch(reqs: list[Request]) -> ScheduledBatch:
     """One decode step: the last (uncomputed) token of every request, sampled."""
-    return ScheduledBatch([ScheduledItem(r, r.num_tokens - 1, 1, True) for r in reqs])
+    return ScheduledBatch([ScheduledItem(r, r.seq_len - 1, 1, True) for r in reqs])
 
 
 def commit(reqs: list[Request], tokens: list[int]) -> None:

@@ -96,7 +96,7 @@ def test_padding_writes_only_the_dummy_page(model) -> None:
     batch = decode_batch(reqs)
     bench.graph.run(batch)
     graph_logits = bench.graph_rec.last[:5].clone()
-    real_slots = {int(bench.table.table[r.row, r.num_tokens - 1]) for r in reqs}
+    real_slots = {int(bench.table.table[r.row, r.seq_len - 1]) for r in reqs}
     ps = bench.kv.page_size
     for old, new in zip(before, caches):
         changed = (old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
@@ -123,8 +123,8 @@ def test_ineligible_batches_are_refused_untouched(model) -> None:
     r = plain[0]
     refused = [
         decode_batch(plain),  # 5 > max_batch
-        ScheduledBatch([ScheduledItem(r, r.num_tokens - 2, 2, True)]),  # not one token
-        ScheduledBatch([ScheduledItem(r, r.num_tokens - 1, 1, False)]),  # not sampled
+        ScheduledBatch([ScheduledItem(r, r.seq_len - 2, 2, True)]),  # not one token
+        ScheduledBatch([ScheduledItem(r, r.seq_len - 1, 1, False)]),  # not sampled
         ScheduledBatch([]),
         *(decode_batch([plain[1], s]) for s in special),
     ]

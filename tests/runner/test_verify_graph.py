@@ -28,7 +28,7 @@ def model():
 
 
 def verify_item(req: Request, draft: DraftTree | None) -> ScheduledItem:
-    return ScheduledItem(req, req.num_tokens - 1, 1 + (len(draft) if draft else 0), True, draft)
+    return ScheduledItem(req, req.seq_len - 1, 1 + (len(draft) if draft else 0), True, draft)
 
 
 def greedy_chain(bench: Bench, req: Request, k: int) -> list[int]:
@@ -72,7 +72,7 @@ def kv_snapshot(bench: Bench) -> list[torch.Tensor]:
 def real_slots(bench: Bench, items: list[ScheduledItem]) -> set[int]:
     out = set()
     for it in items:
-        out.update(bench.table.table[it.req.row, it.start : it.start + it.num_tokens].tolist())
+        out.update(bench.table.table[it.req.row, it.start : it.start + it.num_scheduled_tokens].tolist())
     return out
 
 
@@ -157,7 +157,7 @@ def test_ineligible_verify_batches_are_refused(model) -> None:
         [verify_item(plain, DraftTree([5, 6, 7], [-1, 0, 1]))],  # more nodes than max_draft_nodes
         [verify_item(plain, DraftTree([5], [-1], torch.full((1, VOCAB), 1.0 / VOCAB)))],  # draft probabilities
         [verify_item(plain, chain), verify_item(top, None)],  # top logprobs in a verify step
-        [ScheduledItem(plain, plain.num_tokens - 1, 2, True, chain)],  # num_tokens != 1 + nodes
+        [ScheduledItem(plain, plain.seq_len - 1, 2, True, chain)],  # num_scheduled_tokens != 1 + nodes
     ]
     before = kv_snapshot(bench)
     for items in refused:

@@ -39,7 +39,7 @@ class FakeRunner:
         out: list[SampledToken | None] = []
         for it in batch.items:
             req = it.req
-            end = it.start + it.num_tokens
+            end = it.start + it.num_scheduled_tokens
             slots = self.table.table[req.row, it.start : end]
             assert bool((slots > 0).all()), f"request {req.rid} computes into the dummy page"
             toks = torch.tensor(req.all_ids[it.start : end], dtype=torch.float32)

@@ -52,7 +52,7 @@ class Harness:
     def step(self) -> list:
         batch = self.sched.schedule()
         assert batch.items, "scheduler has work but scheduled nothing"
-        assert batch.num_tokens <= self.sched.config.max_batched_tokens
+        assert batch.total_scheduled_tokens <= self.sched.config.max_batched_tokens
         finished = self.sched.update(batch, self.runner.run(batch))
         self.sched.check_invariants()
         return finished

@@ -5,7 +5,10 @@
 - ``graph``: :class:`DecodeGraphRunner`, decode/verify steps from static buffers (CUDA graphs).
 - ``compile``: ``torch.compile`` of the forward (:func:`compile_model`).
 - ``outputs``: the host view of sampled/verified tokens (the step's one host sync).
-- ``drafter``: :class:`DraftModelDrafter`, drafts from a smaller model over its own KV.
+- ``drafting``: the :class:`Drafter` protocol, :func:`fill_drafts` (the engine's drafting step:
+  the scheduler only sets draft budgets) and :func:`draft_pool_tokens` (the draft KV pool size).
+- ``ngram``: :class:`NgramDrafter`, prompt-lookup drafts (no model).
+- ``draft_model``: :class:`DraftModelDrafter`, batched drafts from a smaller model over its own KV.
 - ``sequence``: :class:`PagedSequence`, one sequence through a model (tests, benchmarks).
 
 Imports point down only: ``kvcache``, ``sampling``, ``scheduler`` (its batch/request types) and,
@@ -15,10 +18,12 @@ for the draft model, ``models``.
 from __future__ import annotations
 
 from treeserve.runner.compile import CompiledForward, compile_model
-from treeserve.runner.drafter import DraftModelDrafter
+from treeserve.runner.draft_model import DraftModelDrafter
+from treeserve.runner.drafting import DraftRequest, Drafter, draft_pool_tokens, fill_drafts
 from treeserve.runner.eager import CausalLM, ModelRunner
 from treeserve.runner.graph import DecodeGraphRunner, decode_buckets
 from treeserve.runner.inputs import StepInputs, build_step_inputs
+from treeserve.runner.ngram import NgramDrafter
 from treeserve.runner.sequence import PagedSequence
 
 __all__ = [
@@ -26,10 +31,15 @@ __all__ = [
     "CompiledForward",
     "DecodeGraphRunner",
     "DraftModelDrafter",
+    "DraftRequest",
+    "Drafter",
     "ModelRunner",
+    "NgramDrafter",
     "PagedSequence",
     "StepInputs",
     "build_step_inputs",
     "compile_model",
     "decode_buckets",
+    "draft_pool_tokens",
+    "fill_drafts",
 ]

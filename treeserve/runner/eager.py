@@ -76,7 +76,7 @@ class ModelRunner:
             for i, token in zip(plain, self._sample(logits.index_select(0, idx), [items[i] for i in plain])):
                 results[i] = token
         if drafted:
-            rows_of = [range(logit_end[i] - items[i].num_tokens, logit_end[i]) for i in drafted]
+            rows_of = [range(logit_end[i] - items[i].num_scheduled_tokens, logit_end[i]) for i in drafted]
             idx = torch.tensor([r for rs in rows_of for r in rs], dtype=torch.long, device=dev)
             verified = self._verify(logits.index_select(0, idx), [items[i] for i in drafted])
             for i, token in zip(drafted, verified):
@@ -95,14 +95,14 @@ class ModelRunner:
         drafted: list[int] = []
         for i, it in enumerate(items):
             if it.draft is None:
-                ids.extend(it.req.all_ids[it.start : it.start + it.num_tokens])
+                ids.extend(it.req.all_ids[it.start : it.start + it.num_scheduled_tokens])
                 logit_rows.append(1 if it.sample else 0)
             else:
                 ids.append(it.req.all_ids[it.start])
                 ids.extend(it.draft.tokens)
-                logit_rows.append(it.num_tokens)
+                logit_rows.append(it.num_scheduled_tokens)
                 drafted.append(i)
-        qo = [it.num_tokens for it in items]
+        qo = [it.num_scheduled_tokens for it in items]
         parents = None
         if drafted:  # causal items are chains, drafted ones their trees under the pending token
             width = max(qo)
@@ -128,7 +128,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledItem]) -> list[SampledToken]:
         reqs = [it.req for it in items]
-        gen_positions = torch.tensor([r.num_tokens for r in reqs], dtype=torch.long, device=self.device)
+        gen_positions = torch.tensor([r.seq_len for r in reqs], dtype=torch.long, device=self.device)
         out = sample(logits, self._sampling_batch(reqs), gen_positions)
         return to_sampled_tokens(out, [r.params.logprobs for r in reqs])  # host sync
 
@@ -137,10 +137,10 @@ class ModelRunner:
         compact their accepted KV, return their tokens."""
         dev = self.device
         reqs = [it.req for it in items]
-        drafts = draft_arrays(items, self.table.max_context_len, max(it.num_tokens for it in items) - 1)
+        drafts = draft_arrays(items, self.table.max_context_len, max(it.num_scheduled_tokens for it in items) - 1)
         draft_slots = self.table.table.view(-1)[drafts.slot_index.to(dev)]
         num_draft = drafts.num_draft.to(dev)
-        positions = torch.tensor([r.num_tokens for r in reqs], dtype=torch.long, device=dev)
+        positions = torch.tensor([r.seq_len for r in reqs], dtype=torch.long, device=dev)
         out = verify(
             logits,
             self._sampling_batch(reqs),

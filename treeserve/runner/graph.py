@@ -285,7 +285,7 @@ class DecodeGraphRunner:
         need = 0
         for it in items:
             nodes = 0 if it.draft is None else len(it.draft)
-            if not it.sample or it.num_tokens != 1 + nodes or (nodes and it.draft.probs is not None):
+            if not it.sample or it.num_scheduled_tokens != 1 + nodes or (nodes and it.draft.probs is not None):
                 return None
             need = max(need, nodes)
         if need > self.node_buckets[-1]:

@@ -1,20 +1,18 @@
 """treeserve.scheduler: request state machine, continuous batching, preemption, stop conditions.
 
-Never imports ``treeserve.models``: the model is reached only through the runner.
+Never imports ``treeserve.models`` or ``treeserve.runner``: the model (draft models included)
+is reached only through the runner, which the engine drives.
 """
 
 from __future__ import annotations
 
-from treeserve.scheduler.drafter import Drafter, DraftTree, NgramDrafter
 from treeserve.scheduler.request import FinishReason, Request, RequestMetrics, RequestState
-from treeserve.scheduler.batch import SampledToken, ScheduledBatch, ScheduledItem, SpecStats
+from treeserve.scheduler.batch import DraftTree, SampledToken, ScheduledBatch, ScheduledItem, SpecStats
 from treeserve.scheduler.scheduler import SampleGroup, Scheduler, SchedulerConfig, derive_seed
 from treeserve.scheduler.stop import StopChecker, TextDecoder, TextState, WholeDecoder
 
 __all__ = [
     "DraftTree",
-    "Drafter",
-    "NgramDrafter",
     "SpecStats",
     "FinishReason",
     "Request",

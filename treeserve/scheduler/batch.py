@@ -1,8 +1,8 @@
 """What passes between the scheduler and the runner each step.
 
 ``ScheduledBatch`` (scheduler -> runner): items, each computing a range of one request's tokens
-(``ScheduledItem.num_tokens``: the tokens *computed this step*, not the request's total, which
-is ``Request.num_tokens``). ``SampledToken`` (runner -> scheduler): one per sampled item.
+(``ScheduledItem.num_scheduled_tokens``: the tokens *computed this step*, not the request's
+length, which is ``Request.seq_len``). ``SampledToken`` (runner -> scheduler): one per sampled item.
 ``SpecStats``: the speculative-decoding counters the scheduler keeps.
 """
 
@@ -11,25 +11,61 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from treeserve.scheduler.drafter import DraftTree
+import torch
+
 from treeserve.scheduler.request import Request
 
-__all__ = ["SampledToken", "ScheduledBatch", "ScheduledItem", "SpecStats"]
+__all__ = ["DraftTree", "SampledToken", "ScheduledBatch", "ScheduledItem", "SpecStats"]
+
+
+@dataclass(slots=True)
+class DraftTree:
+    """A speculative draft: node ``k`` holds ``tokens[k]`` and its parent ``parents[k]`` (``-1`` =
+    the request's last token, ``parents[k] < k``); a chain has ``parents == [-1, 0, 1, ...]``.
+    ``probs [n, V]``: the laws the nodes were drawn from, or None for deterministic (point-mass)
+    drafts."""
+
+    tokens: list[int]
+    parents: list[int]
+    probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"tokens ({len(self.tokens)}) and parents ({len(self.parents)}) differ in length")
+        for k, p in enumerate(self.parents):
+            if not -1 <= p < k:
+                raise ValueError(f"parents[{k}] = {p} must lie in [-1, {k - 1}]")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Depth of each node (children of the root have depth 1)."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
 
 
 class ScheduledItem(NamedTuple):
-    """Compute tokens ``[start, start + num_tokens)`` of ``req``; sample a token if ``sample``.
+    """Compute tokens ``[start, start + num_scheduled_tokens)`` of ``req``; sample a token if ``sample``.
 
     With a ``draft`` (speculative decoding), the item computes the pending token plus the draft
-    nodes (``num_tokens == 1 + len(draft)``), laid out in node order after the pending token's
-    slot; the runner verifies them and compacts the accepted path's KV.
+    nodes (``num_scheduled_tokens == 1 + len(draft)``), laid out in node order after the pending
+    token's slot; the runner verifies them and compacts the accepted path's KV.
+
+    ``draft_budget`` (> 0 only on a decoding item, whose ``draft`` is then None): the scheduler
+    asks for a draft of at most this many nodes and holds slots and token budget for them; the
+    engine's drafting (``treeserve.runner.drafting.fill_drafts``) replaces the item with its
+    draft before the step runs. Slots left unused are freed when the step is committed.
     """
 
     req: Request
     start: int
-    num_tokens: int
+    num_scheduled_tokens: int
     sample: bool
     draft: DraftTree | None = None
+    draft_budget: int = 0
 
 
 @dataclass(slots=True)
@@ -37,9 +73,9 @@ class ScheduledBatch:
     items: list[ScheduledItem] = field(default_factory=list)
 
     @property
-    def num_tokens(self) -> int:
-        """Tokens computed by the whole step (the sum of the items' ``num_tokens``)."""
-        return sum(it.num_tokens for it in self.items)
+    def total_scheduled_tokens(self) -> int:
+        """Tokens computed by the whole step (the sum of the items' ``num_scheduled_tokens``)."""
+        return sum(it.num_scheduled_tokens for it in self.items)
 
     def __len__(self) -> int:
         return len(self.items)

@@ -57,9 +57,16 @@ class RequestMetrics:
 class Request:
     """One sequence being generated.
 
-    ``prompt_ids`` never changes; ``output_ids`` grows by committed tokens only. ``num_computed``
-    counts the leading tokens of ``all_ids`` whose KV lives in the slots of ``row`` (the prefix
-    matched in the radix tree included). ``group`` links the ``n`` samples of one prompt.
+    ``prompt_ids`` never changes; ``output_ids`` grows by committed tokens only. ``group`` links
+    the ``n`` samples of one prompt. Token counts, each meaning one thing:
+
+    - ``num_prompt_tokens``: ``len(prompt_ids)``.
+    - ``seq_len``: prompt plus committed output tokens (``len(all_ids)``).
+    - ``num_computed_tokens``: leading tokens of ``all_ids`` whose KV lives in the slots of
+      ``row`` (the prefix matched in the radix tree included); ``seq_len - 1`` while decoding.
+    - ``num_cached_tokens``: the leading part of those whose pages belong to the radix tree
+      (page-aligned, locked by ``lock``).
+    - ``num_owned_pages``: pages the request allocated itself, right after the cached part.
     """
 
     rid: int
@@ -77,10 +84,10 @@ class Request:
     error: str | None = None
     # KV ownership (scheduler-managed)
     row: int = 0
-    num_computed: int = 0
-    num_cached: int = 0  # leading tokens whose pages belong to the radix tree (locked by lock)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
     lock: Any = None
-    num_pages: int = 0  # pages this request allocated itself (beyond the cached prefix)
+    num_owned_pages: int = 0
     # output text (a ``scheduler.stop.TextState``: fed by the stop checker, read by the engine)
     text_state: Any = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -105,7 +112,13 @@ class Request:
         return "" if self.text_state is None else self.text_state.text
 
     @property
-    def num_tokens(self) -> int:
+    def num_prompt_tokens(self) -> int:
+        """Tokens of the prompt."""
+        return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt plus committed output tokens."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
@@ -115,4 +128,4 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         """True while more than one token of this request still lacks KV."""
-        return self.num_tokens - self.num_computed > 1
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed_tokens > 1

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from treeserve.scheduler import DraftTree, NgramDrafter
+from treeserve.runner import NgramDrafter
+from treeserve.scheduler import DraftTree
 
 
 def test_chain_follows_most_recent_match() -> None:

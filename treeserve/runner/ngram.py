@@ -1,57 +1,20 @@
-"""Drafters for speculative decoding: propose a token tree after a request's last token.
+"""Prompt-lookup (n-gram) drafting: no model, just the request's own tokens.
 
-A draft is a :class:`DraftTree`: node ``k`` holds ``tokens[k]`` and its parent ``parents[k]``
-(``-1`` = the request's last token, ``parents[k] < k``); a chain has ``parents == [-1, 0, 1, ...]``.
-Drafters are deterministic (point-mass drafts) unless they return ``probs``.
+Implements :class:`~treeserve.runner.drafting.Drafter`; the engine runs it through
+:func:`~treeserve.runner.drafting.fill_drafts` like the draft model, so the scheduler never
+calls a drafter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
-import torch
 
+from treeserve.runner.drafting import DraftRequest
+from treeserve.scheduler import DraftTree
 
-
-@dataclass(slots=True)
-class DraftTree:
-    """Draft nodes in topological order; ``probs [n, V]`` the laws they were drawn from, or None."""
-
-    tokens: list[int]
-    parents: list[int]
-    probs: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.tokens) != len(self.parents):
-            raise ValueError(f"tokens ({len(self.tokens)}) and parents ({len(self.parents)}) differ in length")
-        for k, p in enumerate(self.parents):
-            if not -1 <= p < k:
-                raise ValueError(f"parents[{k}] = {p} must lie in [-1, {k - 1}]")
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def depths(self) -> list[int]:
-        """Depth of each node (children of the root have depth 1)."""
-        d: list[int] = []
-        for p in self.parents:
-            d.append(1 if p < 0 else d[p] + 1)
-        return d
-
-
-class Drafter(Protocol):
-    """Proposes at most ``max_tokens`` draft nodes continuing ``tokens`` (None or empty: no draft).
-
-    ``key`` identifies the request across steps (drafters with per-request state key it on
-    this); ``release(key)`` is called when the request stops running (finished or paused).
-    """
-
-    def propose(self, key: int, tokens: Sequence[int], max_tokens: int) -> DraftTree | None: ...
-
-    def release(self, key: int) -> None: ...
+__all__ = ["NgramDrafter"]
 
 
 class NgramDrafter:
@@ -74,7 +37,12 @@ class NgramDrafter:
     def release(self, key: int) -> None:
         """Stateless: nothing to free."""
 
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[DraftTree | None]:
+        """One :meth:`propose` per request."""
+        return [self.propose(r.key, r.tokens, r.max_tokens) for r in requests]
+
     def propose(self, key: int, tokens: Sequence[int], max_tokens: int) -> DraftTree | None:
+        """At most ``max_tokens`` nodes continuing ``tokens`` (None: no n-gram matched)."""
         if max_tokens <= 0 or len(tokens) < self.min_n + 1:
             return None
         arr = np.asarray(tokens, dtype=np.int64)

@@ -1,0 +1,99 @@
+"""Speculation from the scheduler's side: it only asks for drafts (``draft_budget``) and holds
+their slots and token budget; it never runs a drafter. Drafting itself is the runner's
+(tests/runner/test_drafting.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from treeserve.kvcache import RadixCache, ReqToTokenTable
+from treeserve.sampling import SamplingParams
+from treeserve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, StopChecker
+
+from .fake_runner import FakeRunner, make_pool
+from .test_scheduler import EOS, VOCAB, expected_output, random_prompts
+
+
+def run_workload(k: int, prompts, max_news, page_size: int, num_pages: int, budget: int, check=None):
+    kv = make_pool(num_pages, page_size)
+    radix = RadixCache(kv.allocator, page_size)
+    table = ReqToTokenTable(4, -(-128 // page_size) * page_size)
+    released = []
+    sched = Scheduler(
+        SchedulerConfig(max_batched_tokens=budget, max_running=4, max_model_len=128, num_speculative_tokens=k),
+        kv.allocator, radix, table, StopChecker([EOS], None), on_release=released.append,
+    )  # fmt: skip
+    runner = FakeRunner(kv, table, VOCAB)
+    reqs = [sched.new_request(p, SamplingParams(max_new_tokens=m), seed=1, vocab_size=VOCAB)[0] for p, m in zip(prompts, max_news)]
+    for _ in range(10_000):
+        if not sched.has_work():
+            break
+        batch = sched.schedule()
+        if check is not None:
+            check(sched, batch)
+        sched.update(batch, runner.run(batch))  # nobody drafted: every item decodes plainly
+        sched.check_invariants()
+    assert not sched.has_work()
+    assert radix.protected_tokens == 0 and table.num_free == table.max_requests
+    assert kv.allocator.num_free + radix.evictable_tokens // page_size == kv.allocator.capacity
+    assert {id(r) for r in released} == {id(r) for r in reqs}, "every request's release is reported"
+    return [r.output_ids for r in reqs]
+
+
+def check_budgets(k: int, budget: int):
+    def check(sched: Scheduler, batch: ScheduledBatch) -> None:
+        assert sum(it.num_scheduled_tokens + it.draft_budget for it in batch.items) <= budget
+        for it in batch.items:
+            r = it.req
+            assert it.draft is None, "the scheduler never drafts"
+            if it.draft_budget:
+                assert r.seq_len - it.start == 1 and it.num_scheduled_tokens == 1, "only decodes ask"
+                assert it.draft_budget <= min(k, r.params.max_new_tokens - len(r.output_ids) - 1)
+                assert sched.ledger.capacity(r) >= it.start + 1 + it.draft_budget, "draft slots are held"
+
+    return check
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("budget", [4, 9, 64])
+def test_draft_budgets_change_no_output_and_leak_nothing(page_size: int, budget: int) -> None:
+    rng = random.Random(page_size * 100 + budget)
+    prompts = random_prompts(rng, 10, 30)
+    max_news = [rng.randint(1, 16) for _ in prompts]
+    num_pages = 200 // page_size + 1
+    plain = run_workload(0, prompts, max_news, page_size, num_pages, budget)
+    asked = run_workload(3, prompts, max_news, page_size, num_pages, budget, check_budgets(3, budget))
+    assert plain == asked == [expected_output(p, m) for p, m in zip(prompts, max_news)]
+
+
+def test_draft_budget_never_displaces_a_running_decode() -> None:
+    """With a step budget of one token per running request, every decode is still scheduled
+    (the drafts get nothing)."""
+    seen = []
+
+    def check(sched: Scheduler, batch: ScheduledBatch) -> None:
+        if len(sched.running) == 4 and all(r.seq_len - r.num_computed_tokens == 1 for r in sched.running):
+            seen.append(batch)
+            assert len(batch.items) == 4 and all(it.draft_budget == 0 for it in batch.items)
+
+    prompts = [[1 + i, 2, 3] for i in range(4)]
+    run_workload(4, prompts, [6] * 4, 1, 200, 4, check)
+    assert seen
+
+
+def test_unused_draft_slots_are_freed_at_commit() -> None:
+    kv = make_pool(100, 1)
+    radix = RadixCache(kv.allocator, 1)
+    table = ReqToTokenTable(2, 64)
+    sched = Scheduler(SchedulerConfig(64, 2, 64, num_speculative_tokens=5), kv.allocator, radix, table, StopChecker([EOS], None))
+    runner = FakeRunner(kv, table, VOCAB)
+    (req,) = sched.new_request([1, 2, 3], SamplingParams(max_new_tokens=20, ignore_eos=True), 1, VOCAB)
+    batch = sched.schedule()  # prefill
+    sched.update(batch, runner.run(batch))
+    batch = sched.schedule()
+    assert batch.items[0].draft_budget == 5 and sched.ledger.capacity(req) == req.seq_len + 5
+    sched.update(batch, runner.run(batch))
+    assert sched.ledger.capacity(req) == req.seq_len, "only the committed tokens keep slots"
+    sched.check_invariants()

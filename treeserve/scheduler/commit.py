@@ -1,0 +1,101 @@
+"""Commit: apply one step's sampled tokens to its requests and decide who stops.
+
+Per item: the tokens the step computed become ``num_computed_tokens`` (for a drafted item, the
+pending token plus the accepted draft nodes); a sampled row's accepted draft tokens then its
+token are appended one at a time, each checked by the :class:`StopChecker` and against
+``max_model_len``; the first stop condition finishes the request (later tokens are dropped).
+The first committed token publishes the prompt's KV to the radix tree (so ``n``-sample siblings
+and later prompts share it); an item that asked for a draft and goes on frees the pages of its
+unused and rejected draft slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from treeserve.scheduler.batch import SampledToken, ScheduledBatch, SpecStats
+from treeserve.scheduler.queues import RequestQueues
+from treeserve.scheduler.request import FinishReason, Request, RequestState
+from treeserve.scheduler.stop import StopChecker
+
+__all__ = ["commit_step"]
+
+_RUNNING = RequestState.RUNNING
+_INVALID_LOGITS = "the model produced invalid logits (NaN or inf) for this request"
+
+
+def commit_step(
+    queues: RequestQueues,
+    stop_checker: StopChecker,
+    spec: SpecStats,
+    max_model_len: int,
+    batch: ScheduledBatch,
+    sampled: Sequence[SampledToken | None],
+) -> list[Request]:
+    """Commit ``batch``'s results (``sampled[i]`` for ``batch.items[i]``); return the requests
+    that finished. See :meth:`Scheduler.update` for the contract."""
+    finished: list[Request] = []
+    for item, out in zip(batch.items, sampled):
+        req = item.req
+        if req.state is not _RUNNING:
+            continue  # aborted while the step ran
+        draft = item.draft
+        if draft is None:
+            req.num_computed_tokens = item.start + item.num_scheduled_tokens
+        else:  # the pending token and the accepted draft nodes now have KV
+            req.num_computed_tokens = item.start + 1 + (len(out.accepted) if out is not None else 0)
+        if out is None or not item.sample:
+            continue
+        if out.token < 0:  # the sampler flags rows whose logits were NaN/inf
+            queues.finish(req, FinishReason.ERROR)
+            req.error = _INVALID_LOGITS
+            finished.append(req)
+            continue
+        if draft is None:
+            reason = _commit_one(queues, stop_checker, max_model_len, req, out.token, out.logprob, out.top)
+        else:
+            spec.record(len(draft), len(out.accepted))
+            reason = _commit_drafted(queues, stop_checker, max_model_len, req, out)
+        if reason is not None:
+            queues.finish(req, reason)
+            finished.append(req)
+        elif item.draft_budget:
+            queues.ledger.trim(req)
+    return finished
+
+
+def _commit_one(
+    queues: RequestQueues,
+    stop_checker: StopChecker,
+    max_model_len: int,
+    req: Request,
+    token: int,
+    logprob: float,
+    top: dict[int, float] | None,
+) -> FinishReason | None:
+    """Append one token; the stop condition it meets, if any."""
+    req.output_ids.append(token)
+    req.output_logprobs.append(logprob)
+    if top is not None:
+        req.output_top_logprobs.append(top)
+    if len(req.output_ids) == 1:
+        queues.ledger.publish(req)
+        if req.group is not None and req.sample_index == 0:
+            req.group.prompt_cached = True
+    reason = stop_checker.check(req)
+    if reason is None and len(req.prompt_ids) + len(req.output_ids) >= max_model_len:
+        return FinishReason.LENGTH
+    return reason
+
+
+def _commit_drafted(
+    queues: RequestQueues, stop_checker: StopChecker, max_model_len: int, req: Request, out: SampledToken
+) -> FinishReason | None:
+    """Append the accepted draft tokens then the verified token, stopping at the first stop."""
+    missing = len(out.accepted) - len(out.accepted_logprobs)
+    logprobs = (*out.accepted_logprobs, *[float("nan")] * missing)
+    for token, logprob in zip(out.accepted, logprobs):
+        reason = _commit_one(queues, stop_checker, max_model_len, req, token, logprob, None)
+        if reason is not None:
+            return reason
+    return _commit_one(queues, stop_checker, max_model_len, req, out.token, out.logprob, out.top)

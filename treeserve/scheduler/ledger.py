@@ -1,0 +1,178 @@
+"""The KV ledger: which pages and slot-table columns each running request holds.
+
+A running request's slots are ``table[row, :capacity]`` with ``capacity = num_cached_tokens +
+num_owned_pages * page_size``: the first ``num_cached_tokens`` belong to the radix tree (locked
+by ``req.lock``), the rest are pages the request allocated itself. The ledger is the only code
+that changes those fields; it writes the table through ``ReqToTokenTable.write`` (checked) and
+hands KV back through ``RadixCache.release_request``. Only computed KV reaches the radix tree.
+
+Accounting (:meth:`KVLedger.check`)::
+
+    allocator.num_free + radix evictable pages + radix protected pages
+        + pages owned by running requests == allocator.capacity
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from treeserve.kvcache import PageAllocator, RadixCache, ReqToTokenTable, pages_to_slots
+from treeserve.scheduler.request import Request, RequestState
+
+__all__ = ["KVLedger"]
+
+
+class KVLedger:
+    """Page accounting of running requests over one allocator, radix tree and slot table."""
+
+    def __init__(self, allocator: PageAllocator, radix: RadixCache, table: ReqToTokenTable) -> None:
+        self.allocator = allocator
+        self.radix = radix
+        self.table = table
+        self.page_size = allocator.page_size
+
+    # ------------------------------------------------------------------ sizes
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.page_size)
+
+    def capacity(self, req: Request) -> int:
+        """Tokens ``req`` has slots for: its cached prefix plus its own pages."""
+        return req.num_cached_tokens + req.num_owned_pages * self.page_size
+
+    def obtain(self, need: int, headroom: int) -> bool:
+        """True when ``need`` pages are free (evicting radix leaves as needed) while ``headroom``
+        more stay obtainable (free or evictable)."""
+        free = self.allocator.num_free
+        if free >= need + headroom:
+            return True
+        evictable = self.radix.evictable_tokens // self.page_size
+        if free + evictable < need + headroom:
+            return False
+        if free < need:
+            self.radix.evict((need - free) * self.page_size)
+        return self.allocator.num_free >= need
+
+    # ------------------------------------------------------------------ attach / grow / shrink
+    def attach(self, req: Request) -> None:
+        """Give ``req`` a table row and lock its longest cached prefix (its computed part)."""
+        req.row = self.table.alloc()
+        match = self.radix.match_prefix(req.all_ids)
+        req.lock = self.radix.lock(match.node)
+        req.num_cached_tokens = req.num_computed_tokens = match.length
+        req.num_owned_pages = 0
+        if match.length:
+            self.table.write(req.row, 0, match.slots)
+
+    def try_reserve(self, req: Request, kv_len: int, headroom: int = 0) -> bool:
+        """Make ``req`` own slots for positions ``< kv_len`` if the pages can be had (evicting
+        unlocked radix leaves) with ``headroom`` pages still obtainable; False changes nothing."""
+        capacity = self.capacity(req)
+        if kv_len <= capacity:
+            return True
+        need = self.pages_for(kv_len - capacity)
+        if not self.obtain(need, headroom):
+            return False
+        self.table.write(req.row, capacity, pages_to_slots(self.allocator.alloc(need), self.page_size))
+        req.num_owned_pages += need
+        return True
+
+    def grow_by_one_page(self, reqs: Sequence[Request]) -> None:
+        """Give each of ``reqs`` one more page, in one allocation and one table write (the
+        caller has :meth:`obtain`-ed ``len(reqs)`` pages).
+
+        The one write that bypasses ``ReqToTokenTable.write``: the rows are attached rows and the
+        columns come from this ledger's own accounting, and a checked call per row would cost
+        the decode hot path a Python call per request.
+        """
+        ps = self.page_size
+        pages = self.allocator.alloc(len(reqs))
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.long)
+        starts = torch.tensor([r.num_cached_tokens + r.num_owned_pages * ps for r in reqs], dtype=torch.long)
+        self.table.table[rows[:, None], starts[:, None] + torch.arange(ps)] = pages_to_slots(pages, ps).view(-1, ps)
+        for r in reqs:
+            r.num_owned_pages += 1
+
+    def trim(self, req: Request) -> None:
+        """Free the pages past ``req``'s committed tokens (those of rejected draft slots)."""
+        self._free_owned(req, keep=self.pages_for(req.seq_len - req.num_cached_tokens))
+
+    # ------------------------------------------------------------------ radix tree
+    def publish(self, req: Request) -> None:
+        """Publish ``req``'s computed, page-aligned KV to the radix tree and re-lock it there.
+
+        Pages the tree already had (another request computed them meanwhile) are freed and the
+        request's table row is remapped to the tree's copies.
+        """
+        if self.radix.disable:
+            return
+        ps = self.page_size
+        # Keep one token out so that tokens[:aligned + 1] exists for the re-lock below.
+        aligned = min(req.num_computed_tokens, req.seq_len - 1) // ps * ps
+        cached = req.num_cached_tokens
+        if aligned <= cached:
+            return
+        tokens = req.all_ids
+        slots = self.table.table[req.row, :aligned].clone()
+        already = self.radix.insert(tokens[:aligned], slots)
+        if already > cached:  # our copies of [cached, already) are duplicates
+            self.allocator.free(slots[cached:already:ps] // ps)
+        # The match is capped at len - 1, so it covers exactly the aligned part just inserted.
+        match = self.radix.match_prefix(tokens[: aligned + 1])
+        assert match.length == aligned, (match.length, aligned)
+        new_lock = self.radix.lock(match.node)
+        self.radix.unlock(req.lock)
+        req.lock = new_lock
+        self.table.write(req.row, 0, match.slots)
+        req.num_owned_pages -= (aligned - cached) // ps
+        req.num_cached_tokens = aligned
+
+    def release(self, req: Request, cache: bool = True) -> None:
+        """Give back everything ``req`` holds: its computed KV goes to the radix tree through
+        ``RadixCache.release_request`` (with ``cache`` False, e.g. suspect KV, it is freed
+        instead), then its row; the request's KV fields are zeroed."""
+        computed = req.num_computed_tokens
+        if cache and computed:
+            self._free_owned(req, keep=self.pages_for(computed - req.num_cached_tokens))
+            slots = self.table.table[req.row, :computed].clone()
+            self.radix.release_request(req.all_ids[:computed], slots, req.lock)
+        else:
+            self._free_owned(req)
+            self.radix.unlock(req.lock)
+        self.table.free(req.row)
+        req.row, req.lock, req.num_cached_tokens, req.num_computed_tokens, req.num_owned_pages = 0, None, 0, 0, 0
+
+    def _free_owned(self, req: Request, keep: int = 0) -> None:
+        """Free the pages ``req`` allocated itself, all but its first ``keep``."""
+        if req.num_owned_pages > keep:
+            ps = self.page_size
+            start = req.num_cached_tokens + keep * ps
+            slots = self.table.table[req.row, start : self.capacity(req) : ps]
+            self.allocator.free(slots // ps)
+            req.num_owned_pages = keep
+
+    # ------------------------------------------------------------------ checks
+    def check(self, running: Sequence[Request], waiting: Iterable[Request]) -> None:
+        """Raise ``AssertionError`` naming the mismatch when page accounting is off."""
+        self.allocator.check_invariants()
+        self.radix.check_invariants()
+        owned = sum(r.num_owned_pages for r in running)
+        ps = self.page_size
+        evictable = self.radix.evictable_tokens // ps
+        protected = self.radix.protected_tokens // ps
+        total = self.allocator.num_free + evictable + protected + owned
+        if total != self.allocator.capacity:
+            raise AssertionError(
+                f"page accounting: free {self.allocator.num_free} + evictable {evictable} + protected "
+                f"{protected} + owned by running {owned} = {total} != capacity {self.allocator.capacity}"
+            )
+        for r in running:
+            if r.state is not RequestState.RUNNING or r.row == 0:
+                raise AssertionError(f"request {r.rid} in running list has state {r.state} row {r.row}")
+            if self.capacity(r) < r.num_computed_tokens:
+                raise AssertionError(f"request {r.rid} computed {r.num_computed_tokens} tokens beyond its slots")
+        for r in waiting:
+            if r.row != 0 or r.num_owned_pages or r.lock is not None:
+                raise AssertionError(f"waiting request {r.rid} still holds KV")

@@ -1,0 +1,42 @@
+"""Preemption policy: when pages run out, pause the newest running requests.
+
+A paused request's computed KV goes to the radix tree (evictable) and it resumes later by prefix
+match, so pausing loses no work unless the tree evicts it meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from treeserve.scheduler.queues import RequestQueues
+from treeserve.scheduler.request import Request, RequestState
+
+__all__ = ["reserve_decode_slots", "reserve_or_preempt"]
+
+
+def reserve_or_preempt(queues: RequestQueues, req: Request, kv_len: int) -> bool:
+    """Make running ``req`` own slots for positions ``< kv_len``, pausing the newest running
+    requests while the pages cannot be had. False when ``req`` itself was paused."""
+    ledger = queues.ledger
+    while not ledger.try_reserve(req, kv_len):
+        victim = queues.running[-1]
+        queues.pause(victim)
+        if victim is req:
+            return False
+    return True
+
+
+def reserve_decode_slots(queues: RequestQueues, decoding: Sequence[Request]) -> None:
+    """Give every decoding request a slot for its pending token, in one allocation.
+
+    Pauses the newest running requests while the pages cannot be had (a paused request's own
+    need goes with it).
+    """
+    ledger = queues.ledger
+    ps = ledger.page_size
+    needy = [r for r in decoding if r.num_computed_tokens >= r.num_cached_tokens + r.num_owned_pages * ps]
+    while needy and not ledger.obtain(len(needy), 0):
+        queues.pause(queues.running[-1])
+        needy = [r for r in needy if r.state is RequestState.RUNNING]
+    if needy:
+        ledger.grow_by_one_page(needy)
