@@ -4,7 +4,8 @@ Peers (optional ``bench`` extra): llama.cpp (llama-cpp-python on the embedded Q4
 transformers eager (float32; bf16 left-padded batches for ``uniform``) and CTranslate2 int8
 (converted once from the same weights into ``--cache-dir``). A peer that is not installed is
 reported as skipped. Greedy, EOS ignored (every system produces exactly the asked tokens),
-prefill included, best of ``--reps``.
+prefill included, best of ``--reps``. ``treeserve-compiled`` (not in the default ``--systems``) is
+``LLM(compile=True)``: the whole decode forward compiled per batch bucket (compile time printed).
 
 Workloads: ``single`` (one chat prompt, 128 new tokens: issue 12), ``uniform`` (64 chat prompts
 x 128 new tokens) and ``mixed`` (prompts 32-1024 tokens, outputs 16-512; issue 15).
@@ -70,14 +71,22 @@ def make_workload(name: str, llm: LLM, quick: bool) -> Workload:
     return Workload([filler[i : i + k] for i, k in enumerate(lens)], outs)
 
 
-def run_treeserve(w: Workload, threads: int, reps: int) -> tuple[float, int]:
-    llm = LLM(MODEL, num_threads=threads)
+def run_treeserve(w: Workload, threads: int, reps: int, **config: object) -> tuple[float, int]:
+    """The default ``LLM`` (plus ``config``); with ``compile=True`` one untimed warm-up run compiles
+    every bucket the workload reaches first, and the compile time is printed."""
+    t0 = time.perf_counter()
+    llm = LLM(MODEL, num_threads=threads, **config)
     params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in w.outputs]
 
     def go() -> int:
         outs = llm.generate(w.prompts, params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
+    if config.get("compile"):
+        go()
+        forward = llm.runner.decode_graph.forward
+        print(f"# treeserve-compiled: start + warm-up {time.perf_counter() - t0:.1f} s, of which compiling "
+              f"{forward.compile_seconds:.1f} s ({forward.num_compiles} graphs, static={forward.static})")
     return _best(go, reps)
 
 
@@ -182,6 +191,7 @@ def main() -> None:
           f"{sum(w.outputs)} new tokens, {args.threads} threads, best of {reps}; {_machine()}")
     runners = {
         "treeserve": run_treeserve,
+        "treeserve-compiled": lambda w, t, r: run_treeserve(w, t, r, compile=True),
         "llama.cpp": run_llama_cpp,
         "transformers": run_transformers,
         "ctranslate2": lambda w, t, r: run_ctranslate2(w, t, r, args.cache_dir),

@@ -23,7 +23,7 @@ def scratch_op():
     """A throwaway op name whose specs are removed afterwards."""
     yield "test_op"
     registry._REGISTRY.pop("test_op", None)
-    registry._choose.cache_clear()
+    registry._CHOSEN.clear()
 
 
 def test_auto_picks_highest_priority_usable_on_the_device(scratch_op) -> None:

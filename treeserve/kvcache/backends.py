@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -81,7 +80,7 @@ def register_backend(spec: BackendSpec) -> None:
     if spec.name == "auto":
         raise ValueError("'auto' is reserved for automatic selection")
     _REGISTRY.setdefault(spec.op, {})[spec.name] = spec
-    _choose.cache_clear()
+    _CHOSEN.clear()
 
 
 def registered_backends(op: str) -> tuple[str, ...]:
@@ -102,13 +101,19 @@ def select_backend(
     ``ValueError`` for an unknown op or name, or a backend not usable on ``device``.
     """
     device = torch.device(device)
-    chosen = _choose(op, name, device.type, device.index, dtype, graph_safe)
-    if name == "auto":
-        log_once(f"treeserve.kvcache.{op}: backend={chosen.name} on {device.type}")
+    key = (op, name, device.type, device.index, dtype, graph_safe)
+    chosen = _CHOSEN.get(key)  # a plain dict lookup: what a traced (compiled) caller sees
+    if chosen is None:
+        chosen = _CHOSEN[key] = _choose(*key)
+        if name == "auto":
+            log_once(f"treeserve.kvcache.{op}: backend={chosen.name} on {device.type}")
     return chosen
 
 
-@lru_cache(maxsize=None)
+_CHOSEN: dict[tuple[str, str, str, int | None, torch.dtype, bool], KernelBackend] = {}
+"""Memo of ``select_backend``: each choice is made (and logged) once per process."""
+
+
 def _choose(op: str, name: str, device_type: str, index: int | None, dtype: torch.dtype, graph_safe: bool) -> KernelBackend:
     specs = _REGISTRY.get(op)
     if not specs:
@@ -122,7 +127,10 @@ def _choose(op: str, name: str, device_type: str, index: int | None, dtype: torc
         ]
         if not candidates:
             raise ValueError(f"no {op} backend runs on {device_type} ({dtype}); registered: {tuple(specs)}")
-        spec = max(candidates, key=lambda s: s.priority)
+        spec = candidates[0]
+        for s in candidates[1:]:  # the first of the highest priority (a loop: traceable by Dynamo)
+            if s.priority > spec.priority:
+                spec = s
     else:
         spec = specs.get(name)
         if spec is None:
