@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -28,7 +29,11 @@ inline int64_t block_bytes(QType t) { return t == QType::Q4_0 ? 18 : (t == QType
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // Scalar decode of one block into w[32].
@@ -74,79 +79,101 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline __m256 bytes8_u(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-inline __m256 bytes8_s(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+// One block's codes as four float vectors: elements XO[i] .. XO[i] + 7 (for 4-bit codes the low and
+// high nibbles of bytes 0-7, then of bytes 8-15).
+// Q4_0: q - 8 in -8..7, Q8_0: q in -128..127 (w = d q for both); Q4_1: q in 0..15 (w = d q + m).
+constexpr int XO[4] = {0, 16, 8, 24};
 
-// Decode one block into four vectors of 8 weights (elements 0-7, 8-15, 16-23, 24-31).
-inline void decode_avx2(QType t, const uint8_t* blk, __m256 (&wv)[4]) {
-  const __m256 d = _mm256_set1_ps(half_at(blk));
+inline void codes_avx2(QType t, const uint8_t* blk, __m256 (&qv)[4]) {
   if (t == QType::Q8_0) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    wv[0] = _mm256_mul_ps(d, bytes8_s(lo));
-    wv[1] = _mm256_mul_ps(d, bytes8_s(_mm_srli_si128(lo, 8)));
-    wv[2] = _mm256_mul_ps(d, bytes8_s(hi));
-    wv[3] = _mm256_mul_ps(d, bytes8_s(_mm_srli_si128(hi, 8)));
+    for (int i = 0; i < 4; ++i)
+      qv[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + XO[i]))));
     return;
   }
-  const bool q41 = t == QType::Q4_1;
-  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (q41 ? 4 : 2)));
-  const __m128i mask = _mm_set1_epi8(15);
-  const __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-  const __m256 off = q41 ? _mm256_set1_ps(half_at(blk + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-  wv[0] = _mm256_fmadd_ps(d, bytes8_u(lo), off);
-  wv[1] = _mm256_fmadd_ps(d, bytes8_u(_mm_srli_si128(lo, 8)), off);
-  wv[2] = _mm256_fmadd_ps(d, bytes8_u(hi), off);
-  wv[3] = _mm256_fmadd_ps(d, bytes8_u(_mm_srli_si128(hi, 8)), off);
+  const uint8_t* qs = blk + (t == QType::Q4_1 ? 4 : 2);
+  const __m256i mask = _mm256_set1_epi32(15), bias = _mm256_set1_epi32(t == QType::Q4_0 ? 8 : 0);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * h)));
+    qv[2 * h] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(e, mask), bias));
+    qv[2 * h + 1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(e, 4), bias));
+  }
 }
 
-// Accumulators per x row: up to 4 independent FMA chains in all rows together.
+// Rows x[0, MC) against weight rows [n0, n1). Up to 3 rows, per block y += d * sum(q x) (+ m * sum(x)
+// for Q4_1, the block sums of x precomputed in xsum[m * nb + b]): fewer operations per weight; from 4
+// rows on the block is decoded to floats once and shared.
 template <int MC>
-void rows_avx2(QType t, const float* x, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int A = MC >= 4 ? 1 : (MC >= 2 ? 2 : 4);
+void rows_avx2(QType t, const float* x, const float* xsum, const uint8_t* w, float* y, int64_t K, int64_t N,
+               int64_t n0, int64_t n1) {
   const int64_t nb = K / GROUP, bb = block_bytes(t);
+  const bool q41 = t == QType::Q4_1;
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[MC][A];
-    for (int m = 0; m < MC; ++m)
-      for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
+    __m256 acc[MC], acc2[MC];
+    float off_acc[MC];
+    for (int m = 0; m < MC; ++m) {
+      acc[m] = acc2[m] = _mm256_setzero_ps();
+      off_acc[m] = 0.0f;
+    }
     const uint8_t* row = w + n * nb * bb;
     for (int64_t b = 0; b < nb; ++b) {
-      __m256 wv[4];
-      decode_avx2(t, row + b * bb, wv);
+      const uint8_t* blk = row + b * bb;
+      __m256 qv[4];
+      codes_avx2(t, blk, qv);
+      const float d = half_at(blk);
+      const __m256 dv = _mm256_set1_ps(d);
+      if constexpr (MC >= 4) {  // enough rows: decode the weights once (w = d q [+ m]), one FMA each per row
+        const __m256 mv = _mm256_set1_ps(q41 ? half_at(blk + 2) : 0.0f);
+        for (int i = 0; i < 4; ++i) qv[i] = _mm256_fmadd_ps(dv, qv[i], mv);
+        for (int m = 0; m < MC; ++m) {
+          const float* xb = x + m * K + b * GROUP;
+          // Two chains per row below 8 rows (FMA latency would bound 4 rows); one at 8 (16 registers).
+          __m256& second = MC >= 8 ? acc[m] : acc2[m];
+          for (int i = 0; i < 4; i += 2) {
+            acc[m] = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(xb + XO[i]), acc[m]);
+            second = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(xb + XO[i + 1]), second);
+          }
+        }
+        continue;
+      }
       for (int m = 0; m < MC; ++m) {
         const float* xb = x + m * K + b * GROUP;
-        for (int i = 0; i < 4; ++i) acc[m][i % A] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xb + 8 * i), acc[m][i % A]);
+        __m256 s0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(xb + XO[0]));
+        __m256 s1 = _mm256_mul_ps(qv[1], _mm256_loadu_ps(xb + XO[1]));
+        s0 = _mm256_fmadd_ps(qv[2], _mm256_loadu_ps(xb + XO[2]), s0);
+        s1 = _mm256_fmadd_ps(qv[3], _mm256_loadu_ps(xb + XO[3]), s1);
+        acc[m] = _mm256_fmadd_ps(dv, _mm256_add_ps(s0, s1), acc[m]);
+      }
+      if (q41) {
+        const float off = half_at(blk + 2);
+        for (int m = 0; m < MC; ++m) off_acc[m] += off * xsum[m * nb + b];
       }
     }
-    for (int m = 0; m < MC; ++m) {
-      __m256 s = acc[m][0];
-      for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[m][a]);
-      y[m * N + n] = hsum(s);
-    }
+    for (int m = 0; m < MC; ++m) y[m * N + n] = hsum(_mm256_add_ps(acc[m], acc2[m])) + off_acc[m];
   }
 }
 #endif
 
 template <int MC>
-void rows(QType t, const float* x, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void rows(QType t, const float* x, const float* xsum, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t n0,
+          int64_t n1) {
 #ifdef __AVX2__
-  rows_avx2<MC>(t, x, w, y, K, N, n0, n1);
+  rows_avx2<MC>(t, x, xsum, w, y, K, N, n0, n1);
 #else
   rows_scalar<MC>(t, x, w, y, K, N, n0, n1);
 #endif
 }
 
-void dispatch(int64_t mc, QType t, const float* x, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t n0,
-              int64_t n1) {
+void dispatch(int64_t mc, QType t, const float* x, const float* xsum, const uint8_t* w, float* y, int64_t K,
+              int64_t N, int64_t n0, int64_t n1) {
   switch (mc) {
-    case 1: return rows<1>(t, x, w, y, K, N, n0, n1);
-    case 2: return rows<2>(t, x, w, y, K, N, n0, n1);
-    case 3: return rows<3>(t, x, w, y, K, N, n0, n1);
-    case 4: return rows<4>(t, x, w, y, K, N, n0, n1);
-    case 5: return rows<5>(t, x, w, y, K, N, n0, n1);
-    case 6: return rows<6>(t, x, w, y, K, N, n0, n1);
-    case 7: return rows<7>(t, x, w, y, K, N, n0, n1);
-    default: return rows<8>(t, x, w, y, K, N, n0, n1);
+    case 1: return rows<1>(t, x, xsum, w, y, K, N, n0, n1);
+    case 2: return rows<2>(t, x, xsum, w, y, K, N, n0, n1);
+    case 3: return rows<3>(t, x, xsum, w, y, K, N, n0, n1);
+    case 4: return rows<4>(t, x, xsum, w, y, K, N, n0, n1);
+    case 5: return rows<5>(t, x, xsum, w, y, K, N, n0, n1);
+    case 6: return rows<6>(t, x, xsum, w, y, K, N, n0, n1);
+    case 7: return rows<7>(t, x, xsum, w, y, K, N, n0, n1);
+    default: return rows<8>(t, x, xsum, w, y, K, N, n0, n1);
   }
 }
 
@@ -169,12 +196,17 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, std::string qty
   const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  // Block sums of x (the Q4_x offsets' factor), float32 like every other sum.
+  const int64_t nb = K / GROUP;
+  std::vector<float> xsum(M * nb, 0.0f);
+  for (int64_t i = 0; i < M * nb; ++i)
+    for (int64_t j = 0; j < GROUP; ++j) xsum[i] += xp[i * GROUP + j];
   // Grain: at least ~32k weights per task.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
       const int64_t mc = std::min(MAX_ROWS, M - m0);
-      dispatch(mc, t, xp + m0 * K, wp, yp + m0 * N, K, N, n0, n1);
+      dispatch(mc, t, xp + m0 * K, xsum.data() + m0 * nb, wp, yp + m0 * N, K, N, n0, n1);
     }
   });
   return y;
