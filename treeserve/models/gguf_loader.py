@@ -20,6 +20,7 @@ from treeserve.models.config import ModelConfig
 from treeserve.models.gguf_file import GGUFTensor, read_gguf
 from treeserve.models.llama import LlamaForCausalLM
 from treeserve.models.parallel import TPShard, check_shard_quantization
+from treeserve.models.gguf_op import BLOCK_BYTES, GGUFWeight, gguf_op_available
 from treeserve.models.quant import Int4Planes, pack_model, planes_from_gguf
 from treeserve.models.weights import build_model, fused_names
 
@@ -201,20 +202,36 @@ def load_gguf_model(
     model = build_model(config, get, by_hf, dtype=dtype, device=device, shard=shard, get_slice=get_slice)
     sources = dict(fused_names(config))
 
-    def planes_for(name: str) -> Int4Planes | None:
-        parts = []
-        for hf in sources[name + ".weight"]:
-            t = by_hf[hf]
-            qtype = GGMLQuantizationType(t.tensor_type).name
-            if qtype not in ("Q4_0", "Q4_1", "Q8_0"):
-                return None
-            shape = tuple(int(d) for d in reversed(t.shape))
-            planes = planes_from_gguf(qtype, np.asarray(t.data).view(np.ndarray), shape)
-            if config.architecture == "llama":
-                for proj, heads in permute_heads.items():
-                    if f".{proj}." in hf:
-                        planes = planes.permute_rows(lambda a, h=heads: unpermute_qk(a, h))
-            parts.append(planes)
+    use_op = quantization is not None and gguf_op_available()
+
+    def codes_of(hf: str) -> Int4Planes | GGUFWeight | None:
+        """One tensor's shipped codes: its blocks as they are for the C++ operator, else int4
+        planes for torch's kernel; None for another type."""
+        t = by_hf[hf]
+        qtype = GGMLQuantizationType(t.tensor_type).name
+        if qtype not in BLOCK_BYTES:
+            return None
+        shape = tuple(int(d) for d in reversed(t.shape))
+        raw = np.asarray(t.data).view(np.ndarray)
+        heads = next((h for proj, h in permute_heads.items() if f".{proj}." in hf), None)
+        if use_op:
+            rows = raw.view(np.uint8).reshape(shape[0], -1)
+            if config.architecture == "llama" and heads is not None:
+                rows = unpermute_qk(rows, heads)
+            return GGUFWeight.from_bytes(qtype, np.ascontiguousarray(rows), shape)
+        planes = planes_from_gguf(qtype, raw, shape)
+        if config.architecture == "llama" and heads is not None:
+            planes = planes.permute_rows(lambda a, h=heads: unpermute_qk(a, h))
+        return planes
+
+    def planes_for(name: str) -> Int4Planes | GGUFWeight | None:
+        parts = [codes_of(hf) for hf in sources[name + ".weight"]]
+        if any(p is None for p in parts) or len({type(p) for p in parts}) != 1:
+            return None
+        if isinstance(parts[0], GGUFWeight):
+            return GGUFWeight.cat_rows(parts) if len({p.qtype for p in parts}) == 1 else None
         return Int4Planes.cat_rows(parts)
 
-    return pack_model(model, planes_for, quantization)
+    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    head = codes_of(head_name) if use_op and quantization is not None and head_name in by_hf else None
+    return pack_model(model, planes_for, quantization, head_codes=head if isinstance(head, GGUFWeight) else None)

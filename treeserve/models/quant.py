@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -41,10 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeserve.models.gguf_op import GGUFWeight, gguf_op_available
+
 __all__ = [
     "GROUP",
     "QUANTIZATIONS",
     "ExactHead",
+    "GGUFWeight",
     "Int4Planes",
     "PackedLinear",
     "check_quantization",
@@ -184,38 +187,52 @@ def _pack(planes: Int4Planes, act_dtype: torch.dtype) -> tuple[torch.Tensor, tor
 
 
 class PackedLinear(nn.Module):
-    """``x @ W.T (+ bias)`` with ``W`` held as int4 planes (decode) and dense (prefill).
+    """``x @ W.T (+ bias)`` with ``W`` held as shipped codes (decode) and dense (prefill).
 
-    Batches of at most ``packed_max_rows`` rows run the packed int4 GEMM with activations and
-    scales in ``act_dtype`` (bfloat16: the fast kernel; float32: exact scales, slow on AVX2);
-    larger ones ``F.linear`` on ``weight``, the planes dequantized once into the model dtype (the
-    caller passes it: a loader's own dequantization or ``planes.dequantize()``). The output has
-    ``x``'s dtype. CPU only (the int4 kernel is torch's CPU one).
+    ``codes`` is either a ``GGUFWeight`` (the file's blocks, multiplied by the C++ operator
+    ``treeserve::gguf_linear``: float32 activations and accumulation, so equal to the dense
+    float32 product up to summation order) or ``Int4Planes`` (torch's int4 kernel, activations and
+    scales in ``act_dtype``: bfloat16 is its fast path, float32 exact but slow on AVX2). Batches of
+    at most ``packed_max_rows`` rows take the packed path, larger ones ``F.linear`` on ``weight``
+    (the codes dequantized once into the model dtype; the caller passes it). The output has
+    ``x``'s dtype. CPU only.
     """
 
     def __init__(
         self,
-        planes: Int4Planes,
+        codes: Int4Planes | GGUFWeight,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         act_dtype: torch.dtype = torch.bfloat16,
         packed_max_rows: int = 0,
     ) -> None:
         super().__init__()
-        n, k = planes.shape
+        n, k = codes.shape
         if tuple(weight.shape) != (n, k):
-            raise ValueError(f"weight must have the planes' shape {(n, k)}, got {tuple(weight.shape)}")
-        self.in_features, self.out_features, self.planes = k, n, planes.planes
+            raise ValueError(f"weight must have the codes' shape {(n, k)}, got {tuple(weight.shape)}")
+        self.in_features, self.out_features = k, n
         self.act_dtype = act_dtype
         self.packed_max_rows = packed_max_rows
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
-        packed, sz = _pack(planes, act_dtype)
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("scales_zeros", sz, persistent=False)
+        self.qtype = codes.qtype if isinstance(codes, GGUFWeight) else None
+        if self.qtype is not None:
+            self.planes = 0
+            self.use_op = gguf_op_available()  # else the dense weight serves every batch
+            self.register_buffer("raw", codes.raw, persistent=False)
+        else:
+            self.planes = codes.planes
+            packed, sz = _pack(codes, act_dtype)
+            self.register_buffer("packed", packed, persistent=False)
+            self.register_buffer("scales_zeros", sz, persistent=False)
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The int4 GEMM whatever the row count (``x [M, K]``)."""
+        """The packed product whatever the row count (``x [M, K]``)."""
+        if self.qtype is not None:
+            if not self.use_op:
+                return F.linear(x, self.weight, self.bias)
+            y = torch.ops.treeserve.gguf_linear(x.float(), self.raw, self.qtype, self.in_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         a = x.to(self.act_dtype)
         if self.planes > 1:
             a = a.repeat(1, self.planes)
@@ -230,7 +247,7 @@ class PackedLinear(nn.Module):
 
 
 _CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
-_crossover_cache: dict[tuple[int, int, int, torch.dtype, torch.dtype, int], int] = {}
+_crossover_cache: dict[tuple[object, ...], int] = {}
 _head_cache: dict[tuple[int, int, int], bool] = {}
 
 
@@ -244,56 +261,105 @@ def _best_seconds(fn: Callable[[], object], reps: int = 5) -> float:
     return best
 
 
-def measure_crossover(layer: PackedLinear) -> int:
-    """The largest row count (of 1, 2, 4 ... 128) up to which ``layer``'s packed GEMM is at least as
-    fast as its dense one on this machine, 0 when never; measured once per process per shape,
-    dtype and thread count. ``TREESERVE_PACKED_MAX_ROWS`` (an int >= 0) overrides the measurement.
-    """
-    env = os.environ.get("TREESERVE_PACKED_MAX_ROWS")
-    if env is not None:
-        if not env.isdigit():
-            raise ValueError(f"TREESERVE_PACKED_MAX_ROWS must be an int >= 0, got {env!r}")
-        return int(env)
-    key = (layer.out_features, layer.in_features, layer.planes, layer.weight.dtype, layer.act_dtype,
-           torch.get_num_threads())
+def _env_rows(name: str) -> int | None:
+    env = os.environ.get(name)
+    if env is None:
+        return None
+    if not env.isdigit():
+        raise ValueError(f"{name} must be an int >= 0, got {env!r}")
+    return int(env)
+
+
+def _crossover(key: tuple[object, ...], k: int, dtype: torch.dtype, packed: Callable[[torch.Tensor], object],
+               dense: Callable[[torch.Tensor], object]) -> int:
+    """The largest row count of ``_CROSSOVER_ROWS`` up to which ``packed(x)`` is at least as fast as
+    ``dense(x)`` (``x [rows, k]``), 0 when never; memoized under ``key``."""
     if key not in _crossover_cache:
         best = 0
         with torch.inference_mode():
             for rows in _CROSSOVER_ROWS:
-                x = torch.randn(rows, layer.in_features, dtype=layer.weight.dtype)
-                packed = _best_seconds(lambda: layer.packed_forward(x))
-                dense = _best_seconds(lambda: F.linear(x, layer.weight, layer.bias))
-                if packed > dense:
+                x = torch.randn(rows, k, dtype=dtype)
+                if _best_seconds(lambda: packed(x)) > _best_seconds(lambda: dense(x)):
                     break
                 best = rows
         _crossover_cache[key] = best
     return _crossover_cache[key]
 
 
-class ExactHead(nn.Module):
-    """LM head whose greedy pick equals the float32 head's, at about bf16 cost.
+def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
+    """The largest row count (of 1, 2, 4 ... 128) up to which the packed path of ``layers`` (run one
+    after another, all of one K, as a decode step reads them: the weights do not stay in cache)
+    is at least as fast as the dense one on this machine, 0 when never; measured once per process
+    per set of shapes, dtypes and thread count. ``TREESERVE_PACKED_MAX_ROWS`` (an int >= 0)
+    overrides the measurement."""
+    env = _env_rows("TREESERVE_PACKED_MAX_ROWS")
+    if env is not None:
+        return env
+    group = [layers] if isinstance(layers, PackedLinear) else list(layers)
+    if not group or len({m.in_features for m in group}) != 1:
+        raise ValueError(f"layers must be a non-empty set of one in_features, got {[m.in_features for m in group]}")
+    key = (
+        tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight.dtype, m.act_dtype) for m in group),
+        torch.get_num_threads(),
+    )
 
-    ``forward(x [M, H])`` returns float32 logits ``[M, V]``: first ``x @ W.T`` in bfloat16
-    (``W`` rounded once); then every entry ``j`` that the bound ``|bf16 - f32| <= c * |x| * |W_j|``
-    (Cauchy-Schwarz over the rounding of x and W to bf16, relative 2^-9 each, plus float32
-    accumulation) cannot exclude from the argmax is recomputed in float32 and written back. The
-    argmax row of the result is thus the float32 head's (up to float32 rounding between two
-    float32 evaluations of one dot product); the other entries keep bf16-head precision. A row
-    with more than ``max_candidates`` such entries is computed in float32 entirely, and so is
-    everything where the bf16 GEMM was measured slower than the float32 one (``use_bf16``).
+    def run(fn: Callable[[PackedLinear, torch.Tensor], object]) -> Callable[[torch.Tensor], None]:
+        return lambda x: [fn(m, x) for m in group] and None
+
+    return _crossover(key, group[0].in_features, group[0].weight.dtype,
+                      run(lambda m, x: m.packed_forward(x)), run(lambda m, x: F.linear(x, m.weight, m.bias)))
+
+
+class ExactHead(nn.Module):
+    """LM head whose greedy pick equals the float32 head's, at the cost of a cheaper first pass.
+
+    ``forward(x [M, H])`` returns float32 logits ``[M, V]``. The first pass is one of:
+
+    - ``packed`` (a GGUF ``GGUFWeight`` whose dequantization is ``weight``), for ``M <=
+      packed_max_rows`` and when ``treeserve::gguf_linear`` is built: the same float32 products in
+      another summation order, bound ``2 (K + 2) 2^-24 |x| |W_j|``;
+    - bfloat16 (``W`` rounded once) where measured faster than float32 (``use_bf16``): bound
+      ``c |x| |W_j|`` (rounding of x and W to bf16, relative 2^-9 each, plus float32 accumulation);
+    - else the float32 head itself.
+
+    After an approximate pass every entry ``j`` the bound cannot exclude from the argmax is
+    recomputed in float32 and written back, so the argmax row is the float32 head's (up to float32
+    rounding between two float32 evaluations of one dot product); a row with more than
+    ``max_candidates`` such entries is computed in float32 entirely.
     """
 
-    def __init__(self, weight: nn.Parameter, max_candidates: int = 64) -> None:
+    def __init__(self, weight: nn.Parameter, max_candidates: int = 64, packed: GGUFWeight | None = None) -> None:
         super().__init__()
         if weight.dtype != torch.float32:
             raise TypeError(f"weight must be float32, got {weight.dtype}")
+        if packed is not None and packed.shape != tuple(weight.shape):
+            raise ValueError(f"packed must have weight's shape {tuple(weight.shape)}, got {packed.shape}")
         self.weight = weight  # shared with a tied embedding
         self.max_candidates = max_candidates
-        self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16), persistent=False)
         self.register_buffer("row_norms", weight.detach().double().norm(dim=1).float(), persistent=False)
         k = weight.shape[1]
         self.bound_factor = 2.0**-8 + 2.0**-16 + 2 * (k + 2) * 2.0**-24
-        self.use_bf16 = self._bf16_pays()
+        self.packed_bound_factor = 2 * (k + 2) * 2.0**-24
+        self.packed_max_rows = 0
+        self.qtype = None if packed is None or not gguf_op_available() else packed.qtype
+        if self.qtype is not None:
+            self.register_buffer("raw", packed.raw, persistent=False)
+            self.packed_max_rows = self._packed_rows()
+        self.use_bf16 = self.qtype is None and self._bf16_pays()  # a packed head needs no bf16 copy
+        if self.qtype is None:
+            self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16), persistent=False)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.treeserve.gguf_linear(x, self.raw, self.qtype, self.weight.shape[1])
+
+    def _packed_rows(self) -> int:
+        """Rows up to which the packed first pass beats the float32 head (``TREESERVE_HEAD_PACKED_MAX_ROWS``
+        overrides)."""
+        env = _env_rows("TREESERVE_HEAD_PACKED_MAX_ROWS")
+        if env is not None:
+            return env
+        key = ("head", *self.weight.shape, self.qtype, torch.get_num_threads())
+        return _crossover(key, self.weight.shape[1], torch.float32, self._packed, lambda x: F.linear(x, self.weight))
 
     def _bf16_pays(self) -> bool:
         """Whether the bf16 head is faster than the float32 one for a decode row on this machine
@@ -306,22 +372,23 @@ class ExactHead(nn.Module):
             return env == "bf16"
         key = (*self.weight.shape, torch.get_num_threads())
         if key not in _head_cache:
+            w16 = self.weight.detach().to(torch.bfloat16)
             with torch.inference_mode():
                 x = torch.randn(1, self.weight.shape[1])
-                _head_cache[key] = _best_seconds(lambda: self._approx(x)) < _best_seconds(
+                _head_cache[key] = _best_seconds(lambda: F.linear(x.to(torch.bfloat16), w16)) < _best_seconds(
                     lambda: F.linear(x, self.weight)
                 )
         return _head_cache[key]
 
-    def _approx(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight_bf16).float()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        if not self.use_bf16:
+        if x.shape[0] <= self.packed_max_rows:
+            approx, factor = self._packed(x), self.packed_bound_factor
+        elif self.use_bf16:
+            approx, factor = F.linear(x.to(torch.bfloat16), self.weight_bf16).float(), self.bound_factor
+        else:
             return F.linear(x, self.weight)
-        approx = self._approx(x)
-        bound = (self.bound_factor * x.norm(dim=1, keepdim=True)) * self.row_norms  # [M, V]
+        bound = (factor * x.norm(dim=1, keepdim=True)) * self.row_norms  # [M, V]
         threshold = (approx - bound).amax(dim=1, keepdim=True)
         candidate = approx + bound >= threshold
         counts = candidate.sum(1)
@@ -347,41 +414,45 @@ def check_quantization(quantization: object) -> None:
 
 def pack_model(
     model: nn.Module,
-    planes_for: Callable[[str], Int4Planes | None],
+    planes_for: Callable[[str], Int4Planes | GGUFWeight | None],
     quantization: str | None,
     act_dtype: torch.dtype = torch.bfloat16,
+    head_codes: GGUFWeight | None = None,
 ) -> nn.Module:
     """Swap ``model``'s decoder projections for ``PackedLinear`` and its head for ``ExactHead``, in place.
 
     ``planes_for(name)`` gives a projection's codes as shipped (e.g. ``"layers.0.mlp.down_proj"``
     of a GGUF file; the model's dense weight must be their dequantization) or None; with
     ``quantization`` ``"int4"`` / ``"int8"`` a projection without shipped codes is quantized
-    from its dense weight, with ``"auto"`` it stays dense; ``None`` leaves the model as it is. The packed/dense crossover is measured once (``measure_crossover``)
-    on the largest packed projection and applied to all. CPU models only: others are returned as is.
+    from its dense weight, with ``"auto"`` it stays dense; ``None`` leaves the model as it is.
+    ``head_codes``: the head's shipped blocks (its dense weight their dequantization), the
+    ``ExactHead`` first pass for small batches. The packed/dense crossover is measured once per
+    input width over all packed projections of that width (``measure_crossover``). CPU models
+    only: others are returned as is.
     """
     check_quantization(quantization)
     if quantization is None or model.device.type != "cpu":
         return model
     quantizer = {"int4": quantize_int4, "int8": quantize_int8}.get(quantization)
-    packed: list[PackedLinear] = []
+    packed: dict[int, list[PackedLinear]] = {}
     for i, layer in enumerate(model.layers):
         for sub in _PACKABLE:
             name = f"layers.{i}.{sub}"
             dense = layer.get_submodule(sub)
-            planes, weight = planes_for(name), dense.weight  # shipped codes: the loader dequantized them
-            if planes is None and quantizer is not None:
-                planes = quantizer(dense.weight)
-                weight = planes.dequantize().to(dense.weight.dtype)
-            if planes is None:
+            codes, weight = planes_for(name), dense.weight  # shipped codes: the loader dequantized them
+            if codes is None and quantizer is not None:
+                codes = quantizer(dense.weight)
+                weight = codes.dequantize().to(dense.weight.dtype)
+            if codes is None:
                 continue
-            new = PackedLinear(planes, weight, dense.bias, act_dtype)
+            new = PackedLinear(codes, weight, dense.bias, act_dtype)
             parent, _, attr = sub.rpartition(".")
             setattr(layer.get_submodule(parent), attr, new)
-            packed.append(new)
-    if packed:
-        rows = measure_crossover(max(packed, key=lambda m: m.in_features * m.out_features))
-        for m in packed:
+            packed.setdefault(new.in_features, []).append(new)
+    for group in packed.values():
+        rows = measure_crossover(group)
+        for m in group:
             m.packed_max_rows = rows
     if model.lm_head.weight.dtype == torch.float32:
-        model.lm_head = ExactHead(model.lm_head.weight)
+        model.lm_head = ExactHead(model.lm_head.weight, packed=head_codes)
     return model

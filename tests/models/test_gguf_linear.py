@@ -1,0 +1,160 @@
+"""The C++ GGUF operator ``treeserve::gguf_linear`` (Q4_0 / Q4_1 / Q8_0 blocks as shipped) and its uses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treeserve.models import gguf_op
+from treeserve.models.gguf_op import BLOCK_BYTES, GGUFWeight, gguf_linear
+from treeserve.models.quant import ExactHead, PackedLinear
+
+QTYPES = sorted(BLOCK_BYTES)
+requires_op = pytest.mark.skipif(not gguf_op.gguf_op_available(), reason="no C++ compiler: torch path only")
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random codes with random f16 scales (negative, zero and subnormal-free magnitudes ~1e-2)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // 32, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    halves = 2 if qtype == "Q4_1" else 1
+    scales = (rng.standard_normal((n, k // 32, halves)) * 0.02).astype(np.float16)
+    scales[rng.random(scales.shape) < 0.1] = 0
+    blocks[..., : 2 * halves] = scales.view(np.uint8)
+    return blocks.reshape(-1)
+
+
+@requires_op
+@settings(max_examples=30, deadline=None)
+@given(
+    qtype=st.sampled_from(QTYPES),
+    m=st.integers(1, 9),
+    groups=st.integers(1, 8),
+    n=st.integers(0, 20).map(lambda i: 2 * i + 1),
+    seed=st.integers(0, 2**20),
+)
+def test_op_equals_float64_dequantized_gemm(qtype: str, m: int, groups: int, n: int, seed: int) -> None:
+    """Within float32 summation error of the float64 product, every row count: K ulps of sum |x w|,
+    with |w| read as |d q| + |m| for Q4_1 (the operator sums d q x and m x apart)."""
+    k = 32 * groups
+    w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, seed), (n, k))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    wd = w.dequantize(torch.float64)
+    ref = x.double() @ wd.T
+    y = torch.ops.treeserve.gguf_linear(x, w.raw, qtype, k)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    mag = w.raw.clone()
+    if qtype == "Q4_1":  # clear the f16 sign bits of d and m: dequantizes to |d| q + |m|
+        blocks = mag.view(n, groups, BLOCK_BYTES[qtype])
+        blocks[..., 1] &= 0x7F
+        blocks[..., 3] &= 0x7F
+    wmag = GGUFWeight(qtype, mag, k).dequantize(torch.float64).abs()
+    bound = 2 * (k + 2) * 2.0**-24 * (x.double().abs() @ wmag.T) + 1e-30
+    assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_is_gguf_reference_bit_exactly(qtype: str) -> None:
+    n, k = 7, 96
+    raw = random_blocks(qtype, n, k, seed=1)
+    ref = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
+    got = GGUFWeight.from_bytes(qtype, raw, (n, k)).dequantize()
+    np.testing.assert_array_equal(got.numpy(), ref.astype(np.float32))
+
+
+def test_bad_inputs_name_the_field() -> None:
+    raw = random_blocks("Q4_1", 2, 64, seed=0)
+    with pytest.raises(ValueError, match="qtype"):
+        GGUFWeight.from_bytes("Q5_K", raw, (2, 64))
+    with pytest.raises(ValueError, match="K"):
+        GGUFWeight.from_bytes("Q4_1", raw, (2, 48))
+    with pytest.raises(ValueError, match="raw: Q4_1 weight of shape"):
+        GGUFWeight.from_bytes("Q4_1", raw, (3, 64))
+    with pytest.raises(TypeError, match="raw must hold uint8"):
+        GGUFWeight.from_bytes("Q4_1", torch.zeros(80, dtype=torch.int32), (2, 64))
+    w = GGUFWeight.from_bytes("Q4_1", raw, (2, 64))
+    with pytest.raises(TypeError, match="x must be a float32"):
+        gguf_linear(torch.zeros(1, 64, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match=r"x must have shape \[M, 64\]"):
+        gguf_linear(torch.zeros(1, 32), w)
+    with pytest.raises(ValueError, match="share qtype and K"):
+        GGUFWeight.cat_rows([w, GGUFWeight.from_bytes("Q8_0", random_blocks("Q8_0", 1, 64, 0), (1, 64))])
+    with pytest.raises(ValueError, match="packed must have"):
+        ExactHead(torch.nn.Parameter(torch.zeros(3, 64)), packed=w)
+
+
+@requires_op
+def test_op_rejects_bad_tensors() -> None:
+    w = GGUFWeight.from_bytes("Q8_0", random_blocks("Q8_0", 2, 64, 0), (2, 64))
+    with pytest.raises(RuntimeError, match="qtype must be"):
+        torch.ops.treeserve.gguf_linear(torch.zeros(1, 64), w.raw, "Q2_K", 64)
+    with pytest.raises(RuntimeError, match="w must be uint8"):
+        torch.ops.treeserve.gguf_linear(torch.zeros(1, 64), w.raw, "Q4_0", 64)
+
+
+def test_fallback_without_the_op_is_the_dense_product(monkeypatch) -> None:
+    """A host that cannot build the operator: ``gguf_linear`` and ``PackedLinear`` serve through torch."""
+    monkeypatch.setattr(gguf_op, "load_gguf_linear_op", lambda: "no compiler")
+    n, k = 5, 64
+    w = GGUFWeight.from_bytes("Q4_0", random_blocks("Q4_0", n, k, 3), (n, k))
+    x = torch.randn(2, k)
+    torch.testing.assert_close(gguf_linear(x, w), F.linear(x, w.dequantize()), rtol=0, atol=0)
+    layer = PackedLinear(w, w.dequantize(), None, packed_max_rows=8)
+    assert not layer.use_op
+    torch.testing.assert_close(layer(x), F.linear(x, w.dequantize()), rtol=0, atol=0)
+    head = ExactHead(torch.nn.Parameter(w.dequantize(), requires_grad=False), packed=w)
+    assert head.qtype is None and head.packed_max_rows == 0
+
+
+@requires_op
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_packed_linear_takes_the_op_for_small_batches(qtype: str) -> None:
+    n, k = 33, 128
+    w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, 4), (n, k))
+    bias = torch.randn(n)
+    layer = PackedLinear(w, w.dequantize(), bias, packed_max_rows=4)
+    assert layer.use_op and not hasattr(layer, "packed")  # no int4 copy of the weight
+    x = torch.randn(4, k)
+    expected = torch.ops.treeserve.gguf_linear(x, w.raw, qtype, k) + bias
+    assert torch.equal(layer(x), expected)
+    torch.testing.assert_close(layer(x), F.linear(x, w.dequantize(), bias), rtol=1e-5, atol=1e-5)
+
+
+@requires_op
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**20), margin=st.sampled_from([0.0, 1e-6, 1e-4]))
+def test_packed_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: float) -> None:
+    """Q8_0 head through the operator: rows whose two best logits differ by ~margin still pick the
+    float32 head's token (or, at margin 0, a token float32 rounding cannot order against it)."""
+    v, k, m = 257, 64, 3
+    gen = torch.Generator().manual_seed(seed)
+    w = GGUFWeight.from_bytes("Q8_0", random_blocks("Q8_0", v, k, seed), (v, k))
+    dense = w.dequantize()
+    x = torch.randn(m, k, generator=gen)
+    f32 = F.linear(x, dense)
+    top2 = f32.topk(2, dim=1).indices
+    for r in range(m):  # runner-up := best entry with code 0 moved by one step: logits differ by d * x[r, 0]
+        a, b = top2[r]
+        w.raw[a, :2] = torch.tensor(np.array([0.01], np.float16).view(np.uint8))
+        w.raw[b] = w.raw[a]
+        q = int(w.raw[a, 2].view(torch.int8))
+        w.raw[b, 2] = (q + 1 if q < 127 else q - 1) & 255
+        x[r, 0] = margin / 0.01
+    dense = w.dequantize()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TREESERVE_HEAD_PACKED_MAX_ROWS", "8")
+        head = ExactHead(torch.nn.Parameter(dense, requires_grad=False), packed=w)
+    assert head.packed_max_rows == 8 and not head.use_bf16
+    logits, ref = head(x), F.linear(x, dense)
+    best = logits.argmax(1)
+    noise = k * 2.0**-24 * (x.abs() @ dense.abs().T).amax(1)
+    assert bool((ref.gather(1, best[:, None])[:, 0] >= ref.amax(1) - noise).all())
+    if margin >= 1e-4:
+        assert torch.equal(best, ref.argmax(1))
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)

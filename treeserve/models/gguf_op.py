@@ -1,0 +1,122 @@
+"""GGUF blocks as shipped and the C++ operator ``treeserve::gguf_linear`` that multiplies by them.
+
+``GGUFWeight`` holds a weight ``[N, K]`` as the file's bytes, one row of ``K/32`` blocks per output
+row (Q4_0: 18 B, Q4_1: 20 B, Q8_0: 34 B per 32 weights, f16 scales). ``gguf_linear(x, w)`` computes
+``x @ dequant(w).T`` in float32 (activations are not quantized): the operator decodes each block
+once per pass and uses it for up to 8 rows of ``x`` (AVX2/FMA where the build host has it, a
+scalar loop otherwise). Without a compiler the same product runs through torch (``dequantize``
+then ``F.linear``), slower but equal up to summation order.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from treeserve._cpp import load_cpp_op
+
+__all__ = ["BLOCK_BYTES", "GROUP", "GGUFWeight", "gguf_linear", "gguf_op_available", "load_gguf_linear_op"]
+
+GROUP = 32
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+SOURCE = Path(__file__).with_name("csrc") / "gguf_linear.cpp"
+
+
+class GGUFWeight(NamedTuple):
+    """A weight ``[N, K]`` as GGUF blocks: ``raw`` uint8 ``[N, K/32 * BLOCK_BYTES[qtype]]``."""
+
+    qtype: str
+    raw: torch.Tensor
+    in_features: int
+
+    @staticmethod
+    def from_bytes(qtype: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> GGUFWeight:
+        """Check and view ``raw`` (the tensor's bytes) as rows; ``ValueError`` naming the bad field."""
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"qtype must be one of {sorted(BLOCK_BYTES)}, got {qtype!r}")
+        n, k = shape
+        if k <= 0 or k % GROUP:
+            raise ValueError(f"K (shape[1]) must be a positive multiple of {GROUP}, got shape {shape}")
+        if isinstance(raw, torch.Tensor):
+            data = raw
+        else:  # a read-only map of the file is shared, never written: no copy
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8))
+        if data.dtype != torch.uint8:
+            raise TypeError(f"raw must hold uint8 bytes, got {data.dtype}")
+        width = k // GROUP * BLOCK_BYTES[qtype]
+        if data.numel() != n * width:
+            raise ValueError(f"raw: {qtype} weight of shape {shape} needs {n * width} bytes, got {data.numel()}")
+        return GGUFWeight(qtype, data.reshape(n, width).contiguous(), k)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)``."""
+        return self.raw.shape[0], self.in_features
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[N, K]`` in ``dtype``, computed in float64 (exact for f16 scales)."""
+        n, k = self.shape
+        blocks = self.raw.reshape(n, k // GROUP, BLOCK_BYTES[self.qtype])
+        d = blocks[..., :2].contiguous().view(torch.float16).double()  # [n, nb, 1]
+        if self.qtype == "Q8_0":
+            w = blocks[..., 2:].contiguous().view(torch.int8).double() * d
+        else:
+            qs = blocks[..., -16:]
+            q = torch.cat([qs & 15, qs >> 4], -1).double()
+            off = blocks[..., 2:4].contiguous().view(torch.float16).double() if self.qtype == "Q4_1" else -8 * d
+            w = q * d + off
+        return w.reshape(n, k).to(dtype)
+
+    def permute_rows(self, perm: torch.Tensor) -> GGUFWeight:
+        """The weight with its rows reordered (``perm``: new row i is old row ``perm[i]``)."""
+        return GGUFWeight(self.qtype, self.raw[perm].contiguous(), self.in_features)
+
+    @staticmethod
+    def cat_rows(parts: list[GGUFWeight]) -> GGUFWeight:
+        """Stack weights of one qtype and K along N (a fused projection)."""
+        if len({(p.qtype, p.in_features) for p in parts}) != 1:
+            raise ValueError(f"parts must share qtype and K, got {[(p.qtype, p.in_features) for p in parts]}")
+        return GGUFWeight(parts[0].qtype, torch.cat([p.raw for p in parts]), parts[0].in_features)
+
+
+@lru_cache(maxsize=1)
+def load_gguf_linear_op() -> str | None:
+    """Build (first time on this host) and load the operator; ``None`` when usable, else the reason
+    (logged once; ``gguf_linear`` then runs the torch path)."""
+    reason = load_cpp_op(SOURCE, "gguf_linear", "C++ GGUF linear")
+    if reason is None:
+        _register_fake()
+    return reason
+
+
+@lru_cache(maxsize=1)
+def _register_fake() -> None:
+    @torch.library.register_fake("treeserve::gguf_linear")
+    def _fake(x, w, qtype, k):  # type: ignore[no-untyped-def]
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def gguf_op_available() -> bool:
+    """Whether ``treeserve::gguf_linear`` is built and loaded."""
+    return load_gguf_linear_op() is None
+
+
+def gguf_linear(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """``x [M, K] @ dequant(w).T`` as float32 ``[M, N]``; ``x`` must be a float32 CPU tensor.
+
+    ``TypeError`` / ``ValueError`` name the bad argument."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        raise TypeError(f"x must be a float32 tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x must have shape [M, {w.in_features}], got {tuple(x.shape)}")
+    if gguf_op_available():
+        return torch.ops.treeserve.gguf_linear(x, w.raw, w.qtype, w.in_features)
+    return F.linear(x, w.dequantize())
