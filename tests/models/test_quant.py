@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 
 from tests.models._helpers import paged_logits, write_gguf
 from treeserve.models import load, load_hf_model, random_model, save_hf_dir, tiny_config
+from treeserve.models import quant
 from treeserve.models.quant import (
     ExactHead,
     Int4Planes,
@@ -139,10 +142,16 @@ def test_measured_crossover_is_a_candidate_row_count(monkeypatch) -> None:
     assert measure_crossover(PackedLinear(planes, torch.from_numpy(ref), None)) in (0, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
-@given(seed=st.integers(0, 2**20), margin=st.sampled_from([0.0, 1e-4, 1e-3, 1e-2]), max_cand=st.sampled_from([1, 64]))
-def test_exact_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: float, max_cand: int) -> None:
+@given(
+    seed=st.integers(0, 2**20),
+    margin=st.sampled_from([0.0, 1e-4, 1e-3, 1e-2]),
+    max_cand=st.sampled_from([1, 64]),
+    static=st.booleans(),
+)
+def test_exact_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: float, max_cand: int, static: bool) -> None:
     """Rows where the two best logits differ by ~margin (far below bf16's resolution at |logit| ~ 10);
-    the bf16 path forced (on a machine where it is slower the head would skip it)."""
+    the bf16 path forced (on a machine where it is slower the head would skip it). ``static``: the
+    static-shape re-scoring a whole-graph compile traces (top candidates + ``torch.cond``), run eagerly."""
     gen = torch.Generator().manual_seed(seed)
     v, h, m = 300, 64, 4
     w = torch.randn(v, h, generator=gen)
@@ -155,7 +164,8 @@ def test_exact_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: f
         w[b] = w[b] + d * x[r]
     head = ExactHead(torch.nn.Parameter(w, requires_grad=False), max_candidates=max_cand)
     head.use_bf16 = True
-    logits = head(x)
+    with mock.patch.object(quant, "_tracing", lambda: static):
+        logits = head(x)
     if max_cand == 64:  # some rows keep bf16 values: the bf16 GEMM really ran
         assert float((logits - F.linear(x, w)).abs().max()) > 0
     ref = F.linear(x, w)

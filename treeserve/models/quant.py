@@ -246,6 +246,9 @@ class PackedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+_tracing = torch.compiler.is_compiling
+"""True while Dynamo traces (``ExactHead`` then re-scores with static shapes); tests patch it."""
+
 _CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 _crossover_cache: dict[tuple[object, ...], int] = {}
 _head_cache: dict[tuple[int, int, int], bool] = {}
@@ -389,6 +392,8 @@ class ExactHead(nn.Module):
         else:
             return F.linear(x, self.weight)
         bound = (factor * x.norm(dim=1, keepdim=True)) * self.row_norms  # [M, V]
+        if _tracing():
+            return self._rescore_static(x, approx, bound)
         threshold = (approx - bound).amax(dim=1, keepdim=True)
         candidate = approx + bound >= threshold
         counts = candidate.sum(1)
@@ -400,6 +405,24 @@ class ExactHead(nn.Module):
         r, c = candidate.nonzero(as_tuple=True)
         approx[r, c] = (x[r] * self.weight[c]).sum(-1)
         return approx
+
+    def _rescore_static(self, x: torch.Tensor, approx: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+        """The re-scoring of ``forward`` with static shapes (what a whole-graph compile can trace):
+        the ``max_candidates`` entries of highest upper bound per row are recomputed in float32
+        (every entry the bound cannot rule out is among them unless the row has more such entries,
+        which then takes the float32 head entirely, through ``torch.cond``)."""
+        upper = approx + bound
+        threshold = (approx - bound).amax(dim=1, keepdim=True)
+        idx = upper.topk(min(self.max_candidates, upper.shape[1]), dim=1).indices  # [M, C]
+        exact = torch.einsum("mk,mck->mc", x, self.weight[idx])
+        out = approx.scatter(1, idx, exact)
+        full = (upper >= threshold).sum(1) > idx.shape[1]
+        return torch.cond(
+            full.any(),
+            lambda x, out, full: torch.where(full[:, None], F.linear(x, self.weight), out),
+            lambda x, out, full: out.clone(),
+            (x, out, full),
+        )
 
 
 QUANTIZATIONS = ("auto", "int4", "int8", None)
