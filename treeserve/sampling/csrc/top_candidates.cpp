@@ -1,0 +1,212 @@
+// treeserve::top_candidates: the k largest values of each row of a [R, V] float32/float64 tensor,
+// descending, with their ids -- torch.topk(x, k, dim=1) with ties ordered by id (lower first) and
+// NaN the largest value. No sort of the row:
+//   1. one pass takes the max of every block of BLOCK values (AVX2 for float32) and spots NaN;
+//   2. a cutoff c that at least k block maxima reach (a strided sample of the block maxima gives
+//      a candidate, a count checks it, the exact k-th largest block max is the fallback): then at
+//      least k row values are >= c, so the top k are among them;
+//   3. the values >= c, read from the blocks whose max reaches c (about k of them), are selected
+//      and sorted.
+// A row with a NaN, or too short to have k blocks, selects from every value. The answer is exact
+// for every input; only the time depends on the data.
+// With with_mass, it also returns mass [R] (float64): sum_i exp(x_i - max) over the whole row,
+// accumulated in float64 (AVX2: an 8-wide exp, ~2 ulp; elsewhere std::exp) -- top-p's
+// normalizer for rows without top-k, while the row is still in cache. NaN for a row whose max is
+// not finite.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 16;   // values per block maximum
+constexpr int64_t SAMPLE = 8;   // one block maximum in SAMPLE feeds the cutoff's first guess
+
+template <typename T>
+using Item = std::pair<T, int64_t>;
+
+template <typename T>
+struct Greater {  // strict weak order: NaN first, then larger value, then lower id
+  bool operator()(const Item<T>& a, const Item<T>& b) const {
+    const bool na = std::isnan(a.first), nb = std::isnan(b.first);
+    if (na != nb) return na;
+    if (!na && a.first != b.first) return a.first > b.first;
+    return a.second < b.second;
+  }
+};
+
+// Max of each of the nb blocks of x into bm; true when x[0, nb * BLOCK) holds a NaN.
+template <typename T>
+bool block_max(const T* x, int64_t nb, T* bm) {
+  bool nan = false;
+  for (int64_t b = 0; b < nb; ++b) {
+    T m = x[b * BLOCK];
+    for (int64_t j = 1; j < BLOCK; ++j) m = std::max(m, x[b * BLOCK + j]);
+    for (int64_t j = 0; j < BLOCK; ++j) nan |= std::isnan(x[b * BLOCK + j]);
+    bm[b] = m;
+  }
+  return nan;
+}
+
+#ifdef __AVX2__
+template <>
+bool block_max<float>(const float* x, int64_t nb, float* bm) {
+  static_assert(BLOCK == 16, "two 8-wide vectors per block");
+  __m256 unordered = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 lo = _mm256_loadu_ps(x + b * BLOCK), hi = _mm256_loadu_ps(x + b * BLOCK + 8);
+    unordered = _mm256_or_ps(unordered, _mm256_or_ps(_mm256_cmp_ps(lo, lo, _CMP_UNORD_Q),
+                                                     _mm256_cmp_ps(hi, hi, _CMP_UNORD_Q)));
+    const __m256 m = _mm256_max_ps(lo, hi);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    bm[b] = _mm_cvtss_f32(h);
+  }
+  return _mm256_movemask_ps(unordered) != 0;
+}
+#endif
+
+// sum_i exp(x_i - m), accumulated in double.
+template <typename T>
+double exp_mass(const T* x, int64_t n, T m) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(x[i] - m));
+  return sum;
+}
+
+#ifdef __AVX2__
+// exp(x) for x <= 0, 8 lanes (Cephes expf polynomial after a base-2 range reduction); lanes below
+// -87 (exp underflows float, -inf included) give exactly 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+template <>
+double exp_mass<float>(const float* x, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256d acc = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(e)),
+                                           _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1))));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, acc);
+  double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  for (; i < n; ++i) sum += std::exp(static_cast<double>(x[i] - m));
+  return sum;
+}
+#endif
+
+// A value that at least k of the nb block maxima reach, as large as cheaply found.
+template <typename T>
+T block_cutoff(const std::vector<T>& bm, int64_t nb, int64_t k, std::vector<T>& scratch) {
+  const int64_t m = nb / SAMPLE, rank = (5 * k) / (4 * SAMPLE) + 2;
+  if (rank < m) {  // guess from every SAMPLE-th block maximum, keep it if enough blocks reach it
+    scratch.resize(m);
+    for (int64_t j = 0; j < m; ++j) scratch[j] = bm[j * SAMPLE];
+    std::nth_element(scratch.begin(), scratch.begin() + (rank - 1), scratch.end(), std::greater<T>());
+    const T guess = scratch[rank - 1];
+    int64_t reach = 0;
+    for (int64_t b = 0; b < nb; ++b) reach += bm[b] >= guess;
+    if (reach >= k) return guess;
+  }
+  scratch.assign(bm.begin(), bm.begin() + nb);
+  std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), std::greater<T>());
+  return scratch[k - 1];
+}
+
+template <typename T>
+void top_row(const T* row, int64_t n, int64_t k, T* values, int64_t* ids, double* mass, std::vector<Item<T>>& buf,
+             std::vector<T>& bm, std::vector<T>& scratch) {
+  const int64_t nb = n / BLOCK;
+  buf.clear();
+  bm.resize(nb);
+  const bool nan = block_max(row, nb, bm.data());
+  if (!nan && nb >= k) {
+    const T cut = block_cutoff(bm, nb, k, scratch);
+    for (int64_t b = 0; b < nb; ++b) {
+      if (bm[b] < cut) continue;
+      for (int64_t i = b * BLOCK; i < (b + 1) * BLOCK; ++i)
+        if (row[i] >= cut) buf.emplace_back(row[i], i);
+    }
+    for (int64_t i = nb * BLOCK; i < n; ++i)  // the tail outside whole blocks
+      if (row[i] >= cut) buf.emplace_back(row[i], i);
+  } else {
+    buf.resize(n);
+    for (int64_t i = 0; i < n; ++i) buf[i] = {row[i], i};
+  }
+  Greater<T> greater;
+  if (static_cast<int64_t>(buf.size()) > k) std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), greater);
+  std::sort(buf.begin(), buf.begin() + k, greater);
+  for (int64_t j = 0; j < k; ++j) {
+    values[j] = buf[j].first;
+    ids[j] = buf[j].second;
+  }
+  if (mass != nullptr) {
+    const T m = values[0];
+    *mass = std::isfinite(m) ? exp_mass(row, n, m) : std::nan("");
+  }
+}
+
+template <typename T>
+void top_rows(const T* x, T* values, int64_t* ids, double* mass, int64_t rows, int64_t n, int64_t k) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Item<T>> buf;
+    std::vector<T> bm, scratch;
+    for (int64_t r = begin; r < end; ++r) top_row(x + r * n, n, k, values + r * k, ids + r * k, mass == nullptr ? nullptr : mass + r, buf, bm,
+                                    scratch);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_candidates(const at::Tensor& x, int64_t k, bool with_mass) {
+  TORCH_CHECK(x.dim() == 2, "x must be [R, V], got ", x.dim(), " dims");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= n, "k must be in [1, ", n, "], got ", k);
+  auto xc = x.contiguous();
+  auto values = at::empty({rows, k}, x.options());
+  auto ids = at::empty({rows, k}, x.options().dtype(at::kLong));
+  auto mass = at::empty({with_mass ? rows : 0}, x.options().dtype(at::kDouble));
+  double* mass_ptr = with_mass ? mass.data_ptr<double>() : nullptr;
+  if (x.scalar_type() == at::kFloat) {
+    top_rows<float>(xc.data_ptr<float>(), values.data_ptr<float>(), ids.data_ptr<int64_t>(), mass_ptr, rows, n, k);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kDouble, "top_candidates supports float32 and float64, got ", x.scalar_type());
+    top_rows<double>(xc.data_ptr<double>(), values.data_ptr<double>(), ids.data_ptr<int64_t>(), mass_ptr, rows, n,
+                     k);
+  }
+  return {values, ids, mass};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(treeserve, m) { m.def("top_candidates(Tensor x, int k, bool with_mass) -> (Tensor, Tensor, Tensor)"); }
+
+TORCH_LIBRARY_IMPL(treeserve, CPU, m) { m.impl("top_candidates", &top_candidates); }
