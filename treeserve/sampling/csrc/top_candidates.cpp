@@ -24,9 +24,7 @@
 #include <utility>
 #include <vector>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "treeserve_vec.h"
 
 namespace {
 
@@ -59,7 +57,7 @@ bool block_max(const T* x, int64_t nb, T* bm) {
   return nan;
 }
 
-#ifdef __AVX2__
+#ifdef TREESERVE_AVX2
 template <>
 bool block_max<float>(const float* x, int64_t nb, float* bm) {
   static_assert(BLOCK == 16, "two 8-wide vectors per block");
@@ -86,34 +84,14 @@ double exp_mass(const T* x, int64_t n, T m) {
   return sum;
 }
 
-#ifdef __AVX2__
-// exp(x) for x <= 0, 8 lanes (Cephes expf polynomial after a base-2 range reduction); lanes below
-// -87 (exp underflows float, -inf included) give exactly 0.
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-
+#ifdef TREESERVE_AVX2
 template <>
 double exp_mass<float>(const float* x, int64_t n, float m) {
   const __m256 mv = _mm256_set1_ps(m);
   __m256d acc = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    const __m256 e = treeserve_vec::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
     acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(e)),
                                            _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1))));
   }
