@@ -47,5 +47,18 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+// Store 8 floats as float32, or as bfloat16 rounded to nearest even (NaN stays a quiet NaN) -- the
+// rounding of c10::BFloat16(float).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i hi = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  hi = _mm256_blendv_epi8(hi, _mm256_set1_epi32(0x7FC0), nan);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
 }  // namespace treeserve_vec
 #endif
