@@ -19,8 +19,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <functional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -121,9 +124,42 @@ T block_cutoff(const std::vector<T>& bm, int64_t nb, int64_t k, std::vector<T>& 
   return scratch[k - 1];
 }
 
+// The k first items of buf in Greater order into values/ids.
+template <typename T>
+void order_pairs(std::vector<Item<T>>& buf, int64_t k, T* values, int64_t* ids) {
+  Greater<T> greater;
+  if (static_cast<int64_t>(buf.size()) > k) std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), greater);
+  std::sort(buf.begin(), buf.begin() + k, greater);
+  for (int64_t j = 0; j < k; ++j) {
+    values[j] = buf[j].first;
+    ids[j] = buf[j].second;
+  }
+}
+
+// The same order for NaN-free float32 rows (ids < 2^32), sorting one 64-bit key per item: the
+// float's order-preserving bits (-0 as +0, so they tie as floats do) above the complemented id.
+inline void order_packed(const float* row, const std::vector<Item<float>>& buf, int64_t k, float* values,
+                         int64_t* ids, std::vector<uint64_t>& keys) {
+  keys.resize(buf.size());
+  for (size_t j = 0; j < buf.size(); ++j) {
+    uint32_t u;
+    std::memcpy(&u, &buf[j].first, sizeof(u));
+    if (u == 0x80000000u) u = 0;
+    const uint32_t ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    keys[j] = (static_cast<uint64_t>(ordered) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(buf[j].second));
+  }
+  std::greater<uint64_t> greater;
+  if (static_cast<int64_t>(keys.size()) > k) std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), greater);
+  std::sort(keys.begin(), keys.begin() + k, greater);
+  for (int64_t j = 0; j < k; ++j) {
+    ids[j] = 0xFFFFFFFFu - static_cast<uint32_t>(keys[j]);
+    values[j] = row[ids[j]];
+  }
+}
+
 template <typename T>
 void top_row(const T* row, int64_t n, int64_t k, T* values, int64_t* ids, double* mass, std::vector<Item<T>>& buf,
-             std::vector<T>& bm, std::vector<T>& scratch) {
+             std::vector<T>& bm, std::vector<T>& scratch, std::vector<uint64_t>& keys) {
   const int64_t nb = n / BLOCK;
   buf.clear();
   bm.resize(nb);
@@ -141,12 +177,14 @@ void top_row(const T* row, int64_t n, int64_t k, T* values, int64_t* ids, double
     buf.resize(n);
     for (int64_t i = 0; i < n; ++i) buf[i] = {row[i], i};
   }
-  Greater<T> greater;
-  if (static_cast<int64_t>(buf.size()) > k) std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), greater);
-  std::sort(buf.begin(), buf.begin() + k, greater);
-  for (int64_t j = 0; j < k; ++j) {
-    values[j] = buf[j].first;
-    ids[j] = buf[j].second;
+  if constexpr (std::is_same_v<T, float>) {
+    if (!nan && n <= 0xFFFFFFFFll) {
+      order_packed(row, buf, k, values, ids, keys);
+    } else {
+      order_pairs(buf, k, values, ids);
+    }
+  } else {
+    order_pairs(buf, k, values, ids);
   }
   if (mass != nullptr) {
     const T m = values[0];
@@ -159,8 +197,11 @@ void top_rows(const T* x, T* values, int64_t* ids, double* mass, int64_t rows, i
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<Item<T>> buf;
     std::vector<T> bm, scratch;
-    for (int64_t r = begin; r < end; ++r) top_row(x + r * n, n, k, values + r * k, ids + r * k, mass == nullptr ? nullptr : mass + r, buf, bm,
-                                    scratch);
+    std::vector<uint64_t> keys;
+    for (int64_t r = begin; r < end; ++r) {
+      double* row_mass = mass == nullptr ? nullptr : mass + r;
+      top_row(x + r * n, n, k, values + r * k, ids + r * k, row_mass, buf, bm, scratch, keys);
+    }
   });
 }
 
@@ -185,6 +226,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> top_candidates(const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(treeserve, m) { m.def("top_candidates(Tensor x, int k, bool with_mass) -> (Tensor, Tensor, Tensor)"); }
+TORCH_LIBRARY_FRAGMENT(treeserve, m) {
+  m.def("top_candidates(Tensor x, int k, bool with_mass) -> (Tensor, Tensor, Tensor)");
+}
 
 TORCH_LIBRARY_IMPL(treeserve, CPU, m) { m.impl("top_candidates", &top_candidates); }
