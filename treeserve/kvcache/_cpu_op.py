@@ -37,9 +37,9 @@ def cpu_decode_op_usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Backend predicate: a CPU device, a float32 cache -- or a bfloat16 cache on an AVX2+FMA
     host -- and the operator builds.
 
-    bfloat16 is offered only with the 8-lane path: there it measured 2.2-6.8x the torch path on
-    the AVX2 dev machine, while the scalar loops measured 0.56-1.45x (benches/RESULTS.md,
-    issue 15)."""
+    bfloat16 is offered where the operator's 8-lane AVX2 path exists: there it measured 2.3-4.0x
+    the torch path (1 thread, batch 1-64 x context 128-1024, benches/RESULTS.md, issue 15); hosts
+    without AVX2 were not measured and keep the torch path for bfloat16."""
     if device.type != "cpu" or not (dtype == torch.float32 or (dtype == torch.bfloat16 and avx2_host())):
         return False
     return load_cpu_decode_op() is None
