@@ -83,3 +83,37 @@ def test_one_pass_sampling_64x49152(benchmark, name: str) -> None:
     ms = benchmark.stats.stats.min * 1e3
     benchmark.extra_info.update(ms=ms, threads=torch.get_num_threads())
     print(f"\n{name} 64x{vocab}: {ms:.2f} ms ({torch.get_num_threads()} threads)")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_top_p_operator_vs_torch_path(threads: int) -> None:
+    """Issue 15: top-p 0.9 (T 0.8) on 64 x 49152 with the C++ top-k operator vs the same sampler
+    on its torch path (``torch.topk`` + ``logsumexp``: what main ran before), interleaved in one
+    process (min of 15 each), same tokens asserted. Target: <= 10 ms."""
+    from treeserve.sampling import _top_op
+
+    if _top_op.load_top_op() is not None:
+        pytest.skip(f"operator unavailable: {_top_op.load_top_op()}")
+    vocab, before = 49152, torch.get_num_threads()
+    torch.set_num_threads(threads)
+    logits = torch.randn(BATCH, vocab, generator=torch.Generator().manual_seed(0)) * 4.0
+    batch = SamplingBatch.build([ONE_PASS["top_p0.9"]] * BATCH, list(range(BATCH)), [[5]] * BATCH, vocab,
+                                eos_token_ids=[2], num_generated=[1] * BATCH)  # fmt: skip
+    positions = torch.ones(BATCH, dtype=torch.int64)
+    real = _top_op.load_top_op
+
+    def torch_path():
+        _top_op.load_top_op = lambda: "benchmark: torch path"
+        try:
+            return sample(logits, batch, positions, backend="torch")
+        finally:
+            _top_op.load_top_op = real
+
+    assert torch.equal(torch_path().tokens, sample(logits, batch, positions, backend="torch").tokens)
+    best_op = best_torch = float("inf")
+    for _ in range(15):
+        best_torch = min(best_torch, min_seconds(torch_path, 1))
+        best_op = min(best_op, min_seconds(lambda: sample(logits, batch, positions, backend="torch"), 1))
+    torch.set_num_threads(before)
+    print(f"\ntop-p 0.9 64x{vocab}, {threads} thread(s): operator {best_op * 1e3:.2f} ms, "
+          f"torch path {best_torch * 1e3:.2f} ms -> {best_torch / best_op:.2f}x")

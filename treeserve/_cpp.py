@@ -1,8 +1,9 @@
 """Building and loading treeserve's C++ CPU operators (``torch.library`` ops under ``treeserve::``).
 
 One builder for every operator: the source is compiled once per host with torch's
-``cpp_extension`` (``-O3 -march=native``; the cache key is the source, the host's CPU flags and the
-torch version, so a machine with other features builds its own copy) and loaded into the process.
+``cpp_extension`` (``-O3 -march=native``; the cache key is the source, the shared headers of
+``treeserve/csrc`` (on the include path), the host's CPU flags and the torch version, so a machine
+with other features builds its own copy) and loaded into the process.
 An operator that cannot be built (no compiler, no headers, no ninja) is reported once and its
 callers use their torch path: a missing compiler costs speed, never correctness.
 """
@@ -18,7 +19,10 @@ import torch
 
 from treeserve._utils import log_once
 
-__all__ = ["cpu_flags", "load_cpp_op"]
+__all__ = ["INCLUDE", "cpu_flags", "load_cpp_op"]
+
+INCLUDE = Path(__file__).with_name("csrc")
+"""Headers shared by the operators (``#include "treeserve_vec.h"``)."""
 
 
 @lru_cache(maxsize=1)
@@ -44,10 +48,13 @@ def load_cpp_op(source: Path, op_name: str, what: str) -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        key = hashlib.sha1(source.read_bytes() + cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
+        headers = b"".join(h.read_bytes() for h in sorted(INCLUDE.glob("*.h")))
+        blob = source.read_bytes() + headers + cpu_flags().encode() + torch.__version__.encode()
+        key = hashlib.sha1(blob).hexdigest()[:12]
         load(
             name=f"treeserve_{source.stem}_{key}",
             sources=[str(source)],
+            extra_include_paths=[str(INCLUDE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
             is_python_module=False,
             verbose=False,

@@ -14,7 +14,8 @@ Order (per row, batched, no Python loop over rows):
    top-p keeps, in descending order, the shortest prefix of the top-k-renormalized distribution
    whose mass reaches ``top_p``; min-p keeps tokens with probability >= ``min_p * max``.
 
-Thresholds are found without sorting the vocabulary: ``torch.topk`` with a bound
+Thresholds are found without sorting the vocabulary: a top-k (``_top_op``: a C++ CPU operator,
+``torch.topk`` elsewhere) with a bound
 ``K = max(256, max top_k, logprobs)`` and a cumulative sum over those K candidates; a row whose
 answer is not inside its candidates (a flat distribution, ties at the K-th value) is redone with
 8x more candidates, or directly with a full sort when the candidates held under half the mass
@@ -30,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from treeserve.sampling._top_op import top_candidates, topk_rows
 from treeserve.sampling.backend import resolve_backend
 from treeserve.sampling.batch import SamplingBatch
 
@@ -150,7 +152,7 @@ def _top_candidates(scaled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     """The k largest values (descending) and their ids; a full sort when k is most of the row."""
     if 2 * k > scaled.shape[1]:
         return torch.sort(scaled, dim=1, descending=True)
-    return torch.topk(scaled, k, dim=1)
+    return topk_rows(scaled, k)
 
 
 def _refine(
@@ -196,7 +198,7 @@ def filter_scaled(scaled: torch.Tensor, batch: SamplingBatch, backend: str = "to
         # Candidates only serve the reported top logprobs (and the row max); every row is drawn
         # from its full row.
         if batch.num_logprobs:
-            cand, cand_ids = torch.topk(scaled, batch.num_logprobs, dim=1)
+            cand, cand_ids = topk_rows(scaled, batch.num_logprobs)
         else:
             cand, cand_ids = scaled.max(dim=1, keepdim=True)
         valid = torch.isfinite(cand[:, 0])
@@ -207,13 +209,17 @@ def filter_scaled(scaled: torch.Tensor, batch: SamplingBatch, backend: str = "to
         else:
             threshold = torch.full_like(cand[:, 0], float("-inf"))
         return Filtered(scaled, threshold, cand, cand_ids, torch.zeros_like(valid), valid)
-    cand, cand_ids = _top_candidates(scaled, min(vocab, max(CANDIDATES, batch.max_top_k, batch.num_logprobs)))
+    k = min(vocab, max(CANDIDATES, batch.max_top_k, batch.num_logprobs))
+    full_mass = None
+    if 2 * k <= vocab and batch.any_top_p:  # top-p rows without top-k need the row's mass
+        cand, cand_ids, full_mass = top_candidates(scaled, k)
+    else:
+        cand, cand_ids = _top_candidates(scaled, k)
     k = cand.shape[1]
     valid = torch.isfinite(cand[:, 0])
     cand = torch.where(valid[:, None], cand, torch.zeros_like(cand))
-    full_mass = None
-    if k < vocab and batch.any_top_p:
-        full_mass = torch.exp(torch.logsumexp(scaled, dim=1) - cand[:, 0])
+    if full_mass is not None:  # an invalid row's mass is never used: any finite value will do
+        full_mass = torch.where(valid, full_mass, torch.ones_like(full_mass))
     threshold, exact = thresholds(cand, vocab, batch, full_mass)
     if k < vocab and not bool(exact.all()):
         rows = (~exact).nonzero()[:, 0]

@@ -1,7 +1,9 @@
 // treeserve::paged_decode_attention: one-token-per-request attention reading the paged KV cache
 // in place (no gather into padded batches, no mask). One task per (request, kv head): the G query
 // heads sharing that KV head read each K/V row once; online softmax over blocks of BLOCK keys
-// walked across pages; float32 accumulation for float32 and bfloat16 caches.
+// walked across pages; float32 accumulation for float32 and bfloat16 caches. On AVX2+FMA hosts the
+// dot products, exponentials and P.V updates run 8 lanes wide (bfloat16 rows widened on load);
+// elsewhere the same loops run scalar.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -12,12 +14,80 @@
 #include <limits>
 #include <vector>
 
+#include "treeserve_vec.h"
+
 namespace {
 
 constexpr int64_t BLOCK = 64;
+constexpr int64_t AHEAD = 8;  // K rows requested this many keys ahead (pages sit anywhere in memory)
+
+// Ask for the cache lines of row[0, dim) (a hint: pages are scattered, the hardware prefetcher
+// cannot guess the next one).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+#ifdef TREESERVE_AVX2
+using treeserve_vec::load8;
+inline const float* lanes(const float* p) { return p; }
+inline const uint16_t* lanes(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
+#endif
+
+// sum_d q[d] * row[d] (q already float32).
+template <typename T>
+inline float dot(const float* q, const T* row, int64_t dim) {
+  int64_t d = 0;
+  float sum = 0.0f;
+#ifdef TREESERVE_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; d + 16 <= dim; d += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(lanes(row + d)), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(lanes(row + d + 8)), a1);
+  }
+  for (; d + 8 <= dim; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(lanes(row + d)), a0);
+  sum = treeserve_vec::hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; d < dim; ++d) sum += q[d] * to_float(row[d]);
+  return sum;
+}
+
+// acc[d] += p * row[d].
+template <typename T>
+inline void add_scaled(float p, const T* row, float* acc, int64_t dim) {
+  int64_t d = 0;
+#ifdef TREESERVE_AVX2
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; d + 8 <= dim; d += 8)
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, load8(lanes(row + d)), _mm256_loadu_ps(acc + d)));
+#endif
+  for (; d < dim; ++d) acc[d] += p * to_float(row[d]);
+}
+
+// s[i] = exp(s[i] - m) for i < n (every s[i] <= m); returns their sum.
+inline float exp_shifted(float* s, int64_t n, float m) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef TREESERVE_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = treeserve_vec::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = treeserve_vec::hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  return sum;
+}
 
 template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* indptr, const int32_t* pages,
@@ -25,7 +95,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
                       int64_t page_size, float scale) {
   const int64_t groups = hq / hkv;
   at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(groups * dim), acc(groups * dim), scores(groups * BLOCK), row(dim);
+    std::vector<float> qf(groups * dim), acc(groups * dim), scores(groups * BLOCK);
     std::vector<float> run_max(groups), run_sum(groups);
     std::vector<int64_t> offsets(BLOCK);
     for (int64_t task = begin; task < end; ++task) {
@@ -47,28 +117,19 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
           const int64_t page = pages[first_page + t / page_size];
           offsets[i] = ((page * page_size + t % page_size) * hkv + h) * dim;
         }
-        for (int64_t i = 0; i < n; ++i) {  // scores: each K row read once for its G query heads
+        for (int64_t i = 0; i < std::min(AHEAD, n); ++i) prefetch_row(k_cache + offsets[i], dim);
+        for (int64_t i = 0; i < n; ++i) {  // scores: each K row read once (L1) for its G query heads
+          if (i + AHEAD < n) prefetch_row(k_cache + offsets[i + AHEAD], dim);
+          prefetch_row(v_cache + offsets[i], dim);  // for the P.V pass below
           const T* k = k_cache + offsets[i];
-          for (int64_t d = 0; d < dim; ++d) row[d] = to_float(k[d]);
-          for (int64_t g = 0; g < groups; ++g) {
-            const float* qg = qf.data() + g * dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qg[d] * row[d];
-            scores[g * BLOCK + i] = dot;
-          }
+          for (int64_t g = 0; g < groups; ++g) scores[g * BLOCK + i] = dot(qf.data() + g * dim, k, dim);
         }
         for (int64_t g = 0; g < groups; ++g) {  // online softmax: one rescale per block
           float* s = scores.data() + g * BLOCK;
           float block_max = run_max[g];
           for (int64_t i = 0; i < n; ++i) block_max = std::max(block_max, s[i]);
           const float corr = std::exp(run_max[g] - block_max);
-          float sum = 0.0f;
-          for (int64_t i = 0; i < n; ++i) {
-            s[i] = std::exp(s[i] - block_max);
-            sum += s[i];
-          }
-          run_sum[g] = run_sum[g] * corr + sum;
+          run_sum[g] = run_sum[g] * corr + exp_shifted(s, n, block_max);
           run_max[g] = block_max;
           if (corr != 1.0f) {
             float* a = acc.data() + g * dim;
@@ -77,13 +138,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
         }
         for (int64_t i = 0; i < n; ++i) {  // acc += p * v, each V row read once
           const T* v = v_cache + offsets[i];
-          for (int64_t d = 0; d < dim; ++d) row[d] = to_float(v[d]);
-          for (int64_t g = 0; g < groups; ++g) {
-            const float p = scores[g * BLOCK + i];
-            float* a = acc.data() + g * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
-          }
+          for (int64_t g = 0; g < groups; ++g) add_scaled(scores[g * BLOCK + i], v, acc.data() + g * dim, dim);
         }
       }
       for (int64_t g = 0; g < groups; ++g) {
