@@ -316,11 +316,13 @@ def test_auto_backend_on_cpu_is_logged_once(caplog: pytest.LogCaptureFixture) ->
     """float32 on CPU: the C++ decode backend when it builds (torch otherwise), logged once; a
     non-decode step goes through the torch path either way."""
     import treeserve._utils as utils
+    from treeserve.kvcache import backends
     from treeserve.kvcache._attention_cpu import load_cpu_decode_op
 
     name = "cpu" if load_cpu_decode_op() is None else "torch"
     msg = f"treeserve.kvcache.paged_attention: backend={name} on cpu"
     utils._logged_once.discard(msg)
+    backends._CHOSEN.clear()  # selections are memoized (and logged) once per process
     batch = make_batch(2, [2], [5], 4, 1, 2, 8)
     with caplog.at_level("INFO", logger="treeserve"):
         out = run(batch, "auto")
