@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import platform
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,11 +40,20 @@ def cpu_flags() -> str:
 
 
 @lru_cache(maxsize=None)
-def load_cpp_op(source: Path, op_name: str, what: str) -> str | None:
+def load_cpp_op(source: Path, op_name: str, what: str, fake: Callable[..., Any] | None = None) -> str | None:
     """Build (first time on this host) and load ``source``, which registers ``treeserve::op_name``.
 
     Returns ``None`` when ``torch.ops.treeserve.<op_name>`` is usable, else the reason it is not
-    (logged once as "``what`` unavailable"). ``source`` must be a path to a ``.cpp`` file."""
+    (logged once as "``what`` unavailable"). ``source`` must be a path to a ``.cpp`` file.
+    ``fake``: the operator's shape-and-dtype implementation for tracing (``torch.compile``),
+    registered once with ``torch.library.register_fake`` when the operator is usable."""
+    reason = _build(source, op_name, what)
+    if reason is None and fake is not None:
+        torch.library.register_fake(f"treeserve::{op_name}")(fake)
+    return reason
+
+
+def _build(source: Path, op_name: str, what: str) -> str | None:
     if hasattr(torch.ops.treeserve, op_name):
         return None
     try:

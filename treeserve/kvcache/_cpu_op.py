@@ -19,23 +19,16 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _fake(q, k_cache, v_cache, kv_indptr, kv_page_indices, kv_last_page_len, scale):  # type: ignore[no-untyped-def]
+    """Output shape and dtype for tracing (``torch.compile``): ``q``'s."""
+    return torch.empty_like(q)
+
+
 @lru_cache(maxsize=1)
 def load_cpu_decode_op() -> str | None:
     """Build (first time on this host) and load the operator; ``None`` when it is available,
     else the reason it is not (logged once; callers then use the torch path)."""
-    reason = load_cpp_op(SOURCE, "paged_decode_attention", "C++ CPU decode attention")
-    if reason is None:
-        _register_fake()
-    return reason
-
-
-@lru_cache(maxsize=1)
-def _register_fake() -> None:
-    """The operator's output shape and dtype for tracing (``torch.compile``): ``q``'s."""
-
-    @torch.library.register_fake("treeserve::paged_decode_attention")
-    def _fake(q, k_cache, v_cache, kv_indptr, kv_page_indices, kv_last_page_len, scale):  # type: ignore[no-untyped-def]
-        return torch.empty_like(q)
+    return load_cpp_op(SOURCE, "paged_decode_attention", "C++ CPU decode attention", _fake)
 
 
 def avx2_host() -> bool:

@@ -87,22 +87,16 @@ class GGUFWeight(NamedTuple):
         return GGUFWeight(parts[0].qtype, torch.cat([p.raw for p in parts]), parts[0].in_features)
 
 
+def _fake(x, w, qtype, k):  # type: ignore[no-untyped-def]
+    """Output shape and dtype for tracing (``torch.compile``): ``[M, N]`` in ``x``'s dtype."""
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
 @lru_cache(maxsize=1)
 def load_gguf_linear_op() -> str | None:
     """Build (first time on this host) and load the operator; ``None`` when usable, else the reason
     (logged once; ``gguf_linear`` then runs the torch path)."""
-    reason = load_cpp_op(SOURCE, "gguf_linear", "C++ GGUF linear")
-    if reason is None:
-        _register_fake()
-    return reason
-
-
-@lru_cache(maxsize=1)
-def _register_fake() -> None:
-    @torch.library.register_fake("treeserve::gguf_linear")
-    def _fake(x, w, qtype, k):  # type: ignore[no-untyped-def]
-        return x.new_empty((x.shape[0], w.shape[0]))
-
+    return load_cpp_op(SOURCE, "gguf_linear", "C++ GGUF linear", _fake)
 
 def gguf_op_available() -> bool:
     """Whether ``treeserve::gguf_linear`` is built and loaded."""
