@@ -53,6 +53,12 @@ def load_cpp_op(source: Path, op_name: str, what: str, fake: Callable[..., Any] 
     return reason
 
 
+# -fopenmp: ATen's parallel_for is an inline template over ``#pragma omp parallel``, so an operator
+# built without it runs every parallel_for on one thread. The library it links (libgomp.so.1) is the
+# one torch has already loaded.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
 def _build(source: Path, op_name: str, what: str) -> str | None:
     if hasattr(torch.ops.treeserve, op_name):
         return None
@@ -60,13 +66,14 @@ def _build(source: Path, op_name: str, what: str) -> str | None:
         from torch.utils.cpp_extension import load
 
         headers = b"".join(h.read_bytes() for h in sorted(INCLUDE.glob("*.h")))
-        blob = source.read_bytes() + headers + cpu_flags().encode() + torch.__version__.encode()
+        blob = source.read_bytes() + headers + cpu_flags().encode() + torch.__version__.encode() + str(_CFLAGS).encode()
         key = hashlib.sha1(blob).hexdigest()[:12]
         load(
             name=f"treeserve_{source.stem}_{key}",
             sources=[str(source)],
             extra_include_paths=[str(INCLUDE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
