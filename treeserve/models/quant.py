@@ -190,8 +190,8 @@ class PackedLinear(nn.Module):
     """``x @ W.T (+ bias)`` with ``W`` held as shipped codes (decode) and dense (prefill).
 
     ``codes`` is either a ``GGUFWeight`` (the file's blocks, multiplied by the C++ operator
-    ``treeserve::gguf_linear``: float32 activations and accumulation, so equal to the dense
-    float32 product up to summation order) or ``Int4Planes`` (torch's int4 kernel, activations and
+    ``treeserve::gguf_linear`` with ``exact=False``: activations rounded to int16 per 32-block,
+    error about 2^-16 of each block's largest activation, see ``gguf_op``; float32 accumulation) or ``Int4Planes`` (torch's int4 kernel, activations and
     scales in ``act_dtype``: bfloat16 is its fast path, float32 exact but slow on AVX2). Batches of
     at most ``packed_max_rows`` rows take the packed path, larger ones ``F.linear`` on ``weight``
     (the codes dequantized once into the model dtype; the caller passes it). The output has
@@ -231,7 +231,7 @@ class PackedLinear(nn.Module):
         if self.qtype is not None:
             if not self.use_op:
                 return F.linear(x, self.weight, self.bias)
-            y = torch.ops.treeserve.gguf_linear(x.float(), self.raw, self.qtype, self.in_features).to(x.dtype)
+            y = torch.ops.treeserve.gguf_linear(x.float(), self.raw, self.qtype, self.in_features, False).to(x.dtype)
             return y if self.bias is None else y + self.bias
         a = x.to(self.act_dtype)
         if self.planes > 1:
@@ -353,7 +353,7 @@ class ExactHead(nn.Module):
             self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16), persistent=False)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.treeserve.gguf_linear(x, self.raw, self.qtype, self.weight.shape[1])
+        return torch.ops.treeserve.gguf_linear(x, self.raw, self.qtype, self.weight.shape[1], True)
 
     def _packed_rows(self) -> int:
         """Rows up to which the packed first pass beats the float32 head (``TREESERVE_HEAD_PACKED_MAX_ROWS``

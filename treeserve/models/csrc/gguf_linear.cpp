@@ -1,8 +1,15 @@
 // treeserve::gguf_linear: y[M, N] = x[M, K] @ dequant(W)[N, K]^T with W held as GGUF blocks as shipped
 // (one row of N: K/32 blocks; Q4_0 18 B = f16 d + 16 B nibbles, w = d (q - 8); Q4_1 20 B = f16 d, f16 m
 // + 16 B nibbles, w = d q + m; Q8_0 34 B = f16 d + 32 int8, w = d q; nibble byte j holds element j
-// (low) and j + 16 (high)). float32 activations and accumulation, no activation quantization: each
-// block is decoded once into float32 and used for up to 8 rows of x. Parallel over N.
+// (low) and j + 16 (high)). Two activation modes:
+// - exact (exact=true): float32 activations and accumulation; each block is decoded once into float32 and
+//   used for up to 8 rows of x.
+// - int16 (exact=false): each 32-block b of each row of x is rounded once per call to int16 codes
+//   xq = round(x / s_b), s_b = max|x_b| / 32767 (|x - s_b xq| <= s_b / 2 up to float rounding of 1/s_b);
+//   per weight block the integer dot product sum q xq is exact in int32 (and in the float it is converted
+//   to: |sum| < 2^24), then y += (d s_b) * sum in float32; Q4_1's offset adds m * sum(x) with the float32
+//   block sums of the unrounded x. Q4_0 codes are q - 8 in integers.
+// Parallel over N.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -10,7 +17,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cmath>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX2__
@@ -153,6 +162,159 @@ void rows_avx2(QType t, const float* x, const float* xsum, const uint8_t* w, flo
 }
 #endif
 
+// ---- int16 activations (exact=false) ----
+
+template <QType T>
+constexpr int64_t BB = T == QType::Q4_0 ? 18 : (T == QType::Q4_1 ? 20 : 34);  // block bytes
+constexpr int64_t CHUNK = 64;  // blocks of a weight row whose scales are prepared at once
+
+// Block scales of the int16 path for blocks [b0, b1) of one weight row (a chunk starting at block c0):
+// ds[m][b - c0] = d_b * s_{m,b} (float32), and the Q4_1 offsets m_b * xsum_{m,b} added to off[m].
+template <QType T, int MC>
+void block_scales_scalar(const uint8_t* row, const float* xs, const float* xsum, int64_t nb, int64_t c0, int64_t b0,
+                         int64_t b1, float (*ds)[CHUNK], float* off) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* blk = row + b * BB<T>;
+    const float d = half_at(blk);
+    for (int m = 0; m < MC; ++m) ds[m][b - c0] = d * xs[m * nb + b];
+    if constexpr (T == QType::Q4_1) {
+      const float mo = half_at(blk + 2);
+      for (int m = 0; m < MC; ++m) off[m] += mo * xsum[m * nb + b];
+    }
+  }
+}
+
+// The signed integer codes of one block (Q4_0: q - 8, Q4_1: q, Q8_0: q), element order.
+template <QType T>
+inline void codes_int(const uint8_t* blk, int32_t* q) {
+  if constexpr (T == QType::Q8_0) {
+    for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(blk[2 + i]);
+  } else {
+    const uint8_t* qs = blk + (T == QType::Q4_1 ? 4 : 2);
+    const int32_t bias = T == QType::Q4_0 ? 8 : 0;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = (qs[j] & 15) - bias;
+      q[j + 16] = (qs[j] >> 4) - bias;
+    }
+  }
+}
+
+template <QType T, int MC>
+void rows_int_scalar(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, float* y, int64_t K,
+                     int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = K / GROUP;
+  float ds[MC][CHUNK];
+  int32_t q[GROUP];
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc[MC] = {}, off[MC] = {};
+    const uint8_t* row = w + n * nb * BB<T>;
+    for (int64_t c0 = 0; c0 < nb; c0 += CHUNK) {
+      const int64_t c1 = std::min(nb, c0 + CHUNK);
+      block_scales_scalar<T, MC>(row, xs, xsum, nb, c0, c0, c1, ds, off);
+      for (int64_t b = c0; b < c1; ++b) {
+        codes_int<T>(row + b * BB<T>, q);
+        for (int m = 0; m < MC; ++m) {
+          const int16_t* xb = xq + (m * nb + b) * GROUP;
+          int32_t s = 0;
+          for (int i = 0; i < GROUP; ++i) s += q[i] * xb[i];
+          acc[m] += static_cast<float>(s) * ds[m][b - c0];
+        }
+      }
+    }
+    for (int m = 0; m < MC; ++m) y[m * N + n] = acc[m] + off[m];
+  }
+}
+
+#ifdef __AVX2__
+// block_scales_scalar eight blocks at a time: the eight f16 d (and m) converted by one F16C instruction.
+template <QType T, int MC>
+void block_scales_avx2(const uint8_t* row, const float* xs, const float* xsum, int64_t nb, int64_t c0, int64_t c1,
+                       float (*ds)[CHUNK], __m256 (&offv)[MC], float* off) {
+  int64_t b = c0;
+  for (; b + 8 <= c1; b += 8) {
+    const uint8_t* p = row + b * BB<T>;
+    uint16_t h[8], g[8];
+    for (int i = 0; i < 8; ++i) {
+      std::memcpy(&h[i], p + i * BB<T>, 2);
+      if constexpr (T == QType::Q4_1) std::memcpy(&g[i], p + i * BB<T> + 2, 2);
+    }
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    for (int m = 0; m < MC; ++m) _mm256_storeu_ps(ds[m] + (b - c0), _mm256_mul_ps(dv, _mm256_loadu_ps(xs + m * nb + b)));
+    if constexpr (T == QType::Q4_1) {
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+      for (int m = 0; m < MC; ++m) offv[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + m * nb + b), offv[m]);
+    }
+  }
+  block_scales_scalar<T, MC>(row, xs, xsum, nb, c0, b, c1, ds, off);
+}
+
+// Per block: the codes widened to 2 x 16 int16, _mm256_madd_epi16 with the row's int16 x (exact int32),
+// one conversion and one FMA by d s_b per row. Up to 4 rows: two accumulator chains (even / odd blocks).
+template <QType T, int MC>
+void rows_int_avx2(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, float* y, int64_t K,
+                   int64_t N, int64_t n0, int64_t n1) {
+  constexpr int CH = MC <= 4 ? 2 : 1;
+  const int64_t nb = K / GROUP;
+  const __m256i low4 = _mm256_set1_epi16(15), bias = _mm256_set1_epi16(8);
+  float ds[MC][CHUNK];
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[CH][MC], offv[MC];
+    float off[MC] = {};
+    for (int m = 0; m < MC; ++m) {
+      offv[m] = _mm256_setzero_ps();
+      for (int c = 0; c < CH; ++c) acc[c][m] = _mm256_setzero_ps();
+    }
+    const uint8_t* row = w + n * nb * BB<T>;
+    auto step = [&](int64_t b, int64_t c0, __m256(&a)[MC]) __attribute__((always_inline)) {
+      const uint8_t* blk = row + b * BB<T>;
+      __m256i lo, hi;
+      if constexpr (T == QType::Q8_0) {
+        lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+        hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+      } else {
+        const __m256i e =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == QType::Q4_1 ? 4 : 2))));
+        lo = _mm256_and_si256(e, low4);
+        hi = _mm256_srli_epi16(e, 4);
+        if constexpr (T == QType::Q4_0) {
+          lo = _mm256_sub_epi16(lo, bias);
+          hi = _mm256_sub_epi16(hi, bias);
+        }
+      }
+      for (int m = 0; m < MC; ++m) {
+        const __m256i* xb = reinterpret_cast<const __m256i*>(xq + (m * nb + b) * GROUP);
+        const __m256i p =
+            _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(xb)), _mm256_madd_epi16(hi, _mm256_loadu_si256(xb + 1)));
+        a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&ds[m][b - c0]), a[m]);
+      }
+    };
+    for (int64_t c0 = 0; c0 < nb; c0 += CHUNK) {
+      const int64_t c1 = std::min(nb, c0 + CHUNK);
+      block_scales_avx2<T, MC>(row, xs, xsum, nb, c0, c1, ds, offv, off);
+      int64_t b = c0;
+      for (; b + CH <= c1; b += CH)
+        for (int c = 0; c < CH; ++c) step(b + c, c0, acc[c]);
+      for (; b < c1; ++b) step(b, c0, acc[0]);
+    }
+    for (int m = 0; m < MC; ++m) {
+      __m256 s = acc[0][m];
+      for (int c = 1; c < CH; ++c) s = _mm256_add_ps(s, acc[c][m]);
+      y[m * N + n] = hsum(s) + (hsum(offv[m]) + off[m]);
+    }
+  }
+}
+#endif
+
+template <QType T, int MC>
+void rows_int(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, float* y, int64_t K, int64_t N,
+              int64_t n0, int64_t n1) {
+#ifdef __AVX2__
+  rows_int_avx2<T, MC>(xq, xs, xsum, w, y, K, N, n0, n1);
+#else
+  rows_int_scalar<T, MC>(xq, xs, xsum, w, y, K, N, n0, n1);
+#endif
+}
+
 template <int MC>
 void rows(QType t, const float* x, const float* xsum, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t n0,
           int64_t n1) {
@@ -163,17 +325,45 @@ void rows(QType t, const float* x, const float* xsum, const uint8_t* w, float* y
 #endif
 }
 
-void dispatch(int64_t mc, QType t, const float* x, const float* xsum, const uint8_t* w, float* y, int64_t K,
-              int64_t N, int64_t n0, int64_t n1) {
+// fn(std::integral_constant<int, mc>) for mc in 1..MAX_ROWS (larger counts: MAX_ROWS).
+template <typename Fn>
+void by_rows(int64_t mc, Fn&& fn) {
   switch (mc) {
-    case 1: return rows<1>(t, x, xsum, w, y, K, N, n0, n1);
-    case 2: return rows<2>(t, x, xsum, w, y, K, N, n0, n1);
-    case 3: return rows<3>(t, x, xsum, w, y, K, N, n0, n1);
-    case 4: return rows<4>(t, x, xsum, w, y, K, N, n0, n1);
-    case 5: return rows<5>(t, x, xsum, w, y, K, N, n0, n1);
-    case 6: return rows<6>(t, x, xsum, w, y, K, N, n0, n1);
-    case 7: return rows<7>(t, x, xsum, w, y, K, N, n0, n1);
-    default: return rows<8>(t, x, xsum, w, y, K, N, n0, n1);
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
+    case 7: return fn(std::integral_constant<int, 7>{});
+    default: return fn(std::integral_constant<int, 8>{});
+  }
+}
+
+template <typename Fn>
+void by_qtype(QType t, Fn&& fn) {
+  switch (t) {
+    case QType::Q4_0: return fn(std::integral_constant<QType, QType::Q4_0>{});
+    case QType::Q4_1: return fn(std::integral_constant<QType, QType::Q4_1>{});
+    default: return fn(std::integral_constant<QType, QType::Q8_0>{});
+  }
+}
+
+// x [M, K] rounded per 32-block to int16: xq = round(x / s), s = max|x_b| / 32767 (0 for an all-zero
+// block, NaN for a block with a non-finite value, which then makes the outputs NaN as float32 would).
+void quantize_rows(const float* x, int64_t blocks, int16_t* xq, float* xs) {
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* xb = x + i * GROUP;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t j = 0; j < GROUP; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      finite = finite && std::isfinite(xb[j]);
+    }
+    const float inv = amax > 0.0f && finite ? 32767.0f / amax : 0.0f;
+    xs[i] = finite ? amax / 32767.0f : std::nanf("");
+    for (int64_t j = 0; j < GROUP; ++j)
+      xq[i * GROUP + j] = static_cast<int16_t>(std::rint(std::min(32767.0f, std::max(-32767.0f, xb[j] * inv))));
   }
 }
 
@@ -184,7 +374,7 @@ QType parse_qtype(const std::string& s) {
   return QType::Q8_0;
 }
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, std::string qtype, int64_t K) {
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, std::string qtype, int64_t K, bool exact) {
   const QType t = parse_qtype(qtype);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K, "gguf_linear: x must be float32 [M, K]");
   TORCH_CHECK(K % GROUP == 0, "gguf_linear: K must be a multiple of 32");
@@ -198,15 +388,26 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, std::string qty
   float* yp = y.data_ptr<float>();
   // Block sums of x (the Q4_x offsets' factor), float32 like every other sum.
   const int64_t nb = K / GROUP;
-  std::vector<float> xsum(M * nb, 0.0f);
+  std::vector<float> xsum(M * nb, 0.0f), xs;
   for (int64_t i = 0; i < M * nb; ++i)
     for (int64_t j = 0; j < GROUP; ++j) xsum[i] += xp[i * GROUP + j];
+  std::vector<int16_t> xq;
+  if (!exact) {
+    xq.resize(M * K);
+    xs.resize(M * nb);
+    quantize_rows(xp, M * nb, xq.data(), xs.data());
+  }
   // Grain: at least ~32k weights per task.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-      const int64_t mc = std::min(MAX_ROWS, M - m0);
-      dispatch(mc, t, xp + m0 * K, xsum.data() + m0 * nb, wp, yp + m0 * N, K, N, n0, n1);
+      by_rows(std::min(MAX_ROWS, M - m0), [&](auto mc) {
+        if (exact) return rows<mc.value>(t, xp + m0 * K, xsum.data() + m0 * nb, wp, yp + m0 * N, K, N, n0, n1);
+        by_qtype(t, [&](auto qt) {
+          rows_int<qt.value, mc.value>(xq.data() + m0 * K, xs.data() + m0 * nb, xsum.data() + m0 * nb, wp, yp + m0 * N,
+                                       K, N, n0, n1);
+        });
+      });
     }
   });
   return y;
@@ -214,6 +415,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, std::string qty
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(treeserve, m) { m.def("gguf_linear(Tensor x, Tensor w, str qtype, int K) -> Tensor"); }
+// The library is `treeserve`; a test builds this file a second time without AVX2 under another name.
+#ifndef GGUF_LIBRARY
+#define GGUF_LIBRARY treeserve
+#endif
+#define GGUF_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define GGUF_IMPL(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
 
-TORCH_LIBRARY_IMPL(treeserve, CPU, m) { m.impl("gguf_linear", &gguf_linear); }
+GGUF_FRAGMENT(GGUF_LIBRARY, m) { m.def("gguf_linear(Tensor x, Tensor w, str qtype, int K, bool exact=True) -> Tensor"); }
+
+GGUF_IMPL(GGUF_LIBRARY, m) { m.impl("gguf_linear", &gguf_linear); }
