@@ -219,3 +219,28 @@ def test_packed_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: 
     if margin >= 1e-4:
         assert torch.equal(best, ref.argmax(1))
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+
+
+@requires_op
+@pytest.mark.slow
+def test_scalar_fallback_within_bound(tmp_path) -> None:
+    """The operator built without AVX2/FMA/F16C (as on a host without them; registered as
+    ``treeserve_scalar``) is within the same bounds in both modes, every row count."""
+    from torch.utils.cpp_extension import load
+
+    load(
+        name="treeserve_gguf_linear_scalar_test",
+        sources=[str(gguf_op.SOURCE)],
+        extra_cflags=["-O2", "-mno-avx", "-mno-avx2", "-mno-fma", "-mno-f16c", "-DGGUF_LIBRARY=treeserve_scalar"],
+        build_directory=str(tmp_path),
+        is_python_module=False,
+    )
+    for qtype in QTYPES:
+        for m in (1, 5, 9):
+            k, n = 32 * 70, 7
+            w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, m), (n, k))
+            x = block_scaled(m, k, m, 3.0)
+            ref = x.double() @ w.dequantize(torch.float64).T
+            for exact in (True, False):
+                y = torch.ops.treeserve_scalar.gguf_linear(x, w.raw, qtype, k, exact)
+                assert bool(((y.double() - ref).abs() <= error_bound(x, w, exact)).all())
