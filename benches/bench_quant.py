@@ -3,7 +3,9 @@
 One "step" is what a decode step multiplies: 30 layers x (qkv, o, gate_up, down), each layer its own
 weights (so, as in the model, they do not stay in cache), plus the tied LM head. Layers are Q4_1
 and the head Q8_0 (the embedded GGUF's types), random codes and f16 scales; every method reads
-the same codes: ``treeserve::gguf_linear`` on the blocks as shipped (float32), float32 dense on
+the same codes: ``treeserve::gguf_linear`` on the blocks as shipped (layers: int16 activations per
+32-block, what ``PackedLinear`` runs; and float32 activations, ``exact=True``; the head always
+float32 activations, as ``ExactHead`` runs it), float32 dense on
 their dequantization, torch's ``_weight_int4pack_mm_for_cpu`` on the same codes (bf16
 activations/scales). Prints ms per step (layers, head) at each row count, and the crossovers
 ``measure_crossover`` / ``ExactHead`` find at load.
@@ -72,8 +74,8 @@ def main() -> None:
     head_i4 = PackedLinear(planes_from_gguf("Q8_0", hraw, HEAD), hdense, None)
     print(f"# {f.model_name} ({f.torch_capability}), {args.threads} threads, load {os.getloadavg()[0]:.2f}; "
           f"ms per decode step: {LAYERS} layers (Q4_1) | head (Q8_0 {HEAD[0]}x{HEAD[1]})")
-    print("| rows | gguf_linear | float32 dense | int4pack (bf16 act) |")
-    print("|---|---|---|---|")
+    print("| rows | gguf_linear (int16 act layers) | gguf_linear (float32 act) | float32 dense | int4pack (bf16 act) |")
+    print("|---|---|---|---|---|")
     with torch.inference_mode():
         for rows in map(int, args.rows.split(",")):
             xs = {k: torch.randn(rows, k) for k in (576, 1536)}
@@ -81,9 +83,11 @@ def main() -> None:
             def run(fn: Callable[[PackedLinear, torch.Tensor], object], mods: list[PackedLinear]) -> Callable[[], None]:
                 return lambda: [fn(m, xs[m.in_features]) for m in mods] and None
 
+            head_ms = _ms(lambda: torch.ops.treeserve.gguf_linear(xs[576], hw.raw, "Q8_0", 576, True), args.reps)
+            exact = run(lambda m, x: torch.ops.treeserve.gguf_linear(x, m.raw, m.qtype, m.in_features, True), layers)
             cells = [
-                (_ms(run(lambda m, x: m.packed_forward(x), layers), args.reps),
-                 _ms(lambda: torch.ops.treeserve.gguf_linear(xs[576], hw.raw, "Q8_0", 576), args.reps)),
+                (_ms(run(lambda m, x: m.packed_forward(x), layers), args.reps), head_ms),
+                (_ms(exact, args.reps), head_ms),
                 (_ms(run(lambda m, x: F.linear(x, m.weight), layers), args.reps),
                  _ms(lambda: F.linear(xs[576], hdense), args.reps)),
                 (_ms(run(lambda m, x: m.packed_forward(x), int4), args.reps),
