@@ -15,11 +15,12 @@ from gguf.quants import quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeserve.kvcache import AttentionMetadata, KVPool
+from treeserve.kvcache import AttentionMetadata, KVPool, set_debug_checks
 from treeserve.models import LlamaForCausalLM
 from treeserve.models._decode_op import load_decode_op, run_decode_layers
 from treeserve.models.config import tiny_config
 from treeserve.models.gguf_op import GGUFWeight
+from treeserve.models.invariant import make_batch_invariant
 from treeserve.models.quant import PackedLinear
 from treeserve.models.synthetic import random_model
 
@@ -121,6 +122,11 @@ def test_ineligible_steps_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = KVPool(2, 4, 4, model.config.num_kv_heads, model.config.head_dim, torch.float32)
     meta = AttentionMetadata.build([3], [3], [[1]], 4)
     model(torch.tensor([1, 2, 3]), torch.arange(3), pool, torch.tensor([4, 5, 6]), meta, torch.tensor([2]))
+    # While Dynamo traces, and on a batch-invariant model (row-tiled projections).
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        decode_step(model, [3], 4, 0, fused=True)
+    decode_step(make_batch_invariant(gguf_model()), [3], 4, 0, fused=True)
     # A dense (not GGUF-packed) model has no plan.
     dense = random_model(tiny_config(num_layers=1, head_dim=32))
     assert dense.decode_plan() is None
@@ -154,6 +160,13 @@ def test_bad_operands_are_named() -> None:
         run(torch.tensor([2]), torch.tensor([6.0]))
     with pytest.raises(ValueError, match="positions and out_slots must be"):
         run(torch.tensor([2, 3]), torch.tensor([6]))
+    bad_meta = AttentionMetadata.build([1], [3], [[4]], 4)  # page 4 of a 4-page pool
+    previous = set_debug_checks(True)
+    try:
+        with pytest.raises(ValueError, match="kv_page_indices must lie in"):
+            run_decode_layers(plan, h, model.rope_cache, torch.tensor([2]), pool, torch.tensor([6]), bad_meta)
+    finally:
+        set_debug_checks(previous)
     k0 = pool.k_caches[0].clone()
     with pytest.raises(ValueError, match="need L >= 1"):
         torch.ops.treeserve.decode_layers(

@@ -10,9 +10,10 @@ removes is ~25 small torch calls and the Python between them, per layer.
 every projection is a bias-free GGUF ``PackedLinear`` served by the C++ operator, all operators
 built); :func:`run_decode_layers` then applies it to a step when the step is a pure decode step
 (one query per request), small enough for the packed path, served by the ``cpu`` attention
-backend, and not being traced by ``torch.compile`` (the compiled path keeps the layer modules;
-the operator has a fake implementation, so it could be traced too). Otherwise it returns
-``None`` and the caller runs its layers in Python.
+backend, and Dynamo is not tracing (the operator has a fake implementation and passes
+``opcheck``, but compiled steps keep the layer modules). Otherwise it returns ``None`` and the
+caller runs its layers in Python. Slots and positions are range-checked in C++ on every call;
+with ``TREESERVE_DEBUG_CHECKS=1`` the page indices are too, once per step (as ``paged_attention``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 from treeserve._cpp import load_cpp_op
 from treeserve.kvcache import AttentionMetadata, KVPool
 from treeserve.kvcache.backends import select_backend
+from treeserve.kvcache._checks import check_range, debug_checks_enabled
 from treeserve.kvcache._cpu_op import load_cpu_decode_op
 from treeserve.models._norm_op import load_norm_op
 from treeserve.models.gguf_op import load_gguf_linear_op
@@ -119,6 +121,10 @@ def run_decode_layers(
     kernel = meta.attention_backend or select_backend("paged_attention", "auto", h.device, h.dtype)
     if kernel.name != "cpu":
         return None
+    key = ("pages_checked", kv.k_caches[0].shape[0])
+    if debug_checks_enabled() and key not in meta.derived:  # as paged_attention: once per step
+        check_range("kv_page_indices", meta.kv_page_indices, 0, kv.k_caches[0].shape[0])
+        meta.derived[key] = True
     indices = meta.derived.get("decode_layers_int32")
     if indices is None:  # once per step, shared with nothing else
         indices = meta.derived["decode_layers_int32"] = tuple(

@@ -241,8 +241,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"kv has {len(kv.k_caches)} layers, the model has {len(self.layers)}")
         dtype = self.dtype
         h = self.embed_tokens(input_ids).to(dtype)
-        plan = self.decode_plan()
-        if plan is not None:  # decode steps of a GGUF-packed float32 CPU model: one C++ call
+        # Decode steps of a GGUF-packed float32 CPU model: one C++ call for all layers (eager only;
+        # batch-invariant models keep their row-tiled projections).
+        fusable = not torch.compiler.is_compiling() and getattr(self, "batch_invariant_tile", None) is None
+        plan = self.decode_plan() if fusable else None
+        if plan is not None:
             out = run_decode_layers(plan, h, self.rope_cache, positions, kv, out_slots, meta)
             if out is not None:
                 return self.lm_head(self.norm(out[logits_indices]).float())
