@@ -1,8 +1,9 @@
 """The fused C++ decode path (``treeserve::decode_layers``) against the Python layer path.
 
 Both run the same operators in the same order, so logits and every layer's KV cache must agree
-bit for bit; fallbacks (prefill, too many rows, non-GGUF models, compile) must leave the Python
-path in charge; bad operands must fail with the field named.
+bit for bit (GGUF-packed, dense and mixed projections); fallbacks (prefill, int4-plane codes,
+biases, compile, batch invariance) must leave the Python path in charge; bad operands must fail
+with the field named.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from hypothesis import strategies as st
 
 from treeserve.kvcache import AttentionMetadata, KVPool, set_debug_checks
 from treeserve.models import LlamaForCausalLM
-from treeserve.models._decode_op import load_decode_op, run_decode_layers
+from treeserve.models._decode_op import _operands, load_decode_op, run_decode_layers
 from treeserve.models.config import tiny_config
 from treeserve.models.gguf_op import GGUFWeight
 from treeserve.models.invariant import make_batch_invariant
-from treeserve.models.quant import PackedLinear
+from treeserve.models.quant import PackedLinear, quantize_int4
 from treeserve.models.synthetic import random_model
 
 requires_op = pytest.mark.skipif(load_decode_op() is not None, reason="C++ decode_layers operator unavailable")
@@ -70,15 +71,16 @@ def decode_step(model: LlamaForCausalLM, ctx: list[int], page_size: int, seed: i
 
 
 @requires_op
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     batch=st.integers(1, 8),
     page_size=st.sampled_from([1, 4, 16]),
     max_ctx=st.integers(1, 70),
+    max_rows=st.sampled_from([0, 3, 8]),  # 0: every projection dense; 3: mixed by batch
     seed=st.integers(0, 2**16),
 )
-def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, seed: int) -> None:
-    model = gguf_model(seed=seed % 3)
+def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_rows: int, seed: int) -> None:
+    model = gguf_model(seed=seed % 3, max_rows=max_rows)
     ctx = np.random.default_rng(seed).integers(1, max_ctx + 1, batch).tolist()
     ref = decode_step(model, ctx, page_size, seed, fused=False)
     got = decode_step(model, ctx, page_size, seed, fused=True)
@@ -92,9 +94,20 @@ def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, seed
 
 
 @requires_op
+def test_dense_model_equals_python_path() -> None:
+    """Plain ``Linear`` projections (an HF checkpoint without quantization) take the operator too."""
+    model = random_model(tiny_config(num_layers=3, head_dim=32), seed=1)
+    assert model.decode_plan() is not None
+    ref = decode_step(model, [1, 17, 40, 9], 4, 3, fused=False)
+    got = decode_step(model, [1, 17, 40, 9], 4, 3, fused=True)
+    assert torch.equal(ref[0], got[0])
+    assert all(torch.equal(x, y) for x, y in zip(ref[1] + ref[2], got[1] + got[2]))
+
+
+@requires_op
 def test_fused_path_runs_and_writes_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused operator is what serves an eligible step (not a silent fallback)."""
-    model = gguf_model()
+    model = gguf_model(max_rows=2)
     calls = []
     real = torch.ops.treeserve.decode_layers
 
@@ -112,13 +125,20 @@ def test_ineligible_steps_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args):  # type: ignore[no-untyped-def]
         raise AssertionError("decode_layers must not be called")
 
-    # Too many rows for the packed path.
-    model = gguf_model(max_rows=2)
-    monkeypatch.setattr(torch.ops.treeserve, "decode_layers", boom)
-    decode_step(model, [3, 4, 5], 4, 0, fused=True)
+    # Int4-plane codes (torch's int4 kernel) at a batch they serve; above it the dense weight.
+    model = random_model(tiny_config(num_layers=1, head_dim=32))
+    layer = model.layers[0]
+    for name in PROJS:
+        parent, _, attr = name.rpartition(".")
+        codes = quantize_int4(layer.get_submodule(name).weight.detach())
+        packed = PackedLinear(codes, codes.dequantize().float(), None, torch.float32, packed_max_rows=2)
+        setattr(layer.get_submodule(parent), attr, packed)
     assert model.decode_plan() is not None
-    # A prefill step (qo_len > 1).
+    decode_step(model, [3, 4, 5], 4, 0, fused=True)  # 3 rows: dense, fused
+    monkeypatch.setattr(torch.ops.treeserve, "decode_layers", boom)
+    decode_step(model, [3, 4], 4, 0, fused=True)
     model = gguf_model()
+    # A prefill step (qo_len > 1).
     pool = KVPool(2, 4, 4, model.config.num_kv_heads, model.config.head_dim, torch.float32)
     meta = AttentionMetadata.build([3], [3], [[1]], 4)
     model(torch.tensor([1, 2, 3]), torch.arange(3), pool, torch.tensor([4, 5, 6]), meta, torch.tensor([2]))
@@ -127,9 +147,6 @@ def test_ineligible_steps_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
         m.setattr(torch.compiler, "is_compiling", lambda: True)
         decode_step(model, [3], 4, 0, fused=True)
     decode_step(make_batch_invariant(gguf_model()), [3], 4, 0, fused=True)
-    # A dense (not GGUF-packed) model has no plan.
-    dense = random_model(tiny_config(num_layers=1, head_dim=32))
-    assert dense.decode_plan() is None
     # A bias on a projection.
     biased = gguf_model(attention_bias=True)
     assert biased.decode_plan() is None
@@ -170,7 +187,7 @@ def test_bad_operands_are_named() -> None:
     k0 = pool.k_caches[0].clone()
     with pytest.raises(ValueError, match="need L >= 1"):
         torch.ops.treeserve.decode_layers(
-            h, model.rope_cache, torch.tensor([2]), plan.norms[:-1], plan.projs, plan.qtypes, pool.k_caches,
+            h, model.rope_cache, torch.tensor([2]), plan.norms[:-1], *_operands(plan, 1), pool.k_caches,
             pool.v_caches, torch.tensor([6]), meta.kv_indptr, meta.kv_page_indices, meta.kv_last_page_len,
             cfg.num_heads, cfg.num_kv_heads, plan.eps, plan.scale,
         )
@@ -178,15 +195,16 @@ def test_bad_operands_are_named() -> None:
 
 
 @requires_op
-def test_opcheck() -> None:
-    model = gguf_model()
+@pytest.mark.parametrize("rows", [2, 3])  # GGUF blocks; dense weights (max_rows 2)
+def test_opcheck(rows: int) -> None:
+    model = gguf_model(max_rows=2)
     plan = model.decode_plan()
     cfg = model.config
     pool = KVPool(2, 4, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     meta = AttentionMetadata.build([1, 1], [3, 6], [[1], [2, 3]], 4)
     args = (
-        torch.randn(2, cfg.hidden_size), model.rope_cache, torch.tensor([2, 5]), plan.norms, plan.projs,
-        plan.qtypes, pool.k_caches, pool.v_caches, torch.tensor([6, 13]), meta.kv_indptr, meta.kv_page_indices,
+        torch.randn(2, cfg.hidden_size), model.rope_cache, torch.tensor([2, 5]), plan.norms,
+        *_operands(plan, rows), pool.k_caches, pool.v_caches, torch.tensor([6, 13]), meta.kv_indptr, meta.kv_page_indices,
         meta.kv_last_page_len, cfg.num_heads, cfg.num_kv_heads, plan.eps, plan.scale,
     )
     torch.library.opcheck(torch.ops.treeserve.decode_layers.default, args)

@@ -7,11 +7,13 @@ the way torch's kernels round, so its hidden states equal the Python path's bit 
 removes is ~25 small torch calls and the Python between them, per layer.
 
 :func:`decode_plan` decides once per model whether the fast path exists (float32 CPU model whose
-every projection is a bias-free GGUF ``PackedLinear`` served by the C++ operator, all operators
-built); :func:`run_decode_layers` then applies it to a step when the step is a pure decode step
-(one query per request), small enough for the packed path, served by the ``cpu`` attention
-backend, and Dynamo is not tracing (the operator has a fake implementation and passes
-``opcheck``, but compiled steps keep the layer modules). Otherwise it returns ``None`` and the
+every projection is bias-free and either the model's ``Linear`` or a ``PackedLinear``, all
+operators built); :func:`run_decode_layers` then applies it to a step when the step is a pure
+decode step (one query per request) served by the ``cpu`` attention backend, each projection
+taking the path ``PackedLinear.forward`` would (GGUF blocks up to ``packed_max_rows`` rows,
+``F.linear`` on the dense weight above; int4-plane codes only above), and Dynamo is not tracing
+(the operator has a fake implementation and passes ``opcheck``, but compiled steps keep the layer
+modules). Otherwise it returns ``None`` and the
 caller runs its layers in Python. Slots and positions are range-checked in C++ on every call;
 with ``TREESERVE_DEBUG_CHECKS=1`` the page indices are too, once per step (as ``paged_attention``).
 """
@@ -33,6 +35,7 @@ from treeserve.kvcache._checks import check_range, debug_checks_enabled
 from treeserve.kvcache._cpu_op import load_cpu_decode_op
 from treeserve.models._norm_op import load_norm_op
 from treeserve.models.gguf_op import load_gguf_linear_op
+from treeserve.models.quant import PackedLinear
 
 __all__ = ["DecodePlan", "SOURCE", "decode_plan", "load_decode_op", "run_decode_layers"]
 
@@ -57,43 +60,99 @@ def load_decode_op() -> str | None:
     return load_cpp_op(SOURCE, "decode_layers", "C++ fused decode layers", _fake)
 
 
+class _Proj(NamedTuple):
+    """One projection as ``PackedLinear.forward`` would run it: packed (``raw`` GGUF blocks, when
+    not None) for up to ``max_rows`` rows, else ``F.linear`` on the dense float32 ``weight``."""
+
+    raw: torch.Tensor | None
+    qtype: str | None
+    weight: torch.Tensor
+    max_rows: int
+
+
 class DecodePlan(NamedTuple):
-    """A model's per-layer operands for ``decode_layers``, gathered once."""
+    """A model's per-layer operands for ``decode_layers``, gathered once; ``variants`` memoizes
+    the operand lists per pattern of packed/dense choices (row count vs each ``max_rows``)."""
 
     norms: list[torch.Tensor]
-    projs: list[torch.Tensor]
-    qtypes: list[str]
-    max_rows: int
+    projs: list[_Proj]
+    thresholds: tuple[int, ...]
     num_heads: int
     num_kv_heads: int
     eps: float
     scale: float
+    variants: dict[tuple[bool, ...], tuple[list[torch.Tensor], list[str]] | None]
 
 
-def decode_plan(layers: Sequence[nn.Module], num_heads: int, num_kv_heads: int) -> DecodePlan | None:
+def _proj(module: nn.Module, dense_type: type[nn.Module]) -> _Proj | None:
+    """How ``module`` multiplies (see ``_Proj``), or None when the operator cannot (bias, other
+    module types, a weight that is not float32 on CPU)."""
+    weight = getattr(module, "weight", None)
+    if (
+        getattr(module, "bias", True) is not None
+        or not isinstance(weight, torch.Tensor)
+        or weight.dtype != torch.float32
+        or weight.device.type != "cpu"
+    ):
+        return None
+    if "forward" in vars(module):  # a wrapped forward (e.g. batch-invariant row tiles)
+        return None
+    if type(module) is dense_type:
+        return _Proj(None, None, weight, 0)
+    if not isinstance(module, PackedLinear):
+        return None
+    if module.qtype is None:  # Int4Planes: torch's int4 kernel, not in the operator
+        return _Proj(None, None, weight, module.packed_max_rows)
+    if not module.use_op:  # packed_forward is F.linear on the dense weight
+        return _Proj(None, None, weight, 0)
+    return _Proj(module.raw, module.qtype, weight, module.packed_max_rows)
+
+
+def decode_plan(
+    layers: Sequence[nn.Module], num_heads: int, num_kv_heads: int, dense_type: type[nn.Module]
+) -> DecodePlan | None:
     """The plan for ``layers`` (``DecoderLayer`` modules), or ``None`` when the fused operator
-    cannot serve them: not float32 on CPU, a projection that is not a bias-free GGUF
-    ``PackedLinear`` using the C++ operator, or an operator that does not build."""
+    cannot serve them: not float32 on CPU, a projection with a bias or that is neither a
+    ``dense_type`` (the model's ``x @ weight.T`` module) nor a ``PackedLinear``, or an operator
+    that does not build."""
+    if not layers:
+        return None
+    eps = layers[0].input_layernorm.eps
     norms: list[torch.Tensor] = []
-    projs: list[torch.Tensor] = []
-    qtypes: list[str] = []
-    max_rows = None
+    projs: list[_Proj] = []
     for layer in layers:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu" or norm.eps != layers[0].input_layernorm.eps:
+            if norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu" or norm.eps != eps:
                 return None
             norms.append(norm.weight)
         for name in _PROJS:
-            proj = layer.get_submodule(name)
-            if getattr(proj, "qtype", None) is None or not proj.use_op or proj.bias is not None:
+            proj = _proj(layer.get_submodule(name), dense_type)
+            if proj is None:
                 return None
-            projs.append(proj.raw)
-            qtypes.append(proj.qtype)
-            max_rows = proj.packed_max_rows if max_rows is None else min(max_rows, proj.packed_max_rows)
-    if not layers or not max_rows or load_decode_op() is not None:
+            projs.append(proj)
+    if load_decode_op() is not None:
         return None
-    attn = layers[0].self_attn
-    return DecodePlan(norms, projs, qtypes, max_rows, num_heads, num_kv_heads, layers[0].input_layernorm.eps, attn.scale)
+    thresholds = tuple(sorted({p.max_rows for p in projs}))
+    return DecodePlan(norms, projs, thresholds, num_heads, num_kv_heads, eps, layers[0].self_attn.scale, {})
+
+
+def _operands(plan: DecodePlan, rows: int) -> tuple[list[torch.Tensor], list[str]] | None:
+    """The projection operands for a step of ``rows`` rows (None: a projection would take a
+    packed path the operator lacks)."""
+    key = tuple(rows <= t for t in plan.thresholds)
+    if key not in plan.variants:
+        tensors: list[torch.Tensor] = []
+        qtypes: list[str] = []
+        for p in plan.projs:
+            packed = rows <= p.max_rows
+            if packed and p.raw is None:
+                plan.variants[key] = None
+                break
+            tensors.append(p.raw if packed else p.weight)
+            qtypes.append(p.qtype if packed else "dense")
+        else:
+            plan.variants[key] = (tensors, qtypes)
+    return plan.variants[key]
 
 
 def run_decode_layers(
@@ -109,14 +168,16 @@ def run_decode_layers(
     serves (see module): then nothing was written."""
     n = h.shape[0]
     if (
-        n > plan.max_rows
-        or n != meta.num_qo_tokens
+        n != meta.num_qo_tokens
         or meta.num_qo_tokens != meta.batch_size
         or torch.compiler.is_compiling()
         or h.dtype != torch.float32
         or kv.k_caches[0].dtype != torch.float32
         or kv.k_caches[0].shape[1] != meta.page_size
     ):
+        return None
+    operands = _operands(plan, n)
+    if operands is None:
         return None
     kernel = meta.attention_backend or select_backend("paged_attention", "auto", h.device, h.dtype)
     if kernel.name != "cpu":
@@ -131,6 +192,6 @@ def run_decode_layers(
             t.int() for t in (meta.kv_indptr, meta.kv_page_indices, meta.kv_last_page_len)
         )
     return torch.ops.treeserve.decode_layers(
-        h, rope_table, positions, plan.norms, plan.projs, plan.qtypes, kv.k_caches, kv.v_caches, out_slots,
+        h, rope_table, positions, plan.norms, *operands, kv.k_caches, kv.v_caches, out_slots,
         *indices, plan.num_heads, plan.num_kv_heads, plan.eps, plan.scale,
     )

@@ -204,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         is not eligible (computed once; packing the model after the first forward needs ``_apply``
         or a fresh model to be noticed)."""
         if self._decode_plan is False:
-            self._decode_plan = decode_plan(list(self.layers), self.config.num_heads, self.config.num_kv_heads)
+            self._decode_plan = decode_plan(list(self.layers), self.config.num_heads, self.config.num_kv_heads, Linear)
         return self._decode_plan
 
     @property
@@ -241,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"kv has {len(kv.k_caches)} layers, the model has {len(self.layers)}")
         dtype = self.dtype
         h = self.embed_tokens(input_ids).to(dtype)
-        # Decode steps of a GGUF-packed float32 CPU model: one C++ call for all layers (eager only;
+        # Decode steps of a float32 CPU model: one C++ call for all layers (eager only;
         # batch-invariant models keep their row-tiled projections).
         fusable = not torch.compiler.is_compiling() and getattr(self, "batch_invariant_tile", None) is None
         plan = self.decode_plan() if fusable else None

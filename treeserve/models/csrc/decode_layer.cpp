@@ -1,7 +1,7 @@
-// treeserve::decode_layers: every decoder layer of a GGUF-packed Llama model for one decode step
-// (M tokens, one per request), in one call. Per layer, exactly the Python path's sequence:
+// treeserve::decode_layers: every decoder layer of a float32 Llama model for one decode step (M
+// tokens, one per request), in one call. Per layer, exactly the Python path's sequence:
 //   normed = rms_norm(x)                        treeserve::add_rms_norm
-//   qkv    = normed @ Wqkv^T                     treeserve::gguf_linear
+//   qkv    = normed @ Wqkv^T                     treeserve::gguf_linear (GGUF blocks) or at::linear
 //   q, k   = rope(q, k) (rotate-half); store k, v at slots[i] of the layer's caches
 //   o      = paged decode attention(q)           treeserve::paged_decode_attention
 //   x, normed = x + o @ Wo^T, rms_norm(...)      gguf_linear, add_rms_norm
@@ -82,6 +82,17 @@ void rope_store(const float* qkv, const float* table, const int64_t* pos, const 
   }
 }
 
+// x @ w^T: qtype "dense" = a float32 weight [N, K] through at::linear (what F.linear runs), else GGUF
+// blocks through treeserve::gguf_linear.
+at::Tensor project(const Ops& op, const at::Tensor& x, const at::Tensor& w, const std::string& qtype, int64_t k) {
+  if (qtype == "dense") {
+    TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == k && w.scalar_type() == at::kFloat,
+                      "a dense projection must be a float32 [N, ", k, "] weight, got ", w.sizes(), " ", w.scalar_type());
+    return at::linear(x, w);
+  }
+  return op.linear.call(x, w, qtype, k);
+}
+
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
@@ -143,7 +154,7 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
   at::Tensor x = h.contiguous();
   at::Tensor normed = std::get<1>(op.norm.call(x, std::nullopt, norms[0], eps));
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor qkv = op.linear.call(normed, projs[4 * l], qtypes.get(4 * l), hidden);
+    const at::Tensor qkv = project(op, normed, projs[4 * l], qtypes.get(4 * l), hidden);
     TORCH_CHECK_VALUE(qkv.size(1) == q_size + 2 * num_kv_heads * dim, "projs[", 4 * l,
                       "] (qkv) must have (num_heads + 2 num_kv_heads) * head_dim rows, got ", qkv.size(1));
     at::Tensor q = at::empty({m, num_heads, dim}, h.options());
@@ -151,13 +162,13 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
                k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>(), m, num_heads, num_kv_heads, dim);
     const at::Tensor o = op.attn.call(q, k_caches[l], v_caches[l], kv_indptr, kv_page_indices, kv_last_page_len,
                                       scale);
-    const at::Tensor attn = op.linear.call(o.view({m, q_size}), projs[4 * l + 1], qtypes.get(4 * l + 1), q_size);
+    const at::Tensor attn = project(op, o.view({m, q_size}), projs[4 * l + 1], qtypes.get(4 * l + 1), q_size);
     std::tie(x, normed) = op.norm.call(x, attn, norms[2 * l + 1], eps);
-    const at::Tensor gu = op.linear.call(normed, projs[4 * l + 2], qtypes.get(4 * l + 2), hidden);
+    const at::Tensor gu = project(op, normed, projs[4 * l + 2], qtypes.get(4 * l + 2), hidden);
     const int64_t inter = gu.size(1) / 2;
     at::Tensor act = at::silu(gu.narrow(1, 0, inter));
     act.mul_(gu.narrow(1, inter, inter));
-    const at::Tensor down = op.linear.call(act, projs[4 * l + 3], qtypes.get(4 * l + 3), inter);
+    const at::Tensor down = project(op, act, projs[4 * l + 3], qtypes.get(4 * l + 3), inter);
     if (l + 1 < layers) {
       std::tie(x, normed) = op.norm.call(x, down, norms[2 * l + 2], eps);
     } else {
