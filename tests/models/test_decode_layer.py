@@ -16,7 +16,7 @@ from gguf.quants import quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeserve.kvcache import AttentionMetadata, KVPool, set_debug_checks
+from treeserve.kvcache import AttentionMetadata, KVPool
 from treeserve.models import LlamaForCausalLM
 from treeserve.models._decode_op import _operands, load_decode_op, run_decode_layers
 from treeserve.models.config import tiny_config
@@ -178,12 +178,8 @@ def test_bad_operands_are_named() -> None:
     with pytest.raises(ValueError, match="positions and out_slots must be"):
         run(torch.tensor([2, 3]), torch.tensor([6]))
     bad_meta = AttentionMetadata.build([1], [3], [[4]], 4)  # page 4 of a 4-page pool
-    previous = set_debug_checks(True)
-    try:
-        with pytest.raises(ValueError, match="kv_page_indices must lie in"):
-            run_decode_layers(plan, h, model.rope_cache, torch.tensor([2]), pool, torch.tensor([6]), bad_meta)
-    finally:
-        set_debug_checks(previous)
+    with pytest.raises(ValueError, match="kv_page_indices must lie in"):
+        run_decode_layers(plan, h, model.rope_cache, torch.tensor([2]), pool, torch.tensor([6]), bad_meta)
     k0 = pool.k_caches[0].clone()
     with pytest.raises(ValueError, match="need L >= 1"):
         torch.ops.treeserve.decode_layers(

@@ -14,8 +14,9 @@ taking the path ``PackedLinear.forward`` would (GGUF blocks up to ``packed_max_r
 ``F.linear`` on the dense weight above; int4-plane codes only above), and Dynamo is not tracing
 (the operator has a fake implementation and passes ``opcheck``, but compiled steps keep the layer
 modules). Otherwise it returns ``None`` and the
-caller runs its layers in Python. Slots and positions are range-checked in C++ on every call;
-with ``TREESERVE_DEBUG_CHECKS=1`` the page indices are too, once per step (as ``paged_attention``).
+caller runs its layers in Python. Slots, positions and the page table (indices in range,
+``kv_indptr`` non-decreasing, last-page lengths in ``[1, page_size]``) are checked in C++ on every
+call, once for all layers (host ints already: no sync).
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from torch import nn
 from treeserve._cpp import load_cpp_op
 from treeserve.kvcache import AttentionMetadata, KVPool
 from treeserve.kvcache.backends import select_backend
-from treeserve.kvcache._checks import check_range, debug_checks_enabled
-from treeserve.kvcache._cpu_op import load_cpu_decode_op
 from treeserve.models._norm_op import load_norm_op
 from treeserve.models.gguf_op import load_gguf_linear_op
 from treeserve.models.quant import PackedLinear
@@ -53,10 +52,14 @@ def _fake(h, rope_table, positions, norms, projs, qtypes, k_caches, v_caches, ou
 def load_decode_op() -> str | None:
     """Build (first time on this host) and load the operator and the three it calls; ``None``
     when all are usable, else the first reason one is not (the Python path then serves)."""
-    for load in (load_gguf_linear_op, load_norm_op, load_cpu_decode_op):
+    for load in (load_gguf_linear_op, load_norm_op):
         reason = load()
         if reason is not None:
             return reason
+    try:  # the C++ decode attention operator, built and loaded by its backend
+        select_backend("paged_attention", "cpu", torch.device("cpu"), torch.float32)
+    except ValueError as exc:
+        return str(exc)
     return load_cpp_op(SOURCE, "decode_layers", "C++ fused decode layers", _fake)
 
 
@@ -108,9 +111,7 @@ def _proj(module: nn.Module, dense_type: type[nn.Module]) -> _Proj | None:
     return _Proj(module.raw, module.qtype, weight, module.packed_max_rows)
 
 
-def decode_plan(
-    layers: Sequence[nn.Module], num_heads: int, num_kv_heads: int, dense_type: type[nn.Module]
-) -> DecodePlan | None:
+def decode_plan(layers: Sequence[nn.Module], dense_type: type[nn.Module]) -> DecodePlan | None:
     """The plan for ``layers`` (``DecoderLayer`` modules), or ``None`` when the fused operator
     cannot serve them: not float32 on CPU, a projection with a bias or that is neither a
     ``dense_type`` (the model's ``x @ weight.T`` module) nor a ``PackedLinear``, or an operator
@@ -118,9 +119,14 @@ def decode_plan(
     if not layers:
         return None
     eps = layers[0].input_layernorm.eps
+    attn = layers[0].self_attn
+    heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
     norms: list[torch.Tensor] = []
     projs: list[_Proj] = []
     for layer in layers:
+        a = layer.self_attn
+        if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) != heads:
+            return None
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu" or norm.eps != eps:
                 return None
@@ -133,7 +139,7 @@ def decode_plan(
     if load_decode_op() is not None:
         return None
     thresholds = tuple(sorted({p.max_rows for p in projs}))
-    return DecodePlan(norms, projs, thresholds, num_heads, num_kv_heads, eps, layers[0].self_attn.scale, {})
+    return DecodePlan(norms, projs, thresholds, attn.num_heads, attn.num_kv_heads, eps, attn.scale, {})
 
 
 def _operands(plan: DecodePlan, rows: int) -> tuple[list[torch.Tensor], list[str]] | None:
@@ -182,10 +188,6 @@ def run_decode_layers(
     kernel = meta.attention_backend or select_backend("paged_attention", "auto", h.device, h.dtype)
     if kernel.name != "cpu":
         return None
-    key = ("pages_checked", kv.k_caches[0].shape[0])
-    if debug_checks_enabled() and key not in meta.derived:  # as paged_attention: once per step
-        check_range("kv_page_indices", meta.kv_page_indices, 0, kv.k_caches[0].shape[0])
-        meta.derived[key] = True
     indices = meta.derived.get("decode_layers_int32")
     if indices is None:  # once per step, shared with nothing else
         indices = meta.derived["decode_layers_int32"] = tuple(

@@ -204,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         is not eligible (computed once; packing the model after the first forward needs ``_apply``
         or a fresh model to be noticed)."""
         if self._decode_plan is False:
-            self._decode_plan = decode_plan(list(self.layers), self.config.num_heads, self.config.num_kv_heads, Linear)
+            self._decode_plan = decode_plan(list(self.layers), Linear)
         return self._decode_plan
 
     @property

@@ -93,6 +93,28 @@ at::Tensor project(const Ops& op, const at::Tensor& x, const at::Tensor& w, cons
   return op.linear.call(x, w, qtype, k);
 }
 
+// The attention operator reads the pages it is given unchecked: check the table once per call.
+void check_pages(const at::Tensor& indptr, const at::Tensor& pages, const at::Tensor& last, int64_t batch,
+                 int64_t num_pages, int64_t page_size) {
+  for (const auto* t : {&indptr, &pages, &last})
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(),
+                     "kv_indptr, kv_page_indices and kv_last_page_len must be contiguous 1-D int32");
+  TORCH_CHECK_VALUE(indptr.size(0) == batch + 1 && last.size(0) == batch, "kv_indptr must be [M + 1 = ",
+                    batch + 1, "] and kv_last_page_len [M], got ", indptr.sizes(), " and ", last.sizes());
+  const int32_t* ip = indptr.data_ptr<int32_t>();
+  const int32_t* lp = last.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(ip[0] == 0 && ip[batch] <= pages.size(0), "kv_indptr must start at 0 and end at most at ",
+                    pages.size(0), " (the page indices), got ", ip[0], " .. ", ip[batch]);
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK_VALUE(ip[b + 1] > ip[b] && lp[b] >= 1 && lp[b] <= page_size, "request ", b,
+                      " must own >= 1 page and a last-page length in [1, ", page_size, "], got ", ip[b + 1] - ip[b],
+                      " pages, last ", lp[b]);
+  const int32_t* pp = pages.data_ptr<int32_t>();
+  for (int64_t i = 0; i < ip[batch]; ++i)
+    TORCH_CHECK_VALUE(pp[i] >= 0 && pp[i] < num_pages, "kv_page_indices must lie in [0, ", num_pages, "), got ",
+                      pp[i]);
+}
+
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
@@ -148,6 +170,7 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
     TORCH_CHECK_VALUE(pp[i] >= 0 && pp[i] < rope_table.size(0), "positions must lie in [0, ",
                       rope_table.size(0), "), got ", pp[i]);
   check_slots(sp, m, num_slots);
+  check_pages(kv_indptr, kv_page_indices, kv_last_page_len, m, kc0.size(0), kc0.size(1));
 
   const Ops& op = ops();
   const int64_t q_size = num_heads * dim;
