@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no C++ toolchain f
     page_size=st.sampled_from([1, 16]),
     hkv=st.sampled_from([1, 2, 3]),
     group=st.sampled_from([1, 3, 4]),
-    head_dim=st.sampled_from([8, 12, 64]),  # 12: an 8-lane part and a scalar tail
+    head_dim=st.sampled_from([8, 12, 64, 128]),  # 12: an 8-lane part and a scalar tail; 64, 128: compile-time sizes
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
 def test_decode_operator_matches_float64_reference(seed, kv, page_size, hkv, group, head_dim, dtype) -> None:

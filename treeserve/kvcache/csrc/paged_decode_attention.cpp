@@ -89,10 +89,12 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
-template <typename T>
+// DIM > 0: head_dim known at compile time (the row loops unroll); 0: dim at run time.
+template <typename T, int64_t DIM>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* indptr, const int32_t* pages,
-                      const int32_t* last_len, T* out, int64_t batch, int64_t hq, int64_t hkv, int64_t dim,
+                      const int32_t* last_len, T* out, int64_t batch, int64_t hq, int64_t hkv, int64_t dim_rt,
                       int64_t page_size, float scale) {
+  const int64_t dim = DIM > 0 ? DIM : dim_rt;
   const int64_t groups = hq / hkv;
   at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(groups * dim), acc(groups * dim), scores(groups * BLOCK);
@@ -110,12 +112,16 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
       const int64_t first_page = indptr[b];
       const int64_t num_pages = indptr[b + 1] - first_page;
       const int64_t len = num_pages > 0 ? (num_pages - 1) * page_size + last_len[b] : 0;
+      int64_t page_no = 0, in_page = 0;  // key t0 + i sits at (page_no, in_page): no division per key
       for (int64_t t0 = 0; t0 < len; t0 += BLOCK) {
         const int64_t n = std::min(BLOCK, len - t0);
         for (int64_t i = 0; i < n; ++i) {
-          const int64_t t = t0 + i;
-          const int64_t page = pages[first_page + t / page_size];
-          offsets[i] = ((page * page_size + t % page_size) * hkv + h) * dim;
+          const int64_t page = pages[first_page + page_no];
+          offsets[i] = ((page * page_size + in_page) * hkv + h) * dim;
+          if (++in_page == page_size) {
+            in_page = 0;
+            ++page_no;
+          }
         }
         for (int64_t i = 0; i < std::min(AHEAD, n); ++i) prefetch_row(k_cache + offsets[i], dim);
         for (int64_t i = 0; i < n; ++i) {  // scores: each K row read once (L1) for its G query heads
@@ -150,6 +156,16 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
   });
 }
 
+// The common head sizes get their own instantiation.
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& indptr, const at::Tensor& pages,
+         const at::Tensor& last, at::Tensor& out, int64_t batch, int64_t hq, int64_t hkv, int64_t dim,
+         int64_t page_size, float scale) {
+  auto* fn = dim == 64 ? &decode_attention<T, 64> : (dim == 128 ? &decode_attention<T, 128> : &decode_attention<T, 0>);
+  fn(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), indptr.data_ptr<int32_t>(), pages.data_ptr<int32_t>(),
+     last.data_ptr<int32_t>(), out.data_ptr<T>(), batch, hq, hkv, dim, page_size, scale);
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& kv_indptr, const at::Tensor& kv_page_indices,
                                   const at::Tensor& kv_last_page_len, double scale) {
@@ -171,15 +187,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty_like(qc);
   const float s = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
-    decode_attention<float>(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                            indptr.data_ptr<int32_t>(), pages.data_ptr<int32_t>(), last.data_ptr<int32_t>(),
-                            out.data_ptr<float>(), batch, hq, hkv, dim, page_size, s);
+    run<float>(qc, k_cache, v_cache, indptr, pages, last, out, batch, hq, hkv, dim, page_size, s);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_decode_attention supports float32 and bfloat16");
-    using B16 = c10::BFloat16;
-    decode_attention<B16>(qc.data_ptr<B16>(), k_cache.data_ptr<B16>(), v_cache.data_ptr<B16>(),
-                          indptr.data_ptr<int32_t>(), pages.data_ptr<int32_t>(), last.data_ptr<int32_t>(),
-                          out.data_ptr<B16>(), batch, hq, hkv, dim, page_size, s);
+    run<c10::BFloat16>(qc, k_cache, v_cache, indptr, pages, last, out, batch, hq, hkv, dim, page_size, s);
   }
   return out;
 }
