@@ -147,6 +147,10 @@ def test_ineligible_steps_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
         m.setattr(torch.compiler, "is_compiling", lambda: True)
         decode_step(model, [3], 4, 0, fused=True)
     decode_step(make_batch_invariant(gguf_model()), [3], 4, 0, fused=True)
+    # Weights that require grad, with grad enabled (the operator has no autograd formula).
+    model = gguf_model(max_rows=0)
+    model.layers[0].input_layernorm.weight.requires_grad_(True)
+    decode_step(model, [3], 4, 0, fused=True)
     # A bias on a projection.
     biased = gguf_model(attention_bias=True)
     assert biased.decode_plan() is None

@@ -161,6 +161,10 @@ def _operands(plan: DecodePlan, rows: int) -> tuple[list[torch.Tensor], list[str
     return plan.variants[key]
 
 
+def _needs_grad(plan: DecodePlan, h: torch.Tensor, projs: list[torch.Tensor]) -> bool:
+    return h.requires_grad or any(t.requires_grad for t in plan.norms) or any(t.requires_grad for t in projs)
+
+
 def run_decode_layers(
     plan: DecodePlan,
     h: torch.Tensor,
@@ -183,8 +187,8 @@ def run_decode_layers(
     ):
         return None
     operands = _operands(plan, n)
-    if operands is None:
-        return None
+    if operands is None or (torch.is_grad_enabled() and _needs_grad(plan, h, operands[0])):
+        return None  # the operator has no autograd formula: differentiable calls stay in Python
     kernel = meta.attention_backend or select_backend("paged_attention", "auto", h.device, h.dtype)
     if kernel.name != "cpu":
         return None
