@@ -192,11 +192,7 @@ def run_decode_layers(
     kernel = meta.attention_backend or select_backend("paged_attention", "auto", h.device, h.dtype)
     if kernel.name != "cpu":
         return None
-    indices = meta.derived.get("decode_layers_int32")
-    if indices is None:  # once per step, shared with nothing else
-        indices = meta.derived["decode_layers_int32"] = tuple(
-            t.int() for t in (meta.kv_indptr, meta.kv_page_indices, meta.kv_last_page_len)
-        )
+    indices = (meta.kv_indptr.int(), meta.kv_page_indices.int(), meta.kv_last_page_len.int())  # int32: no copy
     return torch.ops.treeserve.decode_layers(
         h, rope_table, positions, plan.norms, *operands, kv.k_caches, kv.v_caches, out_slots,
         *indices, plan.num_heads, plan.num_kv_heads, plan.eps, plan.scale,
