@@ -62,10 +62,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sampling", choices=["greedy", "top_p"], default="greedy")
     ap.add_argument("--torch-table", action="store_true")
+    ap.add_argument("--no-fused", action="store_true", help="run the decoder layers in Python even where the "
+                    "fused C++ decode operator (issue 12) would serve the step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     model = load(MODEL, dtype=dtype, quantization=args.quantization).model
+    if args.no_fused:
+        model._decode_plan = None
+    fused = getattr(model, "decode_plan", lambda: None)() is not None
     cfg = model.config
     b, ctx = args.batch, args.context
     kv = KVPool(cfg.num_layers, 1 + b * (ctx + 1), 1, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
@@ -104,7 +109,7 @@ def main() -> None:
     model_name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                        if ln.startswith("model name")), "unknown CPU")
     print(f"# decode step, batch {b} x context {ctx}, {args.dtype}, quantization {args.quantization}, "
-          f"{args.sampling}, {args.threads} threads; {model_name}, load {os.getloadavg()[0]:.2f}")
+          f"{args.sampling}, {args.threads} threads, fused layers {fused}; {model_name}, load {os.getloadavg()[0]:.2f}")
     print(f"| step | {wall * 1e3:.1f} ms | {b / wall:.0f} tok/s |")
     for name in ("gemm", "attention", "norm", "sampling", "rest"):
         print(f"| {name} | {spent.get(name, 0.0) * 1e3:.1f} ms | {100 * spent.get(name, 0.0) / wall:.0f}% |")

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeserve.kvcache import AttentionMetadata, KVPool, paged_attention, store_kv
+from treeserve.models._decode_op import DecodePlan, decode_plan, run_decode_layers
 from treeserve.models._norm_op import add_rms_norm
 from treeserve.models.config import ModelConfig
 from treeserve.models.rope import apply_rope, rope_table
@@ -190,6 +191,22 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cache", rope_table(config).to(device), persistent=False)
 
+    _decode_plan: DecodePlan | None | bool = False
+    """The fused decode operator's plan (``_decode_op``), ``None`` when it cannot serve this
+    model, ``False`` until first needed (reset whenever tensors move: ``_apply``)."""
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self._decode_plan = False
+        return super()._apply(fn, recurse)
+
+    def decode_plan(self) -> DecodePlan | None:
+        """The plan of the fused C++ decode path (``_decode_op``), or ``None`` when this model
+        is not eligible (computed once; packing the model after the first forward needs ``_apply``
+        or a fresh model to be noticed)."""
+        if self._decode_plan is False:
+            self._decode_plan = decode_plan(list(self.layers), Linear)
+        return self._decode_plan
+
     @property
     def dtype(self) -> torch.dtype:
         """Compute dtype of the decoder layers and KV (the LM head and logits are float32)."""
@@ -223,9 +240,17 @@ class LlamaForCausalLM(nn.Module):
         if len(kv.k_caches) != len(self.layers):
             raise ValueError(f"kv has {len(kv.k_caches)} layers, the model has {len(self.layers)}")
         dtype = self.dtype
+        h = self.embed_tokens(input_ids).to(dtype)
+        # Decode steps of a float32 CPU model: one C++ call for all layers (eager only;
+        # batch-invariant models keep their row-tiled projections).
+        fusable = not torch.compiler.is_compiling() and getattr(self, "batch_invariant_tile", None) is None
+        plan = self.decode_plan() if fusable else None
+        if plan is not None:
+            out = run_decode_layers(plan, h, self.rope_cache, positions, kv, out_slots, meta)
+            if out is not None:
+                return self.lm_head(self.norm(out[logits_indices]).float())
         cos_sin = self.rope_cache[positions].to(dtype)  # [N, 2, D/2]
         cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]
-        h = self.embed_tokens(input_ids).to(dtype)
         for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches):
             h = layer(h, cos, sin, k_cache, v_cache, out_slots, meta)
         return self.lm_head(self.norm(h[logits_indices]).float())

@@ -1,0 +1,210 @@
+"""The fused C++ decode path (``treeserve::decode_layers``) against the Python layer path.
+
+Both run the same operators in the same order, so logits and every layer's KV cache must agree
+bit for bit (GGUF-packed, dense and mixed projections); fallbacks (prefill, int4-plane codes,
+biases, compile, batch invariance) must leave the Python path in charge; bad operands must fail
+with the field named.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treeserve.kvcache import AttentionMetadata, KVPool
+from treeserve.models import LlamaForCausalLM
+from treeserve.models._decode_op import _operands, load_decode_op, run_decode_layers
+from treeserve.models.config import tiny_config
+from treeserve.models.gguf_op import GGUFWeight
+from treeserve.models.invariant import make_batch_invariant
+from treeserve.models.quant import PackedLinear, quantize_int4
+from treeserve.models.synthetic import random_model
+
+requires_op = pytest.mark.skipif(load_decode_op() is not None, reason="C++ decode_layers operator unavailable")
+PROJS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def gguf_model(seed: int = 0, max_rows: int = 8, num_layers: int = 2, **overrides: object) -> LlamaForCausalLM:
+    """A random float32 model whose projections are GGUF ``PackedLinear`` (qtypes mixed per layer)."""
+    config = tiny_config(num_layers=num_layers, head_dim=32, **overrides)
+    model = random_model(config, seed=seed, init_std=0.05)
+    for i, layer in enumerate(model.layers):
+        for j, name in enumerate(PROJS):
+            mod = layer.get_submodule(name)
+            dense = mod.weight.detach()
+            qtype = QTYPES[(i + j) % len(QTYPES)]
+            raw = quantize(dense.numpy(), GGMLQuantizationType[qtype])
+            codes = GGUFWeight.from_bytes(qtype, raw, tuple(dense.shape))
+            parent, _, attr = name.rpartition(".")
+            setattr(layer.get_submodule(parent), attr, PackedLinear(codes, codes.dequantize(), mod.bias, packed_max_rows=max_rows))
+    return model
+
+
+def decode_step(model: LlamaForCausalLM, ctx: list[int], page_size: int, seed: int, fused: bool):
+    """One decode step (one new token per request, after ``ctx[b] - 1`` cached random tokens of
+    KV) on a pool filled with random K/V; returns ``(logits, k_caches, v_caches)``."""
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    pages_per = [-(-c // page_size) for c in ctx]
+    num_pages = 1 + sum(pages_per)
+    pool = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    for c in pool.k_caches + pool.v_caches:
+        c.copy_(torch.randn(c.shape, generator=gen))
+    perm = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    pages, start = [], 0
+    for n in pages_per:
+        pages.append(perm[start : start + n])
+        start += n
+    positions = torch.tensor([c - 1 for c in ctx])
+    slots = torch.tensor([p[(c - 1) // page_size] * page_size + (c - 1) % page_size for p, c in zip(pages, ctx)])
+    ids = torch.randint(0, cfg.vocab_size, (len(ctx),), generator=gen)
+    meta = AttentionMetadata.build([1] * len(ctx), ctx, pages, page_size)
+    model._decode_plan = False if fused else None  # None: the Python path
+    logits = model(ids, positions, pool, slots, meta, torch.arange(len(ctx)))
+    return logits, pool.k_caches, pool.v_caches
+
+
+@requires_op
+@settings(max_examples=16, deadline=None)
+@given(
+    batch=st.integers(1, 8),
+    page_size=st.sampled_from([1, 4, 16]),
+    max_ctx=st.integers(1, 70),
+    max_rows=st.sampled_from([0, 3, 8]),  # 0: every projection dense; 3: mixed by batch
+    seed=st.integers(0, 2**16),
+)
+def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_rows: int, seed: int) -> None:
+    model = gguf_model(seed=seed % 3, max_rows=max_rows)
+    ctx = np.random.default_rng(seed).integers(1, max_ctx + 1, batch).tolist()
+    ref = decode_step(model, ctx, page_size, seed, fused=False)
+    got = decode_step(model, ctx, page_size, seed, fused=True)
+    assert model.decode_plan() is not None
+    for a, b in zip(ref, got):
+        if isinstance(a, list):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+        else:
+            assert torch.equal(a, b)
+
+
+@requires_op
+def test_dense_model_equals_python_path() -> None:
+    """Plain ``Linear`` projections (an HF checkpoint without quantization) take the operator too."""
+    model = random_model(tiny_config(num_layers=3, head_dim=32), seed=1)
+    assert model.decode_plan() is not None
+    ref = decode_step(model, [1, 17, 40, 9], 4, 3, fused=False)
+    got = decode_step(model, [1, 17, 40, 9], 4, 3, fused=True)
+    assert torch.equal(ref[0], got[0])
+    assert all(torch.equal(x, y) for x, y in zip(ref[1] + ref[2], got[1] + got[2]))
+
+
+@requires_op
+def test_fused_path_runs_and_writes_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused operator is what serves an eligible step (not a silent fallback)."""
+    model = gguf_model(max_rows=2)
+    calls = []
+    real = torch.ops.treeserve.decode_layers
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.treeserve, "decode_layers", spy)
+    _, k, _ = decode_step(model, [5, 9, 1], 4, 0, fused=True)
+    assert calls == [3]
+
+
+@requires_op
+def test_ineligible_steps_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args):  # type: ignore[no-untyped-def]
+        raise AssertionError("decode_layers must not be called")
+
+    # Int4-plane codes (torch's int4 kernel) at a batch they serve; above it the dense weight.
+    model = random_model(tiny_config(num_layers=1, head_dim=32))
+    layer = model.layers[0]
+    for name in PROJS:
+        parent, _, attr = name.rpartition(".")
+        codes = quantize_int4(layer.get_submodule(name).weight.detach())
+        packed = PackedLinear(codes, codes.dequantize().float(), None, torch.float32, packed_max_rows=2)
+        setattr(layer.get_submodule(parent), attr, packed)
+    assert model.decode_plan() is not None
+    decode_step(model, [3, 4, 5], 4, 0, fused=True)  # 3 rows: dense, fused
+    monkeypatch.setattr(torch.ops.treeserve, "decode_layers", boom)
+    decode_step(model, [3, 4], 4, 0, fused=True)
+    model = gguf_model()
+    # A prefill step (qo_len > 1).
+    pool = KVPool(2, 4, 4, model.config.num_kv_heads, model.config.head_dim, torch.float32)
+    meta = AttentionMetadata.build([3], [3], [[1]], 4)
+    model(torch.tensor([1, 2, 3]), torch.arange(3), pool, torch.tensor([4, 5, 6]), meta, torch.tensor([2]))
+    # While Dynamo traces, and on a batch-invariant model (row-tiled projections).
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        decode_step(model, [3], 4, 0, fused=True)
+    decode_step(make_batch_invariant(gguf_model()), [3], 4, 0, fused=True)
+    # Weights that require grad, with grad enabled (the operator has no autograd formula).
+    model = gguf_model(max_rows=0)
+    model.layers[0].input_layernorm.weight.requires_grad_(True)
+    decode_step(model, [3], 4, 0, fused=True)
+    # A bias on a projection.
+    biased = gguf_model(attention_bias=True)
+    assert biased.decode_plan() is None
+
+
+@requires_op
+def test_plan_dropped_on_apply() -> None:
+    model = gguf_model()
+    assert model.decode_plan() is not None
+    model.to(torch.bfloat16)
+    assert model.decode_plan() is None
+
+
+@requires_op
+def test_bad_operands_are_named() -> None:
+    model = gguf_model()
+    plan = model.decode_plan()
+    cfg = model.config
+    pool = KVPool(2, 4, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    meta = AttentionMetadata.build([1], [3], [[1]], 4)
+    h = torch.randn(1, cfg.hidden_size)
+    run = lambda pos, slots, hh=h: run_decode_layers(plan, hh, model.rope_cache, pos, pool, slots, meta)  # noqa: E731
+    with pytest.raises(ValueError, match="out_slots must lie in"):
+        run(torch.tensor([2]), torch.tensor([16]))
+    with pytest.raises(ValueError, match="positions must lie in"):
+        run(torch.tensor([cfg.max_position_embeddings]), torch.tensor([6]))
+    with pytest.raises(TypeError, match="out_slots must be int32 or int64"):
+        run(torch.tensor([2]), torch.tensor([6.0]))
+    with pytest.raises(ValueError, match="positions and out_slots must be"):
+        run(torch.tensor([2, 3]), torch.tensor([6]))
+    bad_meta = AttentionMetadata.build([1], [3], [[4]], 4)  # page 4 of a 4-page pool
+    with pytest.raises(ValueError, match="kv_page_indices must lie in"):
+        run_decode_layers(plan, h, model.rope_cache, torch.tensor([2]), pool, torch.tensor([6]), bad_meta)
+    k0 = pool.k_caches[0].clone()
+    with pytest.raises(ValueError, match="need L >= 1"):
+        torch.ops.treeserve.decode_layers(
+            h, model.rope_cache, torch.tensor([2]), plan.norms[:-1], *_operands(plan, 1), pool.k_caches,
+            pool.v_caches, torch.tensor([6]), meta.kv_indptr, meta.kv_page_indices, meta.kv_last_page_len,
+            cfg.num_heads, cfg.num_kv_heads, plan.eps, plan.scale,
+        )
+    assert torch.equal(pool.k_caches[0], k0)  # nothing written on error
+
+
+@requires_op
+@pytest.mark.parametrize("rows", [2, 3])  # GGUF blocks; dense weights (max_rows 2)
+def test_opcheck(rows: int) -> None:
+    model = gguf_model(max_rows=2)
+    plan = model.decode_plan()
+    cfg = model.config
+    pool = KVPool(2, 4, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    meta = AttentionMetadata.build([1, 1], [3, 6], [[1], [2, 3]], 4)
+    args = (
+        torch.randn(2, cfg.hidden_size), model.rope_cache, torch.tensor([2, 5]), plan.norms,
+        *_operands(plan, rows), pool.k_caches, pool.v_caches, torch.tensor([6, 13]), meta.kv_indptr, meta.kv_page_indices,
+        meta.kv_last_page_len, cfg.num_heads, cfg.num_kv_heads, plan.eps, plan.scale,
+    )
+    torch.library.opcheck(torch.ops.treeserve.decode_layers.default, args)

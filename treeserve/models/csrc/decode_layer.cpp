@@ -1,0 +1,213 @@
+// treeserve::decode_layers: every decoder layer of a float32 Llama model for one decode step (M
+// tokens, one per request), in one call. Per layer, exactly the Python path's sequence:
+//   normed = rms_norm(x)                        treeserve::add_rms_norm
+//   qkv    = normed @ Wqkv^T                     treeserve::gguf_linear (GGUF blocks) or at::linear
+//   q, k   = rope(q, k) (rotate-half); store k, v at slots[i] of the layer's caches
+//   o      = paged decode attention(q)           treeserve::paged_decode_attention
+//   x, normed = x + o @ Wo^T, rms_norm(...)      gguf_linear, add_rms_norm
+//   x      = x + down(silu(gate) * up)           gguf_linear, at::silu / mul_, add_rms_norm of the
+//                                                next layer (the add folded into its input norm)
+// The existing operators are called through the dispatcher (their kernels, not copies). RoPE is
+// computed as torch's mul/addcmul round it, so the result equals the Python path bit for bit.
+// float32 only; the caches are written in place.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, std::string, int64_t);
+using Norm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&,
+                                                const at::Tensor&, double);
+using Attn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, const at::Tensor&, double);
+
+struct Ops {
+  c10::TypedOperatorHandle<Linear> linear;
+  c10::TypedOperatorHandle<Norm> norm;
+  c10::TypedOperatorHandle<Attn> attn;
+};
+
+const Ops& ops() {
+  static const Ops o{
+      c10::Dispatcher::singleton().findSchemaOrThrow("treeserve::gguf_linear", "").typed<Linear>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("treeserve::add_rms_norm", "").typed<Norm>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("treeserve::paged_decode_attention", "").typed<Attn>()};
+  return o;
+}
+
+// a*c - b*s and b*c + a*s as torch's mul then addcmul compute them: the first product rounded, the
+// second fused into the add where the host has FMA (torch's vectorized kernels are contracted).
+__attribute__((optimize("fp-contract=off"))) void rotate(const float* x, const float* cs, const float* sn,
+                                                         float* out, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[half + i];
+    const float ac = a * cs[i], bc = b * cs[i];
+#ifdef __FMA__
+    out[i] = std::fma(-b, sn[i], ac);
+    out[half + i] = std::fma(a, sn[i], bc);
+#else
+    out[i] = ac - b * sn[i];
+    out[half + i] = bc + a * sn[i];
+#endif
+  }
+}
+
+template <typename Index>
+void check_slots(const Index* slot, int64_t m, int64_t num_slots) {
+  for (int64_t i = 0; i < m; ++i)
+    TORCH_CHECK_VALUE(slot[i] >= 0 && slot[i] < num_slots, "out_slots must lie in [0, ", num_slots, "), got ",
+                      static_cast<int64_t>(slot[i]));
+}
+
+// RoPE on the q and k heads of qkv [M, (Hq + 2 Hkv) D]: q into q_out [M, Hq, D], k and v into the
+// caches' rows slot[i] ([num_slots, Hkv, D] views).
+void rope_store(const float* qkv, const float* table, const int64_t* pos, const int64_t* slot, float* q_out,
+                float* kc, float* vc, int64_t m, int64_t hq, int64_t hkv, int64_t dim) {
+  const int64_t half = dim / 2, width = (hq + 2 * hkv) * dim;
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = qkv + i * width;
+    const float* cs = table + pos[i] * dim;  // [2, D/2]: cos then sin
+    for (int64_t h = 0; h < hq; ++h) rotate(row + h * dim, cs, cs + half, q_out + (i * hq + h) * dim, half);
+    float* krow = kc + slot[i] * hkv * dim;
+    for (int64_t h = 0; h < hkv; ++h) rotate(row + (hq + h) * dim, cs, cs + half, krow + h * dim, half);
+    std::memcpy(vc + slot[i] * hkv * dim, row + (hq + hkv) * dim, sizeof(float) * hkv * dim);
+  }
+}
+
+// x @ w^T: qtype "dense" = a float32 weight [N, K] through at::linear (what F.linear runs), else GGUF
+// blocks through treeserve::gguf_linear.
+at::Tensor project(const Ops& op, const at::Tensor& x, const at::Tensor& w, const std::string& qtype, int64_t k) {
+  if (qtype == "dense") {
+    TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == k && w.scalar_type() == at::kFloat,
+                      "a dense projection must be a float32 [N, ", k, "] weight, got ", w.sizes(), " ", w.scalar_type());
+    return at::linear(x, w);
+  }
+  return op.linear.call(x, w, qtype, k);
+}
+
+// The attention operator reads the pages it is given unchecked: check the table once per call.
+void check_pages(const at::Tensor& indptr, const at::Tensor& pages, const at::Tensor& last, int64_t batch,
+                 int64_t num_pages, int64_t page_size) {
+  for (const auto* t : {&indptr, &pages, &last})
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(),
+                     "kv_indptr, kv_page_indices and kv_last_page_len must be contiguous 1-D int32");
+  TORCH_CHECK_VALUE(indptr.size(0) == batch + 1 && last.size(0) == batch, "kv_indptr must be [M + 1 = ",
+                    batch + 1, "] and kv_last_page_len [M], got ", indptr.sizes(), " and ", last.sizes());
+  const int32_t* ip = indptr.data_ptr<int32_t>();
+  const int32_t* lp = last.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(ip[0] == 0 && ip[batch] <= pages.size(0), "kv_indptr must start at 0 and end at most at ",
+                    pages.size(0), " (the page indices), got ", ip[0], " .. ", ip[batch]);
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK_VALUE(ip[b + 1] > ip[b] && lp[b] >= 1 && lp[b] <= page_size, "request ", b,
+                      " must own >= 1 page and a last-page length in [1, ", page_size, "], got ", ip[b + 1] - ip[b],
+                      " pages, last ", lp[b]);
+  const int32_t* pp = pages.data_ptr<int32_t>();
+  for (int64_t i = 0; i < ip[batch]; ++i)
+    TORCH_CHECK_VALUE(pp[i] >= 0 && pp[i] < num_pages, "kv_page_indices must lie in [0, ", num_pages, "), got ",
+                      pp[i]);
+}
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
+}
+
+at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, const at::Tensor& positions,
+                         at::TensorList norms, at::TensorList projs, c10::List<std::string> qtypes,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& out_slots,
+                         const at::Tensor& kv_indptr, const at::Tensor& kv_page_indices,
+                         const at::Tensor& kv_last_page_len, int64_t num_heads, int64_t num_kv_heads, double eps,
+                         double scale) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK_VALUE(layers >= 1 && static_cast<int64_t>(v_caches.size()) == layers &&
+                        static_cast<int64_t>(norms.size()) == 2 * layers &&
+                        static_cast<int64_t>(projs.size()) == 4 * layers &&
+                        static_cast<int64_t>(qtypes.size()) == 4 * layers,
+                    "need L >= 1 k_caches and v_caches, 2L norms, 4L projs and 4L qtypes; got L=", layers,
+                    ", ", v_caches.size(), " v_caches, ", norms.size(), " norms, ", projs.size(), " projs, ",
+                    qtypes.size(), " qtypes");
+  check_f32(h, "h");
+  check_f32(rope_table, "rope_table");
+  TORCH_CHECK_VALUE(h.dim() == 2, "h must be [M, hidden], got ", h.sizes());
+  const int64_t m = h.size(0), hidden = h.size(1);
+  TORCH_CHECK_VALUE(num_heads >= 1 && num_kv_heads >= 1 && num_heads % num_kv_heads == 0,
+                    "num_heads must be a positive multiple of num_kv_heads, got ", num_heads, " and ",
+                    num_kv_heads);
+  const auto& kc0 = k_caches[0];
+  TORCH_CHECK_VALUE(kc0.dim() == 4 && kc0.size(2) == num_kv_heads, "k_caches must be [P, page_size, ",
+                    num_kv_heads, ", head_dim], got ", kc0.sizes());
+  const int64_t dim = kc0.size(3), num_slots = kc0.size(0) * kc0.size(1);
+  TORCH_CHECK_VALUE(dim % 2 == 0 && rope_table.dim() == 3 && rope_table.size(1) == 2 &&
+                        rope_table.size(2) == dim / 2,
+                    "rope_table must be [positions, 2, head_dim/2 = ", dim / 2, "], got ", rope_table.sizes());
+  for (int64_t l = 0; l < layers; ++l) {
+    for (const auto& c : {k_caches[l], v_caches[l]}) {
+      check_f32(c, "caches");
+      TORCH_CHECK_VALUE(c.sizes() == kc0.sizes(), "every layer's caches must have shape ", kc0.sizes(),
+                        ", got ", c.sizes(), " at layer ", l);
+    }
+  }
+  TORCH_CHECK_TYPE(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt,
+                   "positions must be int32 or int64");
+  TORCH_CHECK_TYPE(out_slots.scalar_type() == at::kLong || out_slots.scalar_type() == at::kInt,
+                   "out_slots must be int32 or int64");
+  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == m && out_slots.dim() == 1 &&
+                        out_slots.size(0) == m,
+                    "positions and out_slots must be [M=", m, "], got ", positions.sizes(), " and ",
+                    out_slots.sizes());
+  const at::Tensor pos = positions.to(at::kLong).contiguous(), slot = out_slots.to(at::kLong).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i)
+    TORCH_CHECK_VALUE(pp[i] >= 0 && pp[i] < rope_table.size(0), "positions must lie in [0, ",
+                      rope_table.size(0), "), got ", pp[i]);
+  check_slots(sp, m, num_slots);
+  check_pages(kv_indptr, kv_page_indices, kv_last_page_len, m, kc0.size(0), kc0.size(1));
+
+  const Ops& op = ops();
+  const int64_t q_size = num_heads * dim;
+  at::Tensor x = h.contiguous();
+  at::Tensor normed = std::get<1>(op.norm.call(x, std::nullopt, norms[0], eps));
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor qkv = project(op, normed, projs[4 * l], qtypes.get(4 * l), hidden);
+    TORCH_CHECK_VALUE(qkv.size(1) == q_size + 2 * num_kv_heads * dim, "projs[", 4 * l,
+                      "] (qkv) must have (num_heads + 2 num_kv_heads) * head_dim rows, got ", qkv.size(1));
+    at::Tensor q = at::empty({m, num_heads, dim}, h.options());
+    rope_store(qkv.data_ptr<float>(), rope_table.data_ptr<float>(), pp, sp, q.data_ptr<float>(),
+               k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>(), m, num_heads, num_kv_heads, dim);
+    const at::Tensor o = op.attn.call(q, k_caches[l], v_caches[l], kv_indptr, kv_page_indices, kv_last_page_len,
+                                      scale);
+    const at::Tensor attn = project(op, o.view({m, q_size}), projs[4 * l + 1], qtypes.get(4 * l + 1), q_size);
+    std::tie(x, normed) = op.norm.call(x, attn, norms[2 * l + 1], eps);
+    const at::Tensor gu = project(op, normed, projs[4 * l + 2], qtypes.get(4 * l + 2), hidden);
+    const int64_t inter = gu.size(1) / 2;
+    at::Tensor act = at::silu(gu.narrow(1, 0, inter));
+    act.mul_(gu.narrow(1, inter, inter));
+    const at::Tensor down = project(op, act, projs[4 * l + 3], qtypes.get(4 * l + 3), inter);
+    if (l + 1 < layers) {
+      std::tie(x, normed) = op.norm.call(x, down, norms[2 * l + 2], eps);
+    } else {
+      x = x + down;
+    }
+  }
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(treeserve, m) {
+  m.def(
+      "decode_layers(Tensor h, Tensor rope_table, Tensor positions, Tensor[] norms, Tensor[] projs, str[] qtypes, "
+      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor out_slots, Tensor kv_indptr, Tensor kv_page_indices, "
+      "Tensor kv_last_page_len, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(treeserve, CPU, m) { m.impl("decode_layers", &decode_layers); }
