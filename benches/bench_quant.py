@@ -3,9 +3,9 @@
 One "step" is what a decode step multiplies: 30 layers x (qkv, o, gate_up, down), each layer its own
 weights (so, as in the model, they do not stay in cache), plus the tied LM head. Layers are Q4_1
 and the head Q8_0 (the embedded GGUF's types), random codes and f16 scales; every method reads
-the same codes: ``treeserve::gguf_linear`` on the blocks as shipped (layers: int16 activations per
-32-block, what ``PackedLinear`` runs; and float32 activations, ``exact=True``; the head always
-float32 activations, as ``ExactHead`` runs it), float32 dense on
+the same codes: ``treeserve::gguf_linear`` on the blocks as shipped (layers: ``gguf_linear``, int16
+activations per 32-block, what ``PackedLinear`` runs, and ``gguf_linear_exact``, float32
+activations; the head ``gguf_linear_exact``, as ``ExactHead`` runs it), float32 dense on
 their dequantization, torch's ``_weight_int4pack_mm_for_cpu`` on the same codes (bf16
 activations/scales). Prints ms per step (layers, head) at each row count, and the crossovers
 ``measure_crossover`` / ``ExactHead`` find at load.
@@ -83,8 +83,8 @@ def main() -> None:
             def run(fn: Callable[[PackedLinear, torch.Tensor], object], mods: list[PackedLinear]) -> Callable[[], None]:
                 return lambda: [fn(m, xs[m.in_features]) for m in mods] and None
 
-            head_ms = _ms(lambda: torch.ops.treeserve.gguf_linear(xs[576], hw.raw, "Q8_0", 576, True), args.reps)
-            exact = run(lambda m, x: torch.ops.treeserve.gguf_linear(x, m.raw, m.qtype, m.in_features, True), layers)
+            head_ms = _ms(lambda: torch.ops.treeserve.gguf_linear_exact(xs[576], hw.raw, "Q8_0", 576), args.reps)
+            exact = run(lambda m, x: torch.ops.treeserve.gguf_linear_exact(x, m.raw, m.qtype, m.in_features), layers)
             cells = [
                 (_ms(run(lambda m, x: m.packed_forward(x), layers), args.reps), head_ms),
                 (_ms(exact, args.reps), head_ms),

@@ -30,6 +30,12 @@ def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     return blocks.reshape(-1)
 
 
+def run_op(x: torch.Tensor, w: GGUFWeight, exact: bool, lib: str = "treeserve") -> torch.Tensor:
+    """``treeserve::gguf_linear_exact`` (float32 activations) or ``gguf_linear`` (int16) on ``x``."""
+    ns = getattr(torch.ops, lib)
+    return (ns.gguf_linear_exact if exact else ns.gguf_linear)(x, w.raw, w.qtype, w.in_features)
+
+
 def magnitudes(w: GGUFWeight) -> torch.Tensor:
     """|w| per weight in float64, read as |d q| + |m| for Q4_1 (the operator sums d q x and m x apart)."""
     mag = w.raw.clone()
@@ -82,7 +88,7 @@ def test_op_within_bound_of_float64_dequantized_gemm(
     w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, seed), (n, k))
     x = block_scaled(m, k, seed, spread)
     ref = x.double() @ w.dequantize(torch.float64).T
-    y = torch.ops.treeserve.gguf_linear(x, w.raw, qtype, k, exact)
+    y = run_op(x, w, exact)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert bool(((y.double() - ref).abs() <= error_bound(x, w, exact)).all())
 
@@ -98,12 +104,12 @@ def test_int16_activations_are_far_finer_than_bfloat16(qtype: str) -> None:
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(5))
     wd = w.dequantize(torch.float64)
     ref = x.double() @ wd.T
-    y = torch.ops.treeserve.gguf_linear(x, w.raw, qtype, k, False)
+    y = run_op(x, w, False)
     err = (y.double() - ref).abs().max()
     bf16_err = (x.bfloat16().double() @ wd.T - ref).abs().max()
     assert err * 16 < bf16_err
     assert bool((error_bound(x, w, False) <= 2.0**-12 * (x.double().abs() @ magnitudes(w).T) + 1e-30).all())
-    assert not torch.equal(y, torch.ops.treeserve.gguf_linear(x, w.raw, qtype, k, True))
+    assert not torch.equal(y, run_op(x, w, True))
 
 
 @requires_op
@@ -115,7 +121,7 @@ def test_int16_path_zero_and_non_finite_blocks() -> None:
     x = torch.randn(3, k)
     x[0] = 0
     x[1, 40] = float("inf")
-    y = torch.ops.treeserve.gguf_linear(x, w.raw, "Q4_1", k, False)
+    y = run_op(x, w, False)
     assert bool((y[0] == 0).all()) and bool(y[1].isnan().all()) and bool(y[2].isfinite().all())
 
 
@@ -154,6 +160,8 @@ def test_op_rejects_bad_tensors() -> None:
     w = GGUFWeight.from_bytes("Q8_0", random_blocks("Q8_0", 2, 64, 0), (2, 64))
     with pytest.raises(RuntimeError, match="qtype must be"):
         torch.ops.treeserve.gguf_linear(torch.zeros(1, 64), w.raw, "Q2_K", 64)
+    with pytest.raises(RuntimeError, match="qtype must be"):
+        torch.ops.treeserve.gguf_linear_exact(torch.zeros(1, 64), w.raw, "Q2_K", 64)
     with pytest.raises(RuntimeError, match="w must be uint8"):
         torch.ops.treeserve.gguf_linear(torch.zeros(1, 64), w.raw, "Q4_0", 64)
 
@@ -181,7 +189,7 @@ def test_packed_linear_takes_the_op_for_small_batches(qtype: str) -> None:
     layer = PackedLinear(w, w.dequantize(), bias, packed_max_rows=4)
     assert layer.use_op and not hasattr(layer, "packed")  # no int4 copy of the weight
     x = torch.randn(4, k)
-    expected = torch.ops.treeserve.gguf_linear(x, w.raw, qtype, k, False) + bias  # int16 activations
+    expected = run_op(x, w, False) + bias  # int16 activations
     assert torch.equal(layer(x), expected)
     ref = x.double() @ w.dequantize(torch.float64).T + bias.double()
     assert bool(((layer(x).double() - ref).abs() <= error_bound(x, w, False) + 2.0**-22 * bias.abs()).all())
@@ -242,5 +250,13 @@ def test_scalar_fallback_within_bound(tmp_path) -> None:
             x = block_scaled(m, k, m, 3.0)
             ref = x.double() @ w.dequantize(torch.float64).T
             for exact in (True, False):
-                y = torch.ops.treeserve_scalar.gguf_linear(x, w.raw, qtype, k, exact)
+                y = run_op(x, w, exact, "treeserve_scalar")
                 assert bool(((y.double() - ref).abs() <= error_bound(x, w, exact)).all())
+
+
+@requires_op
+@pytest.mark.parametrize("name", ["gguf_linear", "gguf_linear_exact"])
+def test_opcheck(name: str) -> None:
+    """Schema, fake (tracing) implementation and dispatch of both operators agree."""
+    w = GGUFWeight.from_bytes("Q4_1", random_blocks("Q4_1", 5, 64, 7), (5, 64))
+    torch.library.opcheck(getattr(torch.ops.treeserve, name).default, (torch.randn(3, 64), w.raw, "Q4_1", 64))

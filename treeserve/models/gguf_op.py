@@ -3,10 +3,12 @@
 ``GGUFWeight`` holds a weight ``[N, K]`` as the file's bytes, one row of ``K/32`` blocks per output
 row (Q4_0: 18 B, Q4_1: 20 B, Q8_0: 34 B per 32 weights, f16 scales). ``gguf_linear(x, w, exact)``
 computes ``x @ dequant(w).T`` with float32 accumulation (AVX2/FMA/F16C where the build host has
-them, a scalar loop otherwise), in one of two activation modes:
+them, a scalar loop otherwise), in one of two activation modes, one C++ operator each:
 
-- ``exact=True``: float32 activations; equal to the float32 product up to summation order;
-- ``exact=False`` (the quantized layers' decode path, ~3x fewer instructions per weight): each
+- ``exact=True``, ``treeserve::gguf_linear_exact``: float32 activations; equal to the float32
+  product up to summation order (the LM head's first pass);
+- ``exact=False``, ``treeserve::gguf_linear`` (the quantized decoder layers' path, ~3x fewer
+  instructions per weight than float activations): each
   32-block of each row of ``x`` is rounded once per call to int16, ``x ~ s_b q``, ``s_b = max|x_b| /
   32767``; integer dot products per block, one float32 scale ``d s_b`` per block. Error bound per
   output: ``sum_b 0.51 s_b sum_{j in b} |d q_j|`` plus float32 summation error, i.e. about 2^-16 of
@@ -95,7 +97,7 @@ class GGUFWeight(NamedTuple):
         return GGUFWeight(parts[0].qtype, torch.cat([p.raw for p in parts]), parts[0].in_features)
 
 
-def _fake(x, w, qtype, k, exact=True):  # type: ignore[no-untyped-def]
+def _fake(x, w, qtype, k):  # type: ignore[no-untyped-def]
     """Output shape and dtype for tracing (``torch.compile``): ``[M, N]`` in ``x``'s dtype."""
     return x.new_empty((x.shape[0], w.shape[0]))
 
@@ -104,7 +106,10 @@ def _fake(x, w, qtype, k, exact=True):  # type: ignore[no-untyped-def]
 def load_gguf_linear_op() -> str | None:
     """Build (first time on this host) and load the operator; ``None`` when usable, else the reason
     (logged once; ``gguf_linear`` then runs the torch path)."""
-    return load_cpp_op(SOURCE, "gguf_linear", "C++ GGUF linear", _fake)
+    reason = load_cpp_op(SOURCE, "gguf_linear", "C++ GGUF linear", _fake)
+    if reason is None:
+        torch.library.register_fake("treeserve::gguf_linear_exact")(_fake)
+    return reason
 
 def gguf_op_available() -> bool:
     """Whether ``treeserve::gguf_linear`` is built and loaded."""
@@ -121,5 +126,6 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, exact: bool = True) -> torch.Ten
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must have shape [M, {w.in_features}], got {tuple(x.shape)}")
     if gguf_op_available():
-        return torch.ops.treeserve.gguf_linear(x, w.raw, w.qtype, w.in_features, exact)
+        op = torch.ops.treeserve.gguf_linear_exact if exact else torch.ops.treeserve.gguf_linear
+        return op(x, w.raw, w.qtype, w.in_features)
     return F.linear(x, w.dequantize())

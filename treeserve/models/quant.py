@@ -190,7 +190,7 @@ class PackedLinear(nn.Module):
     """``x @ W.T (+ bias)`` with ``W`` held as shipped codes (decode) and dense (prefill).
 
     ``codes`` is either a ``GGUFWeight`` (the file's blocks, multiplied by the C++ operator
-    ``treeserve::gguf_linear`` with ``exact=False``: activations rounded to int16 per 32-block,
+    ``treeserve::gguf_linear``: activations rounded to int16 per 32-block,
     error about 2^-16 of each block's largest activation, see ``gguf_op``; float32 accumulation) or ``Int4Planes`` (torch's int4 kernel, activations and
     scales in ``act_dtype``: bfloat16 is its fast path, float32 exact but slow on AVX2). Batches of
     at most ``packed_max_rows`` rows take the packed path, larger ones ``F.linear`` on ``weight``
@@ -231,7 +231,7 @@ class PackedLinear(nn.Module):
         if self.qtype is not None:
             if not self.use_op:
                 return F.linear(x, self.weight, self.bias)
-            y = torch.ops.treeserve.gguf_linear(x.float(), self.raw, self.qtype, self.in_features, False).to(x.dtype)
+            y = torch.ops.treeserve.gguf_linear(x.float(), self.raw, self.qtype, self.in_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
         a = x.to(self.act_dtype)
         if self.planes > 1:
@@ -319,7 +319,7 @@ class ExactHead(nn.Module):
     ``forward(x [M, H])`` returns float32 logits ``[M, V]``. The first pass is one of:
 
     - ``packed`` (a GGUF ``GGUFWeight`` whose dequantization is ``weight``), for ``M <=
-      packed_max_rows`` and when ``treeserve::gguf_linear`` is built: the same float32 products in
+      packed_max_rows`` and when ``treeserve::gguf_linear_exact`` is built: the same float32 products in
       another summation order, bound ``2 (K + 2) 2^-24 |x| |W_j|``;
     - bfloat16 (``W`` rounded once) where measured faster than float32 (``use_bf16``): bound
       ``c |x| |W_j|`` (rounding of x and W to bf16, relative 2^-9 each, plus float32 accumulation);
@@ -353,7 +353,7 @@ class ExactHead(nn.Module):
             self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16), persistent=False)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.treeserve.gguf_linear(x, self.raw, self.qtype, self.weight.shape[1], True)
+        return torch.ops.treeserve.gguf_linear_exact(x, self.raw, self.qtype, self.weight.shape[1])
 
     def _packed_rows(self) -> int:
         """Rows up to which the packed first pass beats the float32 head (``TREESERVE_HEAD_PACKED_MAX_ROWS``

@@ -1,10 +1,10 @@
 // treeserve::gguf_linear: y[M, N] = x[M, K] @ dequant(W)[N, K]^T with W held as GGUF blocks as shipped
 // (one row of N: K/32 blocks; Q4_0 18 B = f16 d + 16 B nibbles, w = d (q - 8); Q4_1 20 B = f16 d, f16 m
 // + 16 B nibbles, w = d q + m; Q8_0 34 B = f16 d + 32 int8, w = d q; nibble byte j holds element j
-// (low) and j + 16 (high)). Two activation modes:
-// - exact (exact=true): float32 activations and accumulation; each block is decoded once into float32 and
+// (low) and j + 16 (high)). Two operators, two activation modes:
+// - gguf_linear_exact: float32 activations and accumulation; each block is decoded once into float32 and
 //   used for up to 8 rows of x.
-// - int16 (exact=false): each 32-block b of each row of x is rounded once per call to int16 codes
+// - gguf_linear (the decoder layers'): int16 activations; each 32-block b of each row of x is rounded once per call to int16 codes
 //   xq = round(x / s_b), s_b = max|x_b| / 32767 (|x - s_b xq| <= s_b / 2 up to float rounding of 1/s_b);
 //   per weight block the integer dot product sum q xq is exact in int32 (and in the float it is converted
 //   to: |sum| < 2^24), then y += (d s_b) * sum in float32; Q4_1's offset adds m * sum(x) with the float32
@@ -162,7 +162,7 @@ void rows_avx2(QType t, const float* x, const float* xsum, const uint8_t* w, flo
 }
 #endif
 
-// ---- int16 activations (exact=false) ----
+// ---- int16 activations (gguf_linear) ----
 
 template <QType T>
 constexpr int64_t BB = T == QType::Q4_0 ? 18 : (T == QType::Q4_1 ? 20 : 34);  // block bytes
@@ -374,7 +374,7 @@ QType parse_qtype(const std::string& s) {
   return QType::Q8_0;
 }
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, std::string qtype, int64_t K, bool exact) {
+at::Tensor gguf_linear_impl(const at::Tensor& x, const at::Tensor& w, const std::string& qtype, int64_t K, bool exact) {
   const QType t = parse_qtype(qtype);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K, "gguf_linear: x must be float32 [M, K]");
   TORCH_CHECK(K % GROUP == 0, "gguf_linear: K must be a multiple of 32");
@@ -413,6 +413,16 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, std::string qty
   return y;
 }
 
+// int16 activations: the quantized decoder layers' path (PackedLinear, decode_layers).
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, std::string qtype, int64_t K) {
+  return gguf_linear_impl(x, w, qtype, K, false);
+}
+
+// float32 activations: the LM head's first pass (ExactHead's error bound assumes them).
+at::Tensor gguf_linear_exact(const at::Tensor& x, const at::Tensor& w, std::string qtype, int64_t K) {
+  return gguf_linear_impl(x, w, qtype, K, true);
+}
+
 }  // namespace
 
 // The library is `treeserve`; a test builds this file a second time without AVX2 under another name.
@@ -422,6 +432,12 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, std::string qty
 #define GGUF_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
 #define GGUF_IMPL(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
 
-GGUF_FRAGMENT(GGUF_LIBRARY, m) { m.def("gguf_linear(Tensor x, Tensor w, str qtype, int K, bool exact=True) -> Tensor"); }
+GGUF_FRAGMENT(GGUF_LIBRARY, m) {
+  m.def("gguf_linear(Tensor x, Tensor w, str qtype, int K) -> Tensor");
+  m.def("gguf_linear_exact(Tensor x, Tensor w, str qtype, int K) -> Tensor");
+}
 
-GGUF_IMPL(GGUF_LIBRARY, m) { m.impl("gguf_linear", &gguf_linear); }
+GGUF_IMPL(GGUF_LIBRARY, m) {
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_linear_exact", &gguf_linear_exact);
+}
