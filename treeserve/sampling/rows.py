@@ -138,7 +138,8 @@ class SamplingRows:
         self._flag_logprobs[row] = p.logprobs is not None
         self._ban_len[row] = len(ban)
         self._bias_len[row] = len(state.bias)
-        self._flag_plain[row] = p.greedy and not penalized and not state.bias and p.allowed_token_ids is None and p.logprobs is None
+        changes_logits = penalized or bool(state.bias) or p.allowed_token_ids is not None
+        self._flag_plain[row] = p.greedy and not changes_logits and p.logprobs is None
         self._min_new[row] = p.min_new_tokens
         self._state[row] = state
 
