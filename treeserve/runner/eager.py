@@ -14,12 +14,21 @@ import torch
 
 from treeserve.kvcache import KVPool, ReqToTokenTable, compact_tree_path, rollback_slots, select_backend
 from treeserve.runner.graph import DecodeGraphRunner
-from treeserve.runner.inputs import CausalLM, StepInputs, build_step_inputs, draft_arrays, requests_sampling_batch
+from treeserve.runner.inputs import (
+    CausalLM,
+    StepInputs,
+    admit_requests,
+    build_step_inputs,
+    draft_arrays,
+    requests_sampling_batch,
+)
 from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
-from treeserve.sampling import SamplingBatch, SamplingRows, sample, verify
+from treeserve.sampling import SamplingBatch, SamplingRows, greedy_tokens, sample, verify
 from treeserve.scheduler import Request, SampledToken, ScheduledBatch, ScheduledItem
 
 __all__ = ["CausalLM", "ModelRunner"]
+
+_NAN = float("nan")
 
 
 class ModelRunner:
@@ -139,7 +148,13 @@ class ModelRunner:
         return requests_sampling_batch(self.sampling_rows, reqs)
 
     def _sample(self, logits: torch.Tensor, reqs: Sequence[Request], positions: Sequence[int]) -> list[SampledToken]:
-        """Sample one token per row of ``logits`` for ``reqs``, whose next token sits at ``positions``."""
+        """Sample one token per row of ``logits`` for ``reqs``, whose next token sits at ``positions``.
+
+        A step whose rows are all plain greedy (``SamplingRows.all_plain_greedy``) takes their
+        first argmax directly (the same tokens, logprob NaN, no ``SamplingBatch``)."""
+        admit_requests(self.sampling_rows, reqs)
+        if self.sampling_rows.all_plain_greedy([r.row for r in reqs], [len(r.output_ids) for r in reqs]):
+            return [SampledToken(t, _NAN, None) for t in greedy_tokens(logits).tolist()]  # host sync
         gen_positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         out = sample(logits, self._sampling_batch(reqs), gen_positions)
         return to_sampled_tokens(out, [r.params.logprobs for r in reqs])  # host sync

@@ -27,6 +27,7 @@ from treeserve.scheduler import Request, ScheduledItem
 
 __all__ = [
     "CausalLM",
+    "admit_requests",
     "DraftArrays",
     "StepInputs",
     "build_step_inputs",
@@ -237,14 +238,17 @@ def draft_arrays(items: Sequence[ScheduledItem], width: int, k: int) -> DraftArr
     return DraftArrays(tokens, parents, num_draft, slot_index)
 
 
-def requests_sampling_batch(rows: SamplingRows, reqs: Sequence[Request]) -> SamplingBatch:
-    """The sampling rows of ``reqs`` for this step, gathered from the resident ``rows``.
-
-    A request not yet admitted into its table row (first step there, the row's previous owner
-    was another request, or its ``params`` object was replaced) is admitted first: its
-    parameters are validated and written once.
-    """
+def admit_requests(rows: SamplingRows, reqs: Sequence[Request]) -> None:
+    """Admit into the resident ``rows`` each of ``reqs`` not yet admitted into its table row
+    (first step there, the row's previous owner was another request, or its ``params`` object
+    was replaced): its parameters are validated and written once."""
     for r in reqs:
         if not rows.holds(r.row, r, r.params):
             rows.admit(r.row, r, r.params, r.seed, r.prompt_ids)
+
+
+def requests_sampling_batch(rows: SamplingRows, reqs: Sequence[Request]) -> SamplingBatch:
+    """The sampling rows of ``reqs`` for this step, gathered from the resident ``rows``
+    (admitting first the requests that need it, ``admit_requests``)."""
+    admit_requests(rows, reqs)
     return rows.batch([r.row for r in reqs], [r.output_ids for r in reqs])

@@ -11,7 +11,7 @@ from treeserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
 from treeserve.sampling.rows import SamplingRows
-from treeserve.sampling.sampler import SampleOutput, sample
+from treeserve.sampling.sampler import SampleOutput, greedy_tokens, sample
 from treeserve.sampling.verify import VerifyOutput, VerifyUniforms, verify
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "SamplingBatch",
     "SamplingParams",
     "SamplingRows",
+    "greedy_tokens",
     "process_logits",
     "sample",
     "uniform",

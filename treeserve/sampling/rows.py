@@ -82,6 +82,10 @@ class SamplingRows:
         self._top_k = np.zeros(num_rows, dtype=np.int64)
         self._logprobs = np.zeros(num_rows, dtype=np.int64)
         self._flag_logprobs = np.zeros(num_rows, dtype=bool)
+        # Greedy with nothing that changes logits or asks for logprobs (a pending min_new_tokens
+        # ban is checked per step: ``_min_new``); such rows take ``greedy_tokens``.
+        self._flag_plain = np.zeros(num_rows, dtype=bool)
+        self._min_new = np.zeros(num_rows, dtype=np.int64)
         self._ban_len = np.zeros(num_rows, dtype=np.int64)
         self._bias_len = np.zeros(num_rows, dtype=np.int64)
         self._state: list[_RowState | None] = [None] * num_rows
@@ -134,6 +138,9 @@ class SamplingRows:
         self._flag_logprobs[row] = p.logprobs is not None
         self._ban_len[row] = len(ban)
         self._bias_len[row] = len(state.bias)
+        changes_logits = penalized or bool(state.bias) or p.allowed_token_ids is not None
+        self._flag_plain[row] = p.greedy and not changes_logits and p.logprobs is None
+        self._min_new[row] = p.min_new_tokens
         self._state[row] = state
 
     def owner(self, row: int) -> object:
@@ -145,6 +152,17 @@ class SamplingRows:
         """Whether ``row`` holds ``owner`` admitted with these very ``params`` (same object)."""
         state = self._state[row]
         return state is not None and state.owner is owner and state.params is params
+
+    def all_plain_greedy(self, rows: Sequence[int], num_generated: Sequence[int]) -> bool:
+        """Whether every one of ``rows`` (admitted; row ``i`` has generated ``num_generated[i]``
+        tokens) is plain greedy this step: temperature 0, no penalty, logit bias, allowed-token
+        set, logprobs, nor a banned id still suppressed by ``min_new_tokens``. Sampling such rows
+        is ``greedy_tokens`` of their logits (the same tokens as ``sample`` of their batch)."""
+        idx = np.asarray(rows, dtype=np.int64)
+        if not self._flag_plain[idx].all():
+            return False
+        pending = (self._ban_len[idx] > 0) & (self._min_new[idx] > np.asarray(num_generated, dtype=np.int64))
+        return not pending.any()
 
     def batch(self, rows: Sequence[int], outputs: Sequence[Sequence[int]]) -> SamplingBatch:
         """The :class:`SamplingBatch` of ``rows`` (admitted), row ``i`` having generated

@@ -8,7 +8,7 @@ import torch
 
 from treeserve.sampling.backend import resolve_backend
 from treeserve.sampling.batch import SamplingBatch
-from treeserve.sampling.processing import Filtered, filter_scaled, scale_logits, select_rows
+from treeserve.sampling.processing import Filtered, filter_scaled, scale_logits, select_rows, work_dtype
 from treeserve.sampling.rng import Purpose, uniform
 
 
@@ -107,6 +107,15 @@ def first_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block = block_max.argmax(dim=1)
     inner = blocks[torch.arange(rows, device=x.device), block].argmax(dim=1)
     return block_max.amax(dim=1), block * ARGMAX_BLOCK + inner
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Tokens ``[B]`` of rows of ``logits [B, V]`` that are plain greedy (no penalty, ban, bias,
+    allowed set or logprobs: ``SamplingRows.all_plain_greedy``): the first argmax of each row,
+    ``-1`` for a row with a NaN or +inf logit -- exactly ``sample(...).tokens`` of such a batch,
+    without building its ``SamplingBatch``."""
+    row_max, tokens = first_argmax(logits.to(work_dtype(logits)))
+    return tokens.masked_fill(~torch.isfinite(row_max), -1)
 
 
 class _Group(NamedTuple):
