@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import treeserve.models.llama as llama_module
 from treeserve.engine import LLM, RequestOutput
 from treeserve.sampling import SamplingParams
 
@@ -119,10 +120,12 @@ def single_decode(llm: LLM, max_new_tokens: int) -> WorkloadResult:
 
 def single_stream_breakdown(llm: LLM, max_new_tokens: int) -> WorkloadResult:
     """``single_decode`` timed by part, in milliseconds per step: GEMMs (projections + LM head),
-    attention (attention modules minus their projections), sampling, and host (the rest: norms,
-    RoPE, embedding, scheduling, Python). Module hooks time each call with ``perf_counter``, so
-    this run is a little slower than an unhooked ``single_decode``."""
-    spent = {"gemm": 0.0, "attention": 0.0, "attention_proj": 0.0, "sampling": 0.0}
+    attention (attention modules minus their projections), fused layers (the C++ ``decode_layers``
+    call serving a step's decoder layers whole: their GEMMs, attention and norms, not separable;
+    the LM head stays under GEMMs), sampling, and host (the rest: norms, RoPE, embedding,
+    scheduling, Python). Module hooks time each call with ``perf_counter``, so this run is a little
+    slower than an unhooked ``single_decode``."""
+    spent = {"gemm": 0.0, "attention": 0.0, "attention_proj": 0.0, "fused": 0.0, "sampling": 0.0}
     starts: dict[int, float] = {}
     handles = []
 
@@ -155,10 +158,21 @@ def single_stream_breakdown(llm: LLM, max_new_tokens: int) -> WorkloadResult:
                 spent["sampling"] += time.perf_counter() - t
 
         runner._sample = sample
+    inner_fused = llama_module.run_decode_layers
+
+    def fused(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return inner_fused(*args, **kwargs)
+        finally:
+            spent["fused"] += time.perf_counter() - t
+
+    llama_module.run_decode_layers = fused
     steps0 = llm.metrics.steps
     try:
         result = single_decode(llm, max_new_tokens)
     finally:
+        llama_module.run_decode_layers = inner_fused
         for h in handles:
             h.remove()
         if inner_sample is not None:
@@ -169,7 +183,8 @@ def single_stream_breakdown(llm: LLM, max_new_tokens: int) -> WorkloadResult:
     result.extra.update(
         gemm_ms=spent["gemm"] * ms,
         attention_ms=attention * ms,
+        fused_layers_ms=spent["fused"] * ms,
         sampling_ms=spent["sampling"] * ms,
-        host_ms=(result.seconds - spent["gemm"] - attention - spent["sampling"]) * ms,
+        host_ms=(result.seconds - spent["gemm"] - attention - spent["fused"] - spent["sampling"]) * ms,
     )
     return result

@@ -76,3 +76,20 @@ def test_metrics_after_shared_prefix(engine: LLM) -> None:
     assert shared >= 3 * 50, f"the system prompt should be reused, cached {shared} tokens"
     m = engine.metrics.as_dict()
     assert m["throughput"] > 0 and m["mean_ttft"] > 0 and 0 < m["prefix_cache_hit_rate"] <= 1
+
+
+def test_single_stream_breakdown_counts_the_fused_layers(engine: LLM) -> None:
+    """``treeserve bench``'s per-step breakdown: where the fused C++ decode layers serve the steps
+    their time is reported as such (not as host time), and the parts never exceed the step."""
+    from treeserve.bench import single_stream_breakdown
+    from treeserve.models import llama
+
+    result = single_stream_breakdown(engine, 6)
+    parts = result.extra
+    assert llama.run_decode_layers.__name__ == "run_decode_layers"  # the timing wrapper is removed
+    if engine.model.decode_plan() is not None:
+        assert parts["fused_layers_ms"] > 0.0
+    else:
+        assert parts["fused_layers_ms"] == 0.0
+    assert min(parts["gemm_ms"], parts["sampling_ms"], parts["host_ms"]) >= 0.0
+    assert parts["gemm_ms"] > 0.0  # the LM head at least
