@@ -147,27 +147,22 @@ def single_stream_breakdown(llm: LLM, max_new_tokens: int) -> WorkloadResult:
             timed(mod, "gemm")
         elif name.endswith("self_attn"):
             timed(mod, "attention")
+    def clocked(fn: Any, key: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t
+
+        return call
+
     runner = getattr(llm, "runner", None)
     inner_sample = getattr(runner, "_sample", None)
     if inner_sample is not None:
-        def sample(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return inner_sample(*args, **kwargs)
-            finally:
-                spent["sampling"] += time.perf_counter() - t
-
-        runner._sample = sample
+        runner._sample = clocked(inner_sample, "sampling")
     inner_fused = llama_module.run_decode_layers
-
-    def fused(*args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return inner_fused(*args, **kwargs)
-        finally:
-            spent["fused"] += time.perf_counter() - t
-
-    llama_module.run_decode_layers = fused
+    llama_module.run_decode_layers = clocked(inner_fused, "fused")
     steps0 = llm.metrics.steps
     try:
         result = single_decode(llm, max_new_tokens)
