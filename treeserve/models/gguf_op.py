@@ -107,9 +107,9 @@ def load_gguf_linear_op() -> str | None:
     """Build (first time on this host) and load the operator; ``None`` when usable, else the reason
     (logged once; ``gguf_linear`` then runs the torch path)."""
     reason = load_cpp_op(SOURCE, "gguf_linear", "C++ GGUF linear", _fake)
-    if reason is None:
-        torch.library.register_fake("treeserve::gguf_linear_exact")(_fake)
-    return reason
+    if reason is not None:
+        return reason
+    return load_cpp_op(SOURCE, "gguf_linear_exact", "C++ GGUF linear (float32 activations)", _fake)
 
 def gguf_op_available() -> bool:
     """Whether ``treeserve::gguf_linear`` is built and loaded."""

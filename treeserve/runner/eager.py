@@ -152,11 +152,13 @@ class ModelRunner:
 
         A step whose rows are all plain greedy (``SamplingRows.all_plain_greedy``) takes their
         first argmax directly (the same tokens, logprob NaN, no ``SamplingBatch``)."""
+        rows = [r.row for r in reqs]
         admit_requests(self.sampling_rows, reqs)
-        if self.sampling_rows.all_plain_greedy([r.row for r in reqs], [len(r.output_ids) for r in reqs]):
+        if self.sampling_rows.all_plain_greedy(rows, [len(r.output_ids) for r in reqs]):
             return [SampledToken(t, _NAN, None) for t in greedy_tokens(logits).tolist()]  # host sync
         gen_positions = torch.tensor(positions, dtype=torch.long, device=self.device)
-        out = sample(logits, self._sampling_batch(reqs), gen_positions)
+        batch = self.sampling_rows.batch(rows, [r.output_ids for r in reqs])  # admitted above
+        out = sample(logits, batch, gen_positions)
         return to_sampled_tokens(out, [r.params.logprobs for r in reqs])  # host sync
 
     def _verify(self, logits: torch.Tensor, items: list[ScheduledItem]) -> list[SampledToken]:
