@@ -1,7 +1,7 @@
 """The fused C++ decode path (``treeserve::decode_layers``) against the Python layer path.
 
 Both run the same operators in the same order, so logits and every layer's KV cache must agree
-bit for bit (GGUF-packed, dense and mixed projections); fallbacks (prefill, int4-plane codes,
+bit for bit (GGUF-packed, dense, int8 and mixed projections); fallbacks (prefill, int4-plane codes,
 biases, compile, batch invariance) must leave the Python path in charge; bad operands must fail
 with the field named.
 """
@@ -21,6 +21,7 @@ from treeserve.models import LlamaForCausalLM
 from treeserve.models._decode_op import _operands, load_decode_op, run_decode_layers
 from treeserve.models.config import tiny_config
 from treeserve.models.gguf_op import GGUFWeight
+from treeserve.models.int8_op import Int8Weight, int8_available
 from treeserve.models.invariant import make_batch_invariant
 from treeserve.models.quant import PackedLinear, quantize_int4
 from treeserve.models.synthetic import random_model
@@ -30,8 +31,9 @@ PROJS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
-def gguf_model(seed: int = 0, max_rows: int = 8, num_layers: int = 2, **overrides: object) -> LlamaForCausalLM:
-    """A random float32 model whose projections are GGUF ``PackedLinear`` (qtypes mixed per layer)."""
+def gguf_model(seed: int = 0, max_rows: int = 8, num_layers: int = 2, int8: bool = False, **overrides: object) -> LlamaForCausalLM:
+    """A random float32 model whose projections are GGUF ``PackedLinear`` (qtypes mixed per layer);
+    with ``int8`` their batches above ``max_rows`` take the int8 GEMM."""
     config = tiny_config(num_layers=num_layers, head_dim=32, **overrides)
     model = random_model(config, seed=seed, init_std=0.05)
     for i, layer in enumerate(model.layers):
@@ -42,7 +44,9 @@ def gguf_model(seed: int = 0, max_rows: int = 8, num_layers: int = 2, **override
             raw = quantize(dense.numpy(), GGMLQuantizationType[qtype])
             codes = GGUFWeight.from_bytes(qtype, raw, tuple(dense.shape))
             parent, _, attr = name.rpartition(".")
-            setattr(layer.get_submodule(parent), attr, PackedLinear(codes, codes.dequantize(), mod.bias, packed_max_rows=max_rows))
+            packed = PackedLinear(codes, codes.dequantize(), mod.bias, packed_max_rows=max_rows)
+            packed.int8 = Int8Weight.from_dense(packed.weight) if int8 else None
+            setattr(layer.get_submodule(parent), attr, packed)
     return model
 
 
@@ -76,11 +80,12 @@ def decode_step(model: LlamaForCausalLM, ctx: list[int], page_size: int, seed: i
     batch=st.integers(1, 8),
     page_size=st.sampled_from([1, 4, 16]),
     max_ctx=st.integers(1, 70),
-    max_rows=st.sampled_from([0, 3, 8]),  # 0: every projection dense; 3: mixed by batch
+    max_rows=st.sampled_from([0, 3, 8]),  # 0: every projection dense (or int8); 3: mixed by batch
+    int8=st.booleans() if int8_available() else st.just(False),
     seed=st.integers(0, 2**16),
 )
-def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_rows: int, seed: int) -> None:
-    model = gguf_model(seed=seed % 3, max_rows=max_rows)
+def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_rows: int, int8: bool, seed: int) -> None:
+    model = gguf_model(seed=seed % 3, max_rows=max_rows, int8=int8)
     ctx = np.random.default_rng(seed).integers(1, max_ctx + 1, batch).tolist()
     ref = decode_step(model, ctx, page_size, seed, fused=False)
     got = decode_step(model, ctx, page_size, seed, fused=True)
@@ -197,6 +202,8 @@ def test_bad_operands_are_named() -> None:
 @requires_op
 @pytest.mark.parametrize("rows", [2, 3])  # GGUF blocks; dense weights (max_rows 2)
 def test_opcheck(rows: int) -> None:
+    # No int8 variant: opcheck cannot clone oneDNN's opaque prepacked weights, and traced steps
+    # never take the int8 GEMM (run_decode_layers and PackedLinear.large_forward decline it).
     model = gguf_model(max_rows=2)
     plan = model.decode_plan()
     cfg = model.config

@@ -217,12 +217,22 @@ def test_hf_opt_in_quantization(tmp_path, quantization, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_embedded_model_packed_decode_agrees_with_float32(smol, monkeypatch) -> None:
-    """The default CPU configuration (GGUF codes packed, every row through the int4 kernel, exact
-    head): teacher-forced top-1 agreement with the dense float32 model >= 98% on the agreement text."""
+@pytest.mark.parametrize(
+    ("max_rows", "int8", "min_agreement", "max_ppl_ratio"),
+    [("4096", "0", 0.98, 1.002), pytest.param("0", "1", 0.9, 1.02, id="int8")],
+)
+def test_embedded_model_packed_decode_agrees_with_float32(smol, monkeypatch, max_rows, int8, min_agreement,
+                                                         max_ppl_ratio) -> None:
+    """The default CPU configuration (GGUF codes packed, exact head), every row through the packed
+    codes, or every row through the int8 GEMM (``int8_op``): teacher-forced top-1 agreement with the
+    dense float32 model and perplexity on the agreement text within the given margins (int8:
+    here 92% and -4.7% on 112 tokens; +0.1% perplexity over 1,500 tokens, benches/RESULTS.md)."""
     from tests.models.test_smollm2 import TEXT
 
-    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "4096")
+    if int8 == "1" and not quant.int8_available():
+        pytest.skip("oneDNN int8 linear unavailable in this torch build")
+    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", max_rows)
+    monkeypatch.setenv("TREESERVE_INT8", int8)
     text = " ".join([
         TEXT,
         "The scheduler batches prefill chunks and decode steps together.",
@@ -234,6 +244,14 @@ def test_embedded_model_packed_decode_agrees_with_float32(smol, monkeypatch) -> 
     ids = smol.tokenizer.encode(text)
     packed = load("smollm2-135m-instruct", quantization="auto").model
     assert isinstance(packed.layers[0].mlp.gate_up_proj, PackedLinear)
-    fp32 = paged_logits(smol.model, ids, [len(ids)], 16).argmax(-1)
-    agreement = (paged_logits(packed, ids, [len(ids)], 16).argmax(-1) == fp32).float().mean().item()
-    assert len(ids) >= 100 and agreement >= 0.98, (len(ids), agreement)
+    assert (packed.layers[0].mlp.gate_up_proj.int8 is not None) == (int8 == "1")
+    ref = paged_logits(smol.model, ids, [len(ids)], 16)
+    got = paged_logits(packed, ids, [len(ids)], 16)
+    agreement = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    target = torch.tensor(ids[1:])
+
+    def nll(logits: torch.Tensor) -> float:
+        return float(F.cross_entropy(logits[:-1].double(), target))
+
+    ppl_ratio = float(np.exp(nll(got) - nll(ref)))
+    assert len(ids) >= 100 and agreement >= min_agreement and ppl_ratio <= max_ppl_ratio, (len(ids), agreement, ppl_ratio)

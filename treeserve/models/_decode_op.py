@@ -10,8 +10,8 @@ removes is ~25 small torch calls and the Python between them, per layer.
 every projection is bias-free and either the model's ``Linear`` or a ``PackedLinear``, all
 operators built); :func:`run_decode_layers` then applies it to a step when the step is a pure
 decode step (one query per request) served by the ``cpu`` attention backend, each projection
-taking the path ``PackedLinear.forward`` would (GGUF blocks up to ``packed_max_rows`` rows,
-``F.linear`` on the dense weight above; int4-plane codes only above), and Dynamo is not tracing
+taking the path ``PackedLinear.forward`` would (GGUF blocks up to ``packed_max_rows`` rows, the
+int8 GEMM or ``F.linear`` on the dense weight above; int4-plane codes only above), and Dynamo is not tracing
 (the operator has a fake implementation and passes ``opcheck``, but compiled steps keep the layer
 modules). Otherwise it returns ``None`` and the
 caller runs its layers in Python. Slots, positions and the page table (indices in range,
@@ -34,6 +34,7 @@ from treeserve.kvcache import AttentionMetadata, KVPool
 from treeserve.kvcache.backends import select_backend
 from treeserve.models._norm_op import load_norm_op
 from treeserve.models.gguf_op import load_gguf_linear_op
+from treeserve.models.int8_op import Int8Weight
 from treeserve.models.quant import PackedLinear
 
 __all__ = ["DecodePlan", "SOURCE", "decode_plan", "load_decode_op", "run_decode_layers"]
@@ -65,12 +66,14 @@ def load_decode_op() -> str | None:
 
 class _Proj(NamedTuple):
     """One projection as ``PackedLinear.forward`` would run it: packed (``raw`` GGUF blocks, when
-    not None) for up to ``max_rows`` rows, else ``F.linear`` on the dense float32 ``weight``."""
+    not None) for up to ``max_rows`` rows, else the int8 GEMM on ``int8`` when set, else
+    ``F.linear`` on the dense float32 ``weight``."""
 
     raw: torch.Tensor | None
     qtype: str | None
     weight: torch.Tensor
     max_rows: int
+    int8: Int8Weight | None = None
 
 
 class DecodePlan(NamedTuple):
@@ -105,10 +108,10 @@ def _proj(module: nn.Module, dense_type: type[nn.Module]) -> _Proj | None:
     if not isinstance(module, PackedLinear):
         return None
     if module.qtype is None:  # Int4Planes: torch's int4 kernel, not in the operator
-        return _Proj(None, None, weight, module.packed_max_rows)
-    if not module.use_op:  # packed_forward is F.linear on the dense weight
-        return _Proj(None, None, weight, 0)
-    return _Proj(module.raw, module.qtype, weight, module.packed_max_rows)
+        return _Proj(None, None, weight, module.packed_max_rows, module.int8)
+    if not module.use_op:  # packed_forward is large_forward's dense path
+        return _Proj(None, None, weight, 0, module.int8)
+    return _Proj(module.raw, module.qtype, weight, module.packed_max_rows, module.int8)
 
 
 def decode_plan(layers: Sequence[nn.Module], dense_type: type[nn.Module]) -> DecodePlan | None:
@@ -154,8 +157,15 @@ def _operands(plan: DecodePlan, rows: int) -> tuple[list[torch.Tensor], list[str
             if packed and p.raw is None:
                 plan.variants[key] = None
                 break
-            tensors.append(p.raw if packed else p.weight)
-            qtypes.append(p.qtype if packed else "dense")
+            if packed:
+                tensors.append(p.raw)
+                qtypes.append(p.qtype)
+            elif p.int8 is not None:
+                tensors.extend((p.int8.packed, p.int8.scales, p.int8.zeros, p.int8.mix))
+                qtypes.append("int8")
+            else:
+                tensors.append(p.weight)
+                qtypes.append("dense")
         else:
             plan.variants[key] = (tensors, qtypes)
     return plan.variants[key]

@@ -18,7 +18,11 @@ activations take a scalar path (~10x slower than bfloat16 on an AVX2 EPYC, see
 ``benches/bench_quant.py``), so the fast path casts the (few) activation rows and the scales to
 bfloat16 — scales then carry bf16 precision (relative 2^-9), the codes stay exact.
 ``PackedLinear`` also keeps the dequantized weight in the model dtype for prefill and large
-batches, where a dense GEMM wins; the crossover in rows per step is measured on the machine
+batches, where a GEMM over all rows wins: an int8 GEMM (``int8_op``: a Hadamard rotation, then
+the weight rounded once more to per-channel 8-bit codes and the activations to 7-bit codes per
+row) where it is available and measured faster than the dense one (``use_int8``), else the dense
+float GEMM. Both choices, and the crossover in
+rows per step from the packed path to the large-batch one, are measured on the machine
 (``measure_crossover``), never assumed.
 
 HF (float) checkpoints can opt in: ``quantize_int4`` (asymmetric group-32 min/max, the Q4_1
@@ -42,6 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeserve.models.gguf_op import GGUFWeight, gguf_op_available
+from treeserve.models.int8_op import BLOCK as INT8_BLOCK
+from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear
 
 __all__ = [
     "GROUP",
@@ -56,6 +62,7 @@ __all__ = [
     "planes_from_gguf",
     "quantize_int4",
     "quantize_int8",
+    "use_int8",
 ]
 
 GROUP = 32  # every supported code: 32 weights per scale
@@ -193,9 +200,10 @@ class PackedLinear(nn.Module):
     ``treeserve::gguf_linear``: activations rounded to int16 per 32-block,
     error about 2^-16 of each block's largest activation, see ``gguf_op``; float32 accumulation) or ``Int4Planes`` (torch's int4 kernel, activations and
     scales in ``act_dtype``: bfloat16 is its fast path, float32 exact but slow on AVX2). Batches of
-    at most ``packed_max_rows`` rows take the packed path, larger ones ``F.linear`` on ``weight``
-    (the codes dequantized once into the model dtype; the caller passes it). The output has
-    ``x``'s dtype. CPU only.
+    at most ``packed_max_rows`` rows take the packed path, larger ones ``large_forward``: the int8
+    GEMM where ``use_int8`` gave the layer an ``Int8Weight``, else ``F.linear`` on ``weight`` (the
+    codes dequantized once into the model dtype; the caller passes it). The output has ``x``'s
+    dtype. CPU only.
     """
 
     def __init__(
@@ -215,6 +223,7 @@ class PackedLinear(nn.Module):
         self.packed_max_rows = packed_max_rows
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
+        self.int8: Int8Weight | None = None  # set by ``use_int8`` where the int8 GEMM pays
         self.qtype = codes.qtype if isinstance(codes, GGUFWeight) else None
         if self.qtype is not None:
             self.planes = 0
@@ -240,10 +249,18 @@ class PackedLinear(nn.Module):
         y = y[:, : self.out_features].to(x.dtype)
         return y if self.bias is None else y + self.bias
 
+    def large_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The product for batches above ``packed_max_rows``: the int8 GEMM when ``int8`` is set
+        (and Dynamo is not tracing), else ``F.linear`` on the dense weight."""
+        if self.int8 is None or x.dim() != 2 or _tracing():
+            return F.linear(x, self.weight, self.bias)
+        y = int8_linear(x.float(), self.int8).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.packed_max_rows and x.dim() == 2:
             return self.packed_forward(x)
-        return F.linear(x, self.weight, self.bias)
+        return self.large_forward(x)
 
 
 _tracing = torch.compiler.is_compiling
@@ -252,6 +269,7 @@ _tracing = torch.compiler.is_compiling
 _CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 _crossover_cache: dict[tuple[object, ...], int] = {}
 _head_cache: dict[tuple[int, int, int], bool] = {}
+_int8_cache: dict[tuple[object, ...], bool] = {}
 
 
 def _best_seconds(fn: Callable[[], object], reps: int = 5) -> float:
@@ -292,7 +310,7 @@ def _crossover(key: tuple[object, ...], k: int, dtype: torch.dtype, packed: Call
 def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     """The largest row count (of 1, 2, 4 ... 128) up to which the packed path of ``layers`` (run one
     after another, all of one K, as a decode step reads them: the weights do not stay in cache)
-    is at least as fast as the dense one on this machine, 0 when never; measured once per process
+    is at least as fast as the large-batch one (``large_forward``) on this machine, 0 when never; measured once per process
     per set of shapes, dtypes and thread count. ``TREESERVE_PACKED_MAX_ROWS`` (an int >= 0)
     overrides the measurement."""
     env = _env_rows("TREESERVE_PACKED_MAX_ROWS")
@@ -302,7 +320,8 @@ def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     if not group or len({m.in_features for m in group}) != 1:
         raise ValueError(f"layers must be a non-empty set of one in_features, got {[m.in_features for m in group]}")
     key = (
-        tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight.dtype, m.act_dtype) for m in group),
+        tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight.dtype, m.act_dtype, m.int8 is not None)
+              for m in group),
         torch.get_num_threads(),
     )
 
@@ -310,7 +329,38 @@ def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
         return lambda x: [fn(m, x) for m in group] and None
 
     return _crossover(key, group[0].in_features, group[0].weight.dtype,
-                      run(lambda m, x: m.packed_forward(x)), run(lambda m, x: F.linear(x, m.weight, m.bias)))
+                      run(lambda m, x: m.packed_forward(x)), run(lambda m, x: m.large_forward(x)))
+
+
+def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
+    """Give every layer of ``layers`` (one input width, run one after another as a step reads
+    them) an int8 copy of its weight (``Int8Weight``: rotated, per-channel 8-bit codes, row-wise
+    7-bit activations, ``int8_op``; K a multiple of 64) for its batches above ``packed_max_rows``, when the int8 GEMM is
+    available and, at ``rows`` rows, faster than ``F.linear`` on the dense weights on this machine
+    (measured once per process per set of shapes and thread count). ``TREESERVE_INT8`` = ``0`` /
+    ``1`` overrides the measurement (``1`` still needs the operator). Returns whether it did."""
+    group = list(layers)
+    env = os.environ.get("TREESERVE_INT8")
+    if env not in (None, "0", "1"):
+        raise ValueError(f"TREESERVE_INT8 must be '0' or '1', got {env!r}")
+    if not group or env == "0" or group[0].in_features % INT8_BLOCK or not int8_available():
+        return False
+    if len({m.in_features for m in group}) != 1:
+        raise ValueError(f"layers must share one in_features, got {[m.in_features for m in group]}")
+    weights = [Int8Weight.from_dense(m.weight) for m in group]
+    if env is None:
+        key = (tuple((m.out_features, m.in_features, m.weight.dtype) for m in group), rows, torch.get_num_threads())
+        if key not in _int8_cache:
+            with torch.inference_mode():
+                x = torch.randn(rows, group[0].in_features, dtype=group[0].weight.dtype)
+                dense = _best_seconds(lambda: [F.linear(x, m.weight) for m in group])
+                xf = x.float()
+                _int8_cache[key] = _best_seconds(lambda: [int8_linear(xf, w) for w in weights]) < dense
+        if not _int8_cache[key]:
+            return False
+    for m, w in zip(group, weights):
+        m.int8 = w
+    return True
 
 
 class ExactHead(nn.Module):
@@ -473,6 +523,7 @@ def pack_model(
             setattr(layer.get_submodule(parent), attr, new)
             packed.setdefault(new.in_features, []).append(new)
     for group in packed.values():
+        use_int8(group)  # before the crossover, which races the packed path against the large one
         rows = measure_crossover(group)
         for m in group:
             m.packed_max_rows = rows

@@ -1,7 +1,8 @@
 // treeserve::decode_layers: every decoder layer of a float32 Llama model for one decode step (M
 // tokens, one per request), in one call. Per layer, exactly the Python path's sequence:
 //   normed = rms_norm(x)                        treeserve::add_rms_norm
-//   qkv    = normed @ Wqkv^T                     treeserve::gguf_linear (GGUF blocks) or at::linear
+//   qkv    = normed @ Wqkv^T                     treeserve::gguf_linear (GGUF blocks), treeserve::int8_linear
+//                                                (prepacked int8) or at::linear
 //   q, k   = rope(q, k) (rotate-half); store k, v at slots[i] of the layer's caches
 //   o      = paged decode attention(q)           treeserve::paged_decode_attention
 //   x, normed = x + o @ Wo^T, rms_norm(...)      gguf_linear, add_rms_norm
@@ -26,6 +27,8 @@ namespace {
 using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, std::string, int64_t);
 using Norm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&,
                                                 const at::Tensor&, double);
+using Int8Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&);
 using Attn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, const at::Tensor&, double);
 
@@ -82,9 +85,23 @@ void rope_store(const float* qkv, const float* table, const int64_t* pos, const 
   }
 }
 
-// x @ w^T: qtype "dense" = a float32 weight [N, K] through at::linear (what F.linear runs), else GGUF
-// blocks through treeserve::gguf_linear.
-at::Tensor project(const Ops& op, const at::Tensor& x, const at::Tensor& w, const std::string& qtype, int64_t k) {
+// Operands a projection of this qtype takes from projs: "int8" = treeserve::int8_linear's prepacked
+// codes, scales, zero points and block mixer; every other qtype one tensor.
+int64_t operand_count(const std::string& qtype) { return qtype == "int8" ? 4 : 1; }
+
+const c10::TypedOperatorHandle<Int8Linear>& int8_op() {  // looked up on first use: loaded from Python
+  static const auto o =
+      c10::Dispatcher::singleton().findSchemaOrThrow("treeserve::int8_linear", "").typed<Int8Linear>();
+  return o;
+}
+
+// x @ w^T with the operands at projs[at]: qtype "dense" = a float32 weight [N, K] through at::linear
+// (what F.linear runs), "int8" through treeserve::int8_linear, else GGUF blocks through
+// treeserve::gguf_linear.
+at::Tensor project(const Ops& op, const at::Tensor& x, at::TensorList projs, int64_t at, const std::string& qtype,
+                   int64_t k) {
+  const at::Tensor& w = projs[at];
+  if (qtype == "int8") return int8_op().call(x, w, projs[at + 1], projs[at + 2], projs[at + 3]);
   if (qtype == "dense") {
     TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == k && w.scalar_type() == at::kFloat,
                       "a dense projection must be a float32 [N, ", k, "] weight, got ", w.sizes(), " ", w.scalar_type());
@@ -129,11 +146,13 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK_VALUE(layers >= 1 && static_cast<int64_t>(v_caches.size()) == layers &&
                         static_cast<int64_t>(norms.size()) == 2 * layers &&
-                        static_cast<int64_t>(projs.size()) == 4 * layers &&
                         static_cast<int64_t>(qtypes.size()) == 4 * layers,
-                    "need L >= 1 k_caches and v_caches, 2L norms, 4L projs and 4L qtypes; got L=", layers,
-                    ", ", v_caches.size(), " v_caches, ", norms.size(), " norms, ", projs.size(), " projs, ",
-                    qtypes.size(), " qtypes");
+                    "need L >= 1 k_caches and v_caches, 2L norms and 4L qtypes; got L=", layers, ", ",
+                    v_caches.size(), " v_caches, ", norms.size(), " norms, ", qtypes.size(), " qtypes");
+  std::vector<int64_t> first(qtypes.size() + 1, 0);  // projection i's operands start at projs[first[i]]
+  for (size_t i = 0; i < qtypes.size(); ++i) first[i + 1] = first[i] + operand_count(qtypes.get(i));
+  TORCH_CHECK_VALUE(static_cast<int64_t>(projs.size()) == first.back(), "projs must hold ", first.back(),
+                    " tensors for these qtypes (4 per \"int8\", 1 per other), got ", projs.size());
   check_f32(h, "h");
   check_f32(rope_table, "rope_table");
   TORCH_CHECK_VALUE(h.dim() == 2, "h must be [M, hidden], got ", h.sizes());
@@ -177,21 +196,21 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
   at::Tensor x = h.contiguous();
   at::Tensor normed = std::get<1>(op.norm.call(x, std::nullopt, norms[0], eps));
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor qkv = project(op, normed, projs[4 * l], qtypes.get(4 * l), hidden);
-    TORCH_CHECK_VALUE(qkv.size(1) == q_size + 2 * num_kv_heads * dim, "projs[", 4 * l,
-                      "] (qkv) must have (num_heads + 2 num_kv_heads) * head_dim rows, got ", qkv.size(1));
+    const at::Tensor qkv = project(op, normed, projs, first[4 * l], qtypes.get(4 * l), hidden);
+    TORCH_CHECK_VALUE(qkv.size(1) == q_size + 2 * num_kv_heads * dim, "layer ", l,
+                      "'s qkv projection must have (num_heads + 2 num_kv_heads) * head_dim rows, got ", qkv.size(1));
     at::Tensor q = at::empty({m, num_heads, dim}, h.options());
     rope_store(qkv.data_ptr<float>(), rope_table.data_ptr<float>(), pp, sp, q.data_ptr<float>(),
                k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>(), m, num_heads, num_kv_heads, dim);
     const at::Tensor o = op.attn.call(q, k_caches[l], v_caches[l], kv_indptr, kv_page_indices, kv_last_page_len,
                                       scale);
-    const at::Tensor attn = project(op, o.view({m, q_size}), projs[4 * l + 1], qtypes.get(4 * l + 1), q_size);
+    const at::Tensor attn = project(op, o.view({m, q_size}), projs, first[4 * l + 1], qtypes.get(4 * l + 1), q_size);
     std::tie(x, normed) = op.norm.call(x, attn, norms[2 * l + 1], eps);
-    const at::Tensor gu = project(op, normed, projs[4 * l + 2], qtypes.get(4 * l + 2), hidden);
+    const at::Tensor gu = project(op, normed, projs, first[4 * l + 2], qtypes.get(4 * l + 2), hidden);
     const int64_t inter = gu.size(1) / 2;
     at::Tensor act = at::silu(gu.narrow(1, 0, inter));
     act.mul_(gu.narrow(1, inter, inter));
-    const at::Tensor down = project(op, act, projs[4 * l + 3], qtypes.get(4 * l + 3), inter);
+    const at::Tensor down = project(op, act, projs, first[4 * l + 3], qtypes.get(4 * l + 3), inter);
     if (l + 1 < layers) {
       std::tie(x, normed) = op.norm.call(x, down, norms[2 * l + 2], eps);
     } else {
@@ -211,3 +230,5 @@ TORCH_LIBRARY_FRAGMENT(treeserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(treeserve, CPU, m) { m.impl("decode_layers", &decode_layers); }
+// int8 projections pass oneDNN-prepacked (MkldnnCPU) weights, which make the call dispatch there.
+TORCH_LIBRARY_IMPL(treeserve, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -1,0 +1,200 @@
+// treeserve::int8_linear: y = x @ W^T for many rows (prefill, batched decode) as an int8 GEMM.
+//
+// Both operands are first rotated by the same orthogonal transform R (x W^T = (x R)(W R)^T): 64 x 64
+// Walsh-Hadamard blocks scaled by 1/8, then an orthogonal B x B matrix `mix` across the B = K / 64
+// blocks (out block c = sum_b mix[c, b] * block b). The rotation spreads the few large activation
+// channels of LLM hidden states over the whole row, which is what makes per-row int8 accurate. The weight side, W R rounded to per-output-channel int8 codes with
+// scales w_scales [N], is prepared once in Python (int8_op.Int8Weight) and prepacked by
+// onednn::qlinear_prepack. Here each row of x R is rounded symmetrically, q = round(x R * X_MAX /
+// amax|x R|), stored as uint8 q + X_ZERO, so every row has its own scale and a row's result never
+// depends on the other rows of the batch. The integer product runs in oneDNN
+// (onednn::qlinear_pointwise through the dispatcher: torch's kernel, exact int32 accumulation)
+// and each output row is multiplied by its activation scale.
+//
+// Saturation: without VNNI, x86 int8 GEMMs multiply with vpmaddubsw, which adds two u8 x s8
+// products into a saturating int16. Activation codes in [1, 127] (7 bits: X_MAX = 63, zero point
+// 64) times weight codes in [-127, 127] keep 2 * 127 * 127 = 32258 below 32767, so the int32 result
+// is exact on every x86 ISA.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t X_MAX = 63;  // activation codes q in [-63, 63]
+constexpr int64_t X_ZERO = 64;
+constexpr int64_t BLOCK = 64;  // Walsh-Hadamard block (K must be a multiple)
+
+// x <- in H / 8 on one block of 64 (H the Sylvester Hadamard matrix of order 64): butterfly
+// stages h = 1, 2, ..., 32, each x[j], x[j + h] <- x[j] + x[j + h], x[j] - x[j + h]. The AVX2 and the
+// scalar version perform the same additions in the same order (bitwise equal results).
+#ifdef __AVX2__
+// One butterfly stage inside each 8-lane register: b is v with partners swapped; lanes whose bit
+// in `upper` is set take (partner - self), the others (self + partner).
+template <int Upper>
+inline __m256 in_register(__m256 v, __m256 b) {
+  return _mm256_blend_ps(_mm256_add_ps(v, b), _mm256_sub_ps(b, v), Upper);
+}
+
+void hadamard64(const float* in, float* x) {
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) {
+    __m256 v = _mm256_loadu_ps(in + 8 * i);
+    v = in_register<0b10101010>(v, _mm256_permute_ps(v, 0b10110001));      // h = 1
+    v = in_register<0b11001100>(v, _mm256_permute_ps(v, 0b01001110));      // h = 2
+    v = in_register<0b11110000>(v, _mm256_permute2f128_ps(v, v, 0x01));    // h = 4
+    r[i] = v;
+  }
+  for (int h = 1; h < 8; h *= 2)  // h = 8, 16, 32 floats: whole registers
+    for (int i = 0; i < 8; i += 2 * h)
+      for (int j = i; j < i + h; ++j) {
+        const __m256 a = r[j], b = r[j + h];
+        r[j] = _mm256_add_ps(a, b);
+        r[j + h] = _mm256_sub_ps(a, b);
+      }
+  const __m256 eighth = _mm256_set1_ps(0.125f);
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(x + 8 * i, _mm256_mul_ps(r[i], eighth));
+}
+#else
+void hadamard64(const float* in, float* x) {
+  std::copy(in, in + BLOCK, x);
+  for (int64_t h = 1; h < BLOCK; h *= 2)
+    for (int64_t i = 0; i < BLOCK; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  for (int64_t j = 0; j < BLOCK; ++j) x[j] *= 0.125f;
+}
+#endif
+
+const c10::OperatorHandle& qlinear() {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
+  return op;
+}
+
+// max |x_j| over k (a multiple of 32) floats, and the codes out_j = round(x_j * inv) + X_ZERO
+// (round half to even, as the AVX2 conversion does under the default rounding mode).
+#ifdef __AVX2__
+float amax_abs(const float* x, int64_t k) {
+  const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + j), mask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  return *std::max_element(lanes, lanes + 8);
+}
+
+void to_codes(const float* x, float inv, uint8_t* out, int64_t k) {
+  const __m256 s = _mm256_set1_ps(inv);
+  const __m256i zero = _mm256_set1_epi32(X_ZERO);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
+  for (int64_t j = 0; j < k; j += 32) {
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i)
+      c[i] = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * i), s)), zero);
+    const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+}
+#else
+float amax_abs(const float* x, int64_t k) {
+  float m = 0.f;
+  for (int64_t j = 0; j < k; ++j) m = std::max(m, std::fabs(x[j]));
+  return m;
+}
+
+void to_codes(const float* x, float inv, uint8_t* out, int64_t k) {
+  for (int64_t j = 0; j < k; ++j) out[j] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[j] * inv)) + X_ZERO);
+}
+#endif
+
+// Row-wise rotation and quantization of x into q (uint8, zero point X_ZERO); scale[i] = amax(|x_i R|) / X_MAX.
+void quantize_rows(const float* x, const float* mix, uint8_t* q, float* scale, int64_t m, int64_t k) {
+  const int64_t nb = k / BLOCK;
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> blocks(static_cast<size_t>(k)), row(static_cast<size_t>(k));
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < k; b += BLOCK) hadamard64(x + r * k + b, blocks.data() + b);
+      std::fill(row.begin(), row.end(), 0.f);
+      for (int64_t c = 0; c < nb; ++c) {
+        float* out = row.data() + c * BLOCK;
+        for (int64_t b = 0; b < nb; ++b) {
+          const float w = mix[c * nb + b];
+          const float* in = blocks.data() + b * BLOCK;
+          for (int64_t j = 0; j < BLOCK; ++j) out[j] += w * in[j];
+        }
+      }
+      const float amax = amax_abs(row.data(), k);
+      to_codes(row.data(), amax > 0.f ? static_cast<float>(X_MAX) / amax : 0.f, q + r * k, k);
+      scale[r] = amax / static_cast<float>(X_MAX);
+    }
+  });
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scales,
+                       const at::Tensor& w_zeros, const at::Tensor& mix) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "x must be a 2-D CPU tensor, got ", x.sizes());
+  TORCH_CHECK_VALUE(w_scales.dim() == 1 && w_scales.scalar_type() == at::kFloat,
+                    "w_scales must be a 1-D float32 tensor, got ", w_scales.sizes(), " ", w_scales.scalar_type());
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), n = w_scales.size(0);
+  TORCH_CHECK_VALUE(k % BLOCK == 0, "x must have a multiple of ", BLOCK, " columns, got ", k);
+  TORCH_CHECK_VALUE(mix.dim() == 2 && mix.size(0) == k / BLOCK && mix.size(1) == k / BLOCK &&
+                        mix.scalar_type() == at::kFloat && mix.is_contiguous(),
+                    "mix must be a contiguous float32 [K/64, K/64] = [", k / BLOCK, ", ", k / BLOCK, "], got ",
+                    mix.sizes(), " ", mix.scalar_type());
+  if (m == 0) return at::empty({0, n}, xc.options());
+  at::Tensor q = at::empty({m, k}, xc.options().dtype(at::kByte));
+  std::vector<float> scale(static_cast<size_t>(m));
+  quantize_rows(xc.data_ptr<float>(), mix.data_ptr<float>(), q.data_ptr<uint8_t>(), scale.data(), m, k);
+  torch::jit::Stack stack{q,
+                          1.0,  // the row scales are applied afterwards
+                          X_ZERO,
+                          w,
+                          w_scales,
+                          w_zeros,
+                          c10::IValue(),
+                          1.0,
+                          static_cast<int64_t>(0),
+                          c10::IValue(at::kFloat),
+                          c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                          c10::IValue(std::string(""))};
+  qlinear().callBoxed(&stack);
+  at::Tensor y = stack.back().toTensor();
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n && y.is_contiguous() && y.scalar_type() == at::kFloat,
+              "onednn::qlinear_pointwise returned ", y.sizes(), " ", y.scalar_type(), " for [", m, ", ", n, "]");
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = yp + r * n;
+      const float s = scale[r];
+      for (int64_t j = 0; j < n; ++j) row[j] *= s;
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(treeserve, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor w_scales, Tensor w_zeros, Tensor mix) -> Tensor");
+}
+
+// The prepacked weight is a MkldnnCPU tensor, which makes the call dispatch to that key.
+TORCH_LIBRARY_IMPL(treeserve, CPU, m) { m.impl("int8_linear", &int8_linear); }
+TORCH_LIBRARY_IMPL(treeserve, MkldnnCPU, m) { m.impl("int8_linear", &int8_linear); }
