@@ -33,6 +33,7 @@ __all__ = [
     "build_step_inputs",
     "draft_arrays",
     "requests_sampling_batch",
+    "step_token_ids",
     "tree_ancestors",
 ]
 
@@ -236,6 +237,20 @@ def draft_arrays(items: Sequence[ScheduledItem], width: int, k: int) -> DraftArr
     node = torch.arange(k)
     slot_index = torch.where(node < num_draft[:, None], (rows * width + starts + 1)[:, None] + node, 0)
     return DraftArrays(tokens, parents, num_draft, slot_index)
+
+
+def step_token_ids(reqs: Sequence[Request], starts: Sequence[int], qo_lens: Sequence[int]) -> list[int]:
+    """The flat input ids of a causal step: tokens ``[starts[b], starts[b] + qo_lens[b])`` of
+    each ``reqs[b]``, request by request.
+
+    A step of single tokens (decodes) reads each from the prompt or the output directly, with
+    no per-request call or slice."""
+    if max(qo_lens) == 1:
+        return [
+            r.output_ids[s - n] if s >= (n := len(r.prompt_ids)) else r.prompt_ids[s]
+            for r, s in zip(reqs, starts)
+        ]
+    return [t for r, s, n in zip(reqs, starts, qo_lens) for t in r.tokens(s, s + n)]
 
 
 def admit_requests(rows: SamplingRows, reqs: Sequence[Request]) -> None:
