@@ -129,39 +129,49 @@ def build_step_inputs(
     np.cumsum(qo, out=qo_indptr[1:])
     total = int(qo_indptr[-1])
     qo_max = int(qo.max())
-    owner = np.repeat(np.arange(bsz), qo)
-    offs = np.arange(total) - qo_indptr[:-1][owner]
     real_len = qo if num_real is None else np.asarray(num_real, dtype=np.int64)
     kv_lens = starts_a + qo
+    # Per-token arrays as a per-request base repeated over its tokens plus a flat counter
+    # (token i of request b sits at flat index qo_indptr[b] + i, position starts[b] + i).
+    if total == bsz:  # one new token per request (decodes): the bases are the answers
+        chain_pos, row_base = starts_a.copy(), rows_a * width  # a copy: the caller's array may be shared
+    else:
+        chain_pos = np.arange(total) + np.repeat(starts_a - qo_indptr[:-1], qo)
+        row_base = np.repeat(rows_a * width, qo)
+    slot_index = row_base + chain_pos
+    if num_real is not None:  # padding tokens write to slot 0
+        slot_index = np.where(chain_pos < np.repeat(starts_a + real_len, qo), slot_index, 0)
+    logits_indices = np.flatnonzero(np.arange(total) >= np.repeat(qo_indptr[1:] - logit_a, qo))
     tree_mask = tree_indptr = None
     if parents is None:
-        positions = starts_a[owner] + offs
+        positions = chain_pos
     else:
         qo_t = torch.from_numpy(qo)
         anc = _step_ancestors(parents, qo_t, qo_max)
         valid = torch.arange(qo_max) < qo_t[:, None]
-        positions = starts_a[owner] + (anc.sum(-1) - 1)[valid].numpy()
+        positions = np.repeat(starts_a, qo) + (anc.sum(-1) - 1)[valid].numpy()
         real = torch.arange(qo_max) < torch.from_numpy(real_len)[:, None]
         mask = anc & real[:, None, :]
         tree_mask = mask[valid[:, :, None] & valid[:, None, :]].to(dev, non_blocking=True)
         tree_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(qo * qo)])).to(dev, torch.int32)
-    # KV pages: the table's pages while they hold real tokens, then the dummy page 0.
+    # KV pages: the table's pages while they hold real tokens, then the dummy page 0. Page j of
+    # request b is table[row, j * page_size], flat index row * width + j * page_size.
     npages = (kv_lens + page_size - 1) // page_size
     kv_indptr = np.zeros(bsz + 1, dtype=np.int64)
     np.cumsum(npages, out=kv_indptr[1:])
     num_pages = int(kv_indptr[-1])
-    page_owner = np.repeat(np.arange(bsz), npages)
-    page_no = np.arange(num_pages) - kv_indptr[:-1][page_owner]
-    real_page = page_no * page_size < (starts_a + real_len)[page_owner]
-    page_index = np.where(real_page, rows_a[page_owner] * width + page_no * page_size, 0)
-    slot_index = np.where(offs < real_len[owner], rows_a[owner] * width + starts_a[owner] + offs, 0)
-    logits_indices = np.flatnonzero(offs >= (qo - logit_a)[owner])
+    page_index = np.arange(0, num_pages * page_size, page_size) + np.repeat(
+        rows_a * width - kv_indptr[:-1] * page_size, npages
+    )
+    if num_real is not None:
+        page_index = np.where(page_index < np.repeat(rows_a * width + starts_a + real_len, npages), page_index, 0)
     last_page_len = kv_lens - (npages - 1) * page_size
     ids = np.asarray(input_ids, dtype=np.int64) if not isinstance(input_ids, torch.Tensor) else input_ids.cpu().numpy()
     if dev.type == "cpu":  # numpy gathers straight from the table's memory; no copies
         flat = table.numpy().reshape(-1)
         out_slots = torch.from_numpy(flat[slot_index])
-        kv_pages = torch.from_numpy((flat[page_index] // page_size).astype(np.int32))
+        page_slots = flat[page_index]
+        kv_pages = torch.from_numpy((page_slots if page_size == 1 else page_slots // page_size).astype(np.int32))
         positions_d, logits_d, ids_d = (torch.from_numpy(x) for x in (positions, logits_indices, ids))
         qo_indptr_d, kv_indptr_d, last_d = (torch.from_numpy(x.astype(np.int32)) for x in (qo_indptr, kv_indptr, last_page_len))
     else:  # one host->device copy of every index, one gather from the table
