@@ -141,7 +141,10 @@ def build_step_inputs(
     slot_index = row_base + chain_pos
     if num_real is not None:  # padding tokens write to slot 0
         slot_index = np.where(chain_pos < np.repeat(starts_a + real_len, qo), slot_index, 0)
-    logits_indices = np.flatnonzero(np.arange(total) >= np.repeat(qo_indptr[1:] - logit_a, qo))
+    if total == bsz:  # a request's one token has logits or not
+        logits_indices = np.flatnonzero(logit_a)
+    else:  # the last logit_rows[b] tokens of request b
+        logits_indices = np.flatnonzero(np.arange(total) >= np.repeat(qo_indptr[1:] - logit_a, qo))
     tree_mask = tree_indptr = None
     if parents is None:
         positions = chain_pos
@@ -156,7 +159,11 @@ def build_step_inputs(
         tree_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(qo * qo)])).to(dev, torch.int32)
     # KV pages: the table's pages while they hold real tokens, then the dummy page 0. Page j of
     # request b is table[row, j * page_size], flat index row * width + j * page_size.
-    npages = (kv_lens + page_size - 1) // page_size
+    if page_size == 1:
+        npages, last_page_len = kv_lens, np.ones(bsz, dtype=np.int64)
+    else:
+        npages = (kv_lens + page_size - 1) // page_size
+        last_page_len = kv_lens - (npages - 1) * page_size
     kv_indptr = np.zeros(bsz + 1, dtype=np.int64)
     np.cumsum(npages, out=kv_indptr[1:])
     num_pages = int(kv_indptr[-1])
@@ -165,7 +172,6 @@ def build_step_inputs(
     )
     if num_real is not None:
         page_index = np.where(page_index < np.repeat(rows_a * width + starts_a + real_len, npages), page_index, 0)
-    last_page_len = kv_lens - (npages - 1) * page_size
     ids = np.asarray(input_ids, dtype=np.int64) if not isinstance(input_ids, torch.Tensor) else input_ids.cpu().numpy()
     if dev.type == "cpu":  # numpy gathers straight from the table's memory; no copies
         flat = table.numpy().reshape(-1)
