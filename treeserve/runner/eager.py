@@ -163,7 +163,7 @@ class ModelRunner:
         A step whose rows are all plain greedy (``SamplingRows.all_plain_greedy``) takes their
         first argmax directly (the same tokens, logprob NaN, no ``SamplingBatch``)."""
         admit_requests(self.sampling_rows, reqs)
-        if self.sampling_rows.all_plain_greedy(rows, [len(r.output_ids) for r in reqs]):
+        if self.sampling_rows.all_plain_greedy(rows, lambda: [len(r.output_ids) for r in reqs]):
             new = tuple.__new__  # SampledToken(...) without its Python-level __new__
             return [new(SampledToken, (t, _NAN, None, (), ())) for t in greedy_tokens(logits).tolist()]  # host sync
         positions = [s + n for s, n in zip(starts, qo)]
