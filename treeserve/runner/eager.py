@@ -155,7 +155,12 @@ class ModelRunner:
         return requests_sampling_batch(self.sampling_rows, reqs)
 
     def _sample(
-        self, logits: torch.Tensor, reqs: Sequence[Request], rows: Sequence[int], starts: Sequence[int], qo: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Request],
+        rows: Sequence[int],
+        starts: Sequence[int],
+        qo: Sequence[int],
     ) -> list[SampledToken]:
         """Sample one token per row of ``logits`` for ``reqs`` (in table ``rows``), each having
         computed tokens ``[start, start + qo)`` (its next token sits at ``start + qo``).

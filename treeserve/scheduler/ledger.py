@@ -93,7 +93,9 @@ class KVLedger:
         ps = self.page_size
         width = self.table.max_context_len
         pages = self.allocator.alloc(len(reqs))
-        index = np.fromiter((r.row * width + r.num_cached_tokens + r.num_owned_pages * ps for r in reqs), np.int64, len(reqs))
+        # Each request's first column past its capacity (cached + owned pages).
+        capacity_ends = (r.row * width + r.num_cached_tokens + r.num_owned_pages * ps for r in reqs)
+        index = np.fromiter(capacity_ends, np.int64, len(reqs))
         if ps == 1:
             slots = pages
         else:  # each page's slots, in order
