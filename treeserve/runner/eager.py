@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from treeserve.kvcache import KVPool, ReqToTokenTable, compact_tree_path, rollback_slots, select_backend
@@ -78,7 +79,7 @@ class ModelRunner:
         items, dev = batch.items, self.device
         n = len(items)
         reqs, starts, qo, samples, drafts, _ = zip(*items)
-        rows = [r.row for r in reqs]
+        rows = np.fromiter([r.row for r in reqs], np.int64, n)  # converted once for the builder and sampling
         drafted = [] if drafts.count(None) == n else [i for i, d in enumerate(drafts) if d is not None]
         step, logit_rows = self._inputs(items, reqs, rows, starts, qo, samples, drafted)
         logits = self.model(step.input_ids, step.positions, self.kv, step.out_slots, step.meta, step.logits_indices)
@@ -90,7 +91,7 @@ class ModelRunner:
         if plain:
             idx = torch.tensor([logit_end[i] - 1 for i in plain], dtype=torch.long, device=dev)
             sampled = self._sample(
-                logits.index_select(0, idx), [reqs[i] for i in plain], [rows[i] for i in plain],
+                logits.index_select(0, idx), [reqs[i] for i in plain], rows[plain],
                 [starts[i] for i in plain], [qo[i] for i in plain],
             )  # fmt: skip
             for i, token in zip(plain, sampled):
@@ -107,7 +108,7 @@ class ModelRunner:
         self,
         items: Sequence[ScheduledItem],
         reqs: Sequence[Request],
-        rows: Sequence[int],
+        rows: np.ndarray,
         starts: Sequence[int],
         qo: Sequence[int],
         samples: Sequence[bool],
@@ -158,7 +159,7 @@ class ModelRunner:
         self,
         logits: torch.Tensor,
         reqs: Sequence[Request],
-        rows: Sequence[int],
+        rows: np.ndarray,
         starts: Sequence[int],
         qo: Sequence[int],
     ) -> list[SampledToken]:
