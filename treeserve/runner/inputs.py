@@ -126,9 +126,9 @@ def build_step_inputs(
     rows_a, starts_a, qo, logit_a = (np.asarray(x, dtype=np.int64) for x in (rows, starts, qo_lens, logit_rows))
     bsz = qo.shape[0]
     qo_indptr = np.zeros(bsz + 1, dtype=np.int64)
-    np.cumsum(qo, out=qo_indptr[1:])
+    np.add.accumulate(qo, out=qo_indptr[1:])
     total = int(qo_indptr[-1])
-    qo_max = int(qo.max())
+    qo_max = 1 if total == bsz else int(qo.max())  # every qo_lens[b] >= 1
     real_len = qo if num_real is None else np.asarray(num_real, dtype=np.int64)
     kv_lens = starts_a + qo
     # Per-token arrays as a per-request base repeated over its tokens plus a flat counter
@@ -165,7 +165,7 @@ def build_step_inputs(
         npages = (kv_lens + page_size - 1) // page_size
         last_page_len = kv_lens - (npages - 1) * page_size
     kv_indptr = np.zeros(bsz + 1, dtype=np.int64)
-    np.cumsum(npages, out=kv_indptr[1:])
+    np.add.accumulate(npages, out=kv_indptr[1:])
     num_pages = int(kv_indptr[-1])
     page_index = np.arange(0, num_pages * page_size, page_size) + np.repeat(
         rows_a * width - kv_indptr[:-1] * page_size, npages
@@ -273,8 +273,9 @@ def admit_requests(rows: SamplingRows, reqs: Sequence[Request]) -> None:
     """Admit into the resident ``rows`` each of ``reqs`` not yet admitted into its table row
     (first step there, the row's previous owner was another request, or its ``params`` object
     was replaced): its parameters are validated and written once."""
+    holds = rows.holds
     for r in reqs:
-        if not rows.holds(r.row, r, r.params):
+        if not holds(r.row, r, r.params):
             rows.admit(r.row, r, r.params, r.seed, r.prompt_ids)
 
 
