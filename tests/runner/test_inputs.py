@@ -8,6 +8,9 @@ from hypothesis import strategies as st
 
 from treeserve.kvcache import AttentionMetadata, build_tree_mask
 from treeserve.runner import build_step_inputs
+from treeserve.runner.inputs import step_token_ids
+from treeserve.sampling import SamplingParams
+from treeserve.scheduler import Request
 
 
 @st.composite
@@ -104,3 +107,21 @@ def test_padding_tokens_write_slot_zero_and_are_hidden() -> None:
         [True, False, False, False],
         [True, False, False, False],
     ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_step_token_ids_are_the_requests_token_ranges(data) -> None:
+    """Decodes (one token each, read from the prompt or the output) and chunks alike."""
+    reqs, starts, qo = [], [], []
+    one_each = data.draw(st.booleans())
+    for rid in range(data.draw(st.integers(1, 4))):
+        prompt = data.draw(st.lists(st.integers(0, 99), min_size=1, max_size=6))
+        req = Request(rid=rid, prompt_ids=prompt, params=SamplingParams(), seed=0)
+        req.output_ids = data.draw(st.lists(st.integers(0, 99), max_size=4))
+        start = data.draw(st.integers(0, req.seq_len - 1))
+        reqs.append(req)
+        starts.append(start)
+        qo.append(1 if one_each else data.draw(st.integers(1, req.seq_len - start)))
+    expected = [t for r, s, n in zip(reqs, starts, qo) for t in (r.prompt_ids + r.output_ids)[s : s + n]]
+    assert step_token_ids(reqs, starts, qo) == expected
