@@ -91,9 +91,12 @@ class ModelRunner:
         if plain:
             idx = torch.tensor([logit_end[i] - 1 for i in plain], dtype=torch.long, device=dev)
             sampled = self._sample(
-                logits.index_select(0, idx), [reqs[i] for i in plain], rows[plain],
-                [starts[i] for i in plain], [qo[i] for i in plain],
-            )  # fmt: skip
+                logits.index_select(0, idx),
+                [reqs[i] for i in plain],
+                rows[plain],
+                [starts[i] for i in plain],
+                [qo[i] for i in plain],
+            )
             for i, token in zip(plain, sampled):
                 results[i] = token
         if drafted:
