@@ -8,6 +8,9 @@ from hypothesis import strategies as st
 
 from treeserve.kvcache import AttentionMetadata, build_tree_mask
 from treeserve.runner import build_step_inputs
+from treeserve.runner.inputs import step_token_ids
+from treeserve.sampling import SamplingParams
+from treeserve.scheduler import Request
 
 
 @st.composite
@@ -66,6 +69,26 @@ def test_builder_matches_reference(case) -> None:
     assert got.logits_indices.tolist() == logit_idx
 
 
+@settings(max_examples=40, deadline=None)
+@given(steps(), st.data())
+def test_padding_slots_and_pages_match_reference(case, data) -> None:
+    """With ``num_real``: the first ``num_real[b]`` new tokens write to their own slots, the
+    rest to flat slot 0; KV pages holding no real token read as the page of flat slot 0."""
+    ps, table, rows, starts, qo, _, logit_rows, _ = case
+    num_real = [data.draw(st.integers(1, n)) for n in qo]
+    ids = torch.randint(0, 100, (sum(qo),))
+    got = build_step_inputs(table, rows, starts, qo, ids, ps, logit_rows, num_real=torch.tensor(num_real))
+    flat = table.view(-1)
+    slots, pages = [], []
+    for i in range(len(qo)):
+        row, start, real = int(rows[i]), starts[i], starts[i] + num_real[i]
+        slots += [int(table[row, p]) if p < real else int(flat[0]) for p in range(start, start + qo[i])]
+        pages += [int(table[row, j]) // ps if j < real else int(flat[0]) // ps for j in range(0, start + qo[i], ps)]
+    assert got.out_slots.tolist() == slots
+    assert got.meta.kv_page_indices.tolist() == pages
+    assert got.positions.tolist() == [s + k for s, n in zip(starts, qo) for k in range(n)]
+
+
 def test_padding_tokens_write_slot_zero_and_are_hidden() -> None:
     """Padding nodes (past ``num_real``): slot 0, see only the first new token, seen by nobody;
     KV pages past the real tokens read as page 0."""
@@ -84,3 +107,21 @@ def test_padding_tokens_write_slot_zero_and_are_hidden() -> None:
         [True, False, False, False],
         [True, False, False, False],
     ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_step_token_ids_are_the_requests_token_ranges(data) -> None:
+    """Decodes (one token each, read from the prompt or the output) and chunks alike."""
+    reqs, starts, qo = [], [], []
+    one_each = data.draw(st.booleans())
+    for rid in range(data.draw(st.integers(1, 4))):
+        prompt = data.draw(st.lists(st.integers(0, 99), min_size=1, max_size=6))
+        req = Request(rid=rid, prompt_ids=prompt, params=SamplingParams(), seed=0)
+        req.output_ids = data.draw(st.lists(st.integers(0, 99), max_size=4))
+        start = data.draw(st.integers(0, req.seq_len - 1))
+        reqs.append(req)
+        starts.append(start)
+        qo.append(1 if one_each else data.draw(st.integers(1, req.seq_len - start)))
+    expected = [t for r, s, n in zip(reqs, starts, qo) for t in (r.prompt_ids + r.output_ids)[s : s + n]]
+    assert step_token_ids(reqs, starts, qo) == expected

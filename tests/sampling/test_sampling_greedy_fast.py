@@ -105,6 +105,21 @@ def test_min_new_tokens_ban_turns_the_fast_path_off_until_met() -> None:
     assert not rows.all_plain_greedy([0, 1], [0, 0])  # one row that must not: the batch falls back
 
 
+def test_counts_given_as_a_function_are_read_only_for_a_pending_ban() -> None:
+    rows = SamplingRows(3, 10, "cpu", EOS)
+    rows.admit(0, "a", SamplingParams(temperature=0.0, min_new_tokens=2), 0, [1])
+    rows.admit(1, "b", SamplingParams(temperature=0.0, min_new_tokens=2, ignore_eos=True), 0, [1])
+    rows.admit(2, "c", SamplingParams(temperature=0.0), 0, [1])
+    calls = []
+
+    def counts(values: list[int]):
+        return lambda: calls.append(values) or values
+
+    assert rows.all_plain_greedy([1, 2], counts([0, 0])) and calls == []  # no ban: counts unread
+    assert [rows.all_plain_greedy([0, 2], counts([g, 0])) for g in range(4)] == [False, False, True, True]
+    assert len(calls) == 4
+
+
 def test_float64_and_bfloat16_logits_match_sample() -> None:
     torch.manual_seed(0)
     rows = SamplingRows(3, 2 * ARGMAX_BLOCK, "cpu", EOS)

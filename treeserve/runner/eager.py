@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from treeserve.kvcache import KVPool, ReqToTokenTable, compact_tree_path, rollback_slots, select_backend
@@ -21,6 +22,7 @@ from treeserve.runner.inputs import (
     build_step_inputs,
     draft_arrays,
     requests_sampling_batch,
+    step_token_ids,
 )
 from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
 from treeserve.sampling import SamplingBatch, SamplingRows, greedy_tokens, sample, verify
@@ -75,20 +77,27 @@ class ModelRunner:
             if done is not None:
                 return list(done)
         items, dev = batch.items, self.device
+        n = len(items)
         reqs, starts, qo, samples, drafts, _ = zip(*items)
-        drafted = [i for i, d in enumerate(drafts) if d is not None]
-        step, logit_end = self._inputs(items, reqs, starts, qo, samples, drafted)
+        rows = np.fromiter([r.row for r in reqs], np.int64, n)  # converted once for the builder and sampling
+        drafted = [] if drafts.count(None) == n else [i for i, d in enumerate(drafts) if d is not None]
+        step, logit_rows = self._inputs(items, reqs, rows, starts, qo, samples, drafted)
         logits = self.model(step.input_ids, step.positions, self.kv, step.out_slots, step.meta, step.logits_indices)
-        results: list[SampledToken | None] = [None] * len(items)
+        if not drafted and samples.count(True) == n:  # every item samples its last row: the common decode step
+            return self._sample(logits, reqs, rows, starts, qo)  # one logits row per item, in order
+        results: list[SampledToken | None] = [None] * n
+        logit_end = list(accumulate(logit_rows))
         plain = [i for i, (s, d) in enumerate(zip(samples, drafts)) if s and d is None]
         if plain:
-            if len(plain) == len(items):  # every item samples its last row: the common decode step
-                rows = logits  # one logits row per item, in order
-                sreqs, positions = reqs, [s + n for s, n in zip(starts, qo)]
-            else:
-                rows = logits.index_select(0, torch.tensor([logit_end[i] - 1 for i in plain], dtype=torch.long, device=dev))
-                sreqs, positions = [reqs[i] for i in plain], [starts[i] + qo[i] for i in plain]
-            for i, token in zip(plain, self._sample(rows, sreqs, positions)):
+            idx = torch.tensor([logit_end[i] - 1 for i in plain], dtype=torch.long, device=dev)
+            sampled = self._sample(
+                logits.index_select(0, idx),
+                [reqs[i] for i in plain],
+                rows[plain],
+                [starts[i] for i in plain],
+                [qo[i] for i in plain],
+            )
+            for i, token in zip(plain, sampled):
                 results[i] = token
         if drafted:
             rows_of = [range(logit_end[i] - qo[i], logit_end[i]) for i in drafted]
@@ -102,23 +111,25 @@ class ModelRunner:
         self,
         items: Sequence[ScheduledItem],
         reqs: Sequence[Request],
+        rows: np.ndarray,
         starts: Sequence[int],
         qo: Sequence[int],
         samples: Sequence[bool],
         drafted: list[int],
-    ) -> tuple[StepInputs, list[int]]:
-        """The step inputs of ``items`` (given also as columns) and, per item, the end of its
-        rows in the logits.
+    ) -> tuple[StepInputs, Sequence[int]]:
+        """The step inputs of ``items`` (given also as columns, ``rows`` their table rows) and,
+        per item, its number of rows in the logits.
 
         A plain item computes tokens ``[start, start + n)`` (logits of the last one when it
         samples); a drafted item (indices ``drafted``) its pending token then the draft nodes at
         their tree depths, KV in node order after the pending token's slot, logits of every node.
         """
-        logit_rows = [1 if s else 0 for s in samples]
         parents = None
         if not drafted:
-            ids = [t for r, s, n in zip(reqs, starts, qo) for t in r.tokens(s, s + n)]
+            logit_rows: Sequence[int] = samples  # bools: 1 or 0 rows
+            ids = step_token_ids(reqs, starts, qo)
         else:  # causal items are chains, drafted ones their trees under the pending token
+            logit_rows = [1 if s else 0 for s in samples]
             ids = []
             for it in items:
                 if it.draft is None:
@@ -133,7 +144,7 @@ class ModelRunner:
                 parents[i, 1 : 1 + len(tree)] = torch.tensor(tree.parents, dtype=torch.long) + 1
         step = build_step_inputs(
             self.table.table,
-            [r.row for r in reqs],
+            rows,
             starts,
             qo,
             ids,
@@ -142,20 +153,29 @@ class ModelRunner:
             parents=parents,
             attention_backend=self.attention,
         )
-        return step, list(accumulate(logit_rows))
+        return step, logit_rows
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         return requests_sampling_batch(self.sampling_rows, reqs)
 
-    def _sample(self, logits: torch.Tensor, reqs: Sequence[Request], positions: Sequence[int]) -> list[SampledToken]:
-        """Sample one token per row of ``logits`` for ``reqs``, whose next token sits at ``positions``.
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Request],
+        rows: np.ndarray,
+        starts: Sequence[int],
+        qo: Sequence[int],
+    ) -> list[SampledToken]:
+        """Sample one token per row of ``logits`` for ``reqs`` (in table ``rows``), each having
+        computed tokens ``[start, start + qo)`` (its next token sits at ``start + qo``).
 
         A step whose rows are all plain greedy (``SamplingRows.all_plain_greedy``) takes their
         first argmax directly (the same tokens, logprob NaN, no ``SamplingBatch``)."""
-        rows = [r.row for r in reqs]
         admit_requests(self.sampling_rows, reqs)
-        if self.sampling_rows.all_plain_greedy(rows, [len(r.output_ids) for r in reqs]):
-            return [SampledToken(t, _NAN, None) for t in greedy_tokens(logits).tolist()]  # host sync
+        if self.sampling_rows.all_plain_greedy(rows, lambda: [len(r.output_ids) for r in reqs]):
+            new = tuple.__new__  # SampledToken(...) without its Python-level __new__
+            return [new(SampledToken, (t, _NAN, None, (), ())) for t in greedy_tokens(logits).tolist()]  # host sync
+        positions = [s + n for s, n in zip(starts, qo)]
         gen_positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         batch = self.sampling_rows.batch(rows, [r.output_ids for r in reqs])  # admitted above
         out = sample(logits, batch, gen_positions)

@@ -33,6 +33,7 @@ __all__ = [
     "build_step_inputs",
     "draft_arrays",
     "requests_sampling_batch",
+    "step_token_ids",
     "tree_ancestors",
 ]
 
@@ -125,42 +126,58 @@ def build_step_inputs(
     rows_a, starts_a, qo, logit_a = (np.asarray(x, dtype=np.int64) for x in (rows, starts, qo_lens, logit_rows))
     bsz = qo.shape[0]
     qo_indptr = np.zeros(bsz + 1, dtype=np.int64)
-    np.cumsum(qo, out=qo_indptr[1:])
+    np.add.accumulate(qo, out=qo_indptr[1:])
     total = int(qo_indptr[-1])
-    qo_max = int(qo.max())
-    owner = np.repeat(np.arange(bsz), qo)
-    offs = np.arange(total) - qo_indptr[:-1][owner]
+    qo_max = 1 if total == bsz else int(qo.max())  # every qo_lens[b] >= 1
     real_len = qo if num_real is None else np.asarray(num_real, dtype=np.int64)
     kv_lens = starts_a + qo
+    # Per-token arrays as a per-request base repeated over its tokens plus a flat counter
+    # (token i of request b sits at flat index qo_indptr[b] + i, position starts[b] + i).
+    if total == bsz:  # one new token per request (decodes): the bases are the answers
+        chain_pos, row_base = starts_a.copy(), rows_a * width  # a copy: the caller's array may be shared
+    else:
+        chain_pos = np.arange(total) + np.repeat(starts_a - qo_indptr[:-1], qo)
+        row_base = np.repeat(rows_a * width, qo)
+    slot_index = row_base + chain_pos
+    if num_real is not None:  # padding tokens write to slot 0
+        slot_index = np.where(chain_pos < np.repeat(starts_a + real_len, qo), slot_index, 0)
+    if total == bsz:  # a request's one token has logits or not
+        logits_indices = np.flatnonzero(logit_a)
+    else:  # the last logit_rows[b] tokens of request b
+        logits_indices = np.flatnonzero(np.arange(total) >= np.repeat(qo_indptr[1:] - logit_a, qo))
     tree_mask = tree_indptr = None
     if parents is None:
-        positions = starts_a[owner] + offs
+        positions = chain_pos
     else:
         qo_t = torch.from_numpy(qo)
         anc = _step_ancestors(parents, qo_t, qo_max)
         valid = torch.arange(qo_max) < qo_t[:, None]
-        positions = starts_a[owner] + (anc.sum(-1) - 1)[valid].numpy()
+        positions = np.repeat(starts_a, qo) + (anc.sum(-1) - 1)[valid].numpy()
         real = torch.arange(qo_max) < torch.from_numpy(real_len)[:, None]
         mask = anc & real[:, None, :]
         tree_mask = mask[valid[:, :, None] & valid[:, None, :]].to(dev, non_blocking=True)
         tree_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(qo * qo)])).to(dev, torch.int32)
-    # KV pages: the table's pages while they hold real tokens, then the dummy page 0.
-    npages = (kv_lens + page_size - 1) // page_size
+    # KV pages: the table's pages while they hold real tokens, then the dummy page 0. Page j of
+    # request b is table[row, j * page_size], flat index row * width + j * page_size.
+    if page_size == 1:
+        npages, last_page_len = kv_lens, np.ones(bsz, dtype=np.int64)
+    else:
+        npages = (kv_lens + page_size - 1) // page_size
+        last_page_len = kv_lens - (npages - 1) * page_size
     kv_indptr = np.zeros(bsz + 1, dtype=np.int64)
-    np.cumsum(npages, out=kv_indptr[1:])
+    np.add.accumulate(npages, out=kv_indptr[1:])
     num_pages = int(kv_indptr[-1])
-    page_owner = np.repeat(np.arange(bsz), npages)
-    page_no = np.arange(num_pages) - kv_indptr[:-1][page_owner]
-    real_page = page_no * page_size < (starts_a + real_len)[page_owner]
-    page_index = np.where(real_page, rows_a[page_owner] * width + page_no * page_size, 0)
-    slot_index = np.where(offs < real_len[owner], rows_a[owner] * width + starts_a[owner] + offs, 0)
-    logits_indices = np.flatnonzero(offs >= (qo - logit_a)[owner])
-    last_page_len = kv_lens - (npages - 1) * page_size
+    page_index = np.arange(0, num_pages * page_size, page_size) + np.repeat(
+        rows_a * width - kv_indptr[:-1] * page_size, npages
+    )
+    if num_real is not None:
+        page_index = np.where(page_index < np.repeat(rows_a * width + starts_a + real_len, npages), page_index, 0)
     ids = np.asarray(input_ids, dtype=np.int64) if not isinstance(input_ids, torch.Tensor) else input_ids.cpu().numpy()
     if dev.type == "cpu":  # numpy gathers straight from the table's memory; no copies
         flat = table.numpy().reshape(-1)
         out_slots = torch.from_numpy(flat[slot_index])
-        kv_pages = torch.from_numpy((flat[page_index] // page_size).astype(np.int32))
+        page_slots = flat[page_index]
+        kv_pages = torch.from_numpy((page_slots if page_size == 1 else page_slots // page_size).astype(np.int32))
         positions_d, logits_d, ids_d = (torch.from_numpy(x) for x in (positions, logits_indices, ids))
         qo_indptr_d, kv_indptr_d, last_d = (torch.from_numpy(x.astype(np.int32)) for x in (qo_indptr, kv_indptr, last_page_len))
     else:  # one host->device copy of every index, one gather from the table
@@ -238,12 +255,27 @@ def draft_arrays(items: Sequence[ScheduledItem], width: int, k: int) -> DraftArr
     return DraftArrays(tokens, parents, num_draft, slot_index)
 
 
+def step_token_ids(reqs: Sequence[Request], starts: Sequence[int], qo_lens: Sequence[int]) -> list[int]:
+    """The flat input ids of a causal step: tokens ``[starts[b], starts[b] + qo_lens[b])`` of
+    each ``reqs[b]``, request by request.
+
+    A step of single tokens (decodes) reads each from the prompt or the output directly, with
+    no per-request call or slice."""
+    if max(qo_lens) == 1:
+        return [
+            r.output_ids[s - n] if s >= (n := len(r.prompt_ids)) else r.prompt_ids[s]
+            for r, s in zip(reqs, starts)
+        ]
+    return [t for r, s, n in zip(reqs, starts, qo_lens) for t in r.tokens(s, s + n)]
+
+
 def admit_requests(rows: SamplingRows, reqs: Sequence[Request]) -> None:
     """Admit into the resident ``rows`` each of ``reqs`` not yet admitted into its table row
     (first step there, the row's previous owner was another request, or its ``params`` object
     was replaced): its parameters are validated and written once."""
+    holds = rows.holds
     for r in reqs:
-        if not rows.holds(r.row, r, r.params):
+        if not holds(r.row, r, r.params):
             rows.admit(r.row, r, r.params, r.seed, r.prompt_ids)
 
 

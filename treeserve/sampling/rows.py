@@ -13,7 +13,7 @@ sampling does not change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -83,9 +83,10 @@ class SamplingRows:
         self._logprobs = np.zeros(num_rows, dtype=np.int64)
         self._flag_logprobs = np.zeros(num_rows, dtype=bool)
         # Greedy with nothing that changes logits or asks for logprobs (a pending min_new_tokens
-        # ban is checked per step: ``_min_new``); such rows take ``greedy_tokens``.
+        # ban is checked per step: ``_ban_until``, 0 when no id is banned); such rows take
+        # ``greedy_tokens``.
         self._flag_plain = np.zeros(num_rows, dtype=bool)
-        self._min_new = np.zeros(num_rows, dtype=np.int64)
+        self._ban_until = np.zeros(num_rows, dtype=np.int64)
         self._ban_len = np.zeros(num_rows, dtype=np.int64)
         self._bias_len = np.zeros(num_rows, dtype=np.int64)
         self._state: list[_RowState | None] = [None] * num_rows
@@ -140,7 +141,7 @@ class SamplingRows:
         self._bias_len[row] = len(state.bias)
         changes_logits = penalized or bool(state.bias) or p.allowed_token_ids is not None
         self._flag_plain[row] = p.greedy and not changes_logits and p.logprobs is None
-        self._min_new[row] = p.min_new_tokens
+        self._ban_until[row] = p.min_new_tokens if ban else 0
         self._state[row] = state
 
     def owner(self, row: int) -> object:
@@ -153,16 +154,24 @@ class SamplingRows:
         state = self._state[row]
         return state is not None and state.owner is owner and state.params is params
 
-    def all_plain_greedy(self, rows: Sequence[int], num_generated: Sequence[int]) -> bool:
+    def all_plain_greedy(
+        self, rows: Sequence[int], num_generated: Sequence[int] | Callable[[], Sequence[int]]
+    ) -> bool:
         """Whether every one of ``rows`` (admitted; row ``i`` has generated ``num_generated[i]``
         tokens) is plain greedy this step: temperature 0, no penalty, logit bias, allowed-token
         set, logprobs, nor a banned id still suppressed by ``min_new_tokens``. Sampling such rows
-        is ``greedy_tokens`` of their logits (the same tokens as ``sample`` of their batch)."""
+        is ``greedy_tokens`` of their logits (the same tokens as ``sample`` of their batch).
+
+        ``num_generated`` may be a function returning the counts: it is called only when one of
+        the rows bans ids until some count (the counts cost a pass over the requests)."""
         idx = np.asarray(rows, dtype=np.int64)
         if not self._flag_plain[idx].all():
             return False
-        pending = (self._ban_len[idx] > 0) & (self._min_new[idx] > np.asarray(num_generated, dtype=np.int64))
-        return not pending.any()
+        ban_until = self._ban_until[idx]
+        if not ban_until.any():
+            return True
+        counts = num_generated() if callable(num_generated) else num_generated
+        return not (ban_until > np.asarray(counts, dtype=np.int64)).any()
 
     def batch(self, rows: Sequence[int], outputs: Sequence[Sequence[int]]) -> SamplingBatch:
         """The :class:`SamplingBatch` of ``rows`` (admitted), row ``i`` having generated

@@ -38,31 +38,30 @@ def commit_step(
     finished: list[Request] = []
     ledger = queues.ledger
     check = stop_checker.check
-    for item, out in zip(batch.items, sampled):
-        req = item.req
+    for (req, start, num_scheduled, sample, draft, draft_budget), out in zip(batch.items, sampled):
         if req.state is not _RUNNING:
             continue  # aborted while the step ran
-        draft = item.draft
         if draft is None:
-            req.num_computed_tokens = item.start + item.num_scheduled_tokens
+            req.num_computed_tokens = start + num_scheduled
         else:  # the pending token and the accepted draft nodes now have KV
-            req.num_computed_tokens = item.start + 1 + (len(out.accepted) if out is not None else 0)
-        if out is None or not item.sample:
+            req.num_computed_tokens = start + 1 + (len(out.accepted) if out is not None else 0)
+        if out is None or not sample:
             continue
-        if out.token < 0:  # the sampler flags rows whose logits were NaN/inf
+        token, logprob, top, accepted, _ = out
+        if token < 0:  # the sampler flags rows whose logits were NaN/inf
             queues.finish(req, FinishReason.ERROR)
             req.error = _INVALID_LOGITS
             finished.append(req)
             continue
         if draft is None:
-            reason = _commit_one(ledger, check, max_model_len, req, out.token, out.logprob, out.top)
+            reason = _commit_one(ledger, check, max_model_len, req, token, logprob, top)
         else:
-            spec.record(len(draft), len(out.accepted))
+            spec.record(len(draft), len(accepted))
             reason = _commit_drafted(ledger, check, max_model_len, req, out)
         if reason is not None:
             queues.finish(req, reason)
             finished.append(req)
-        elif item.draft_budget:
+        elif draft_budget:
             ledger.trim(req)
     return finished
 
@@ -78,16 +77,17 @@ def _commit_one(
 ) -> FinishReason | None:
     """Append one token; the stop condition it meets, if any. The first one publishes the
     prompt's KV (and releases ``n``-sample siblings waiting for it)."""
-    req.output_ids.append(token)
+    output = req.output_ids
+    output.append(token)
     req.output_logprobs.append(logprob)
     if top is not None:
         req.output_top_logprobs.append(top)
-    if len(req.output_ids) == 1:
+    if len(output) == 1:
         ledger.publish(req)
         if req.group is not None and req.sample_index == 0:
             req.group.prompt_cached = True
     reason = check(req)
-    if reason is None and len(req.prompt_ids) + len(req.output_ids) >= max_model_len:
+    if reason is None and len(req.prompt_ids) + len(output) >= max_model_len:
         return FinishReason.LENGTH
     return reason
 

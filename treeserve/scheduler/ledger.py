@@ -93,9 +93,14 @@ class KVLedger:
         ps = self.page_size
         width = self.table.max_context_len
         pages = self.allocator.alloc(len(reqs))
-        starts = np.fromiter((r.row * width + r.num_cached_tokens + r.num_owned_pages * ps for r in reqs), np.int64, len(reqs))
-        index = (starts[:, None] + np.arange(ps)).reshape(-1)
-        slots = pages if ps == 1 else pages_to_slots(pages, ps)
+        # Each request's first column past its capacity (cached + owned pages).
+        capacity_ends = (r.row * width + r.num_cached_tokens + r.num_owned_pages * ps for r in reqs)
+        index = np.fromiter(capacity_ends, np.int64, len(reqs))
+        if ps == 1:
+            slots = pages
+        else:  # each page's slots, in order
+            index = (index[:, None] + np.arange(ps)).reshape(-1)
+            slots = pages_to_slots(pages, ps)
         if self._host_table is not None:  # a CPU table: one numpy scatter
             self._host_table[index] = slots.numpy()
         else:

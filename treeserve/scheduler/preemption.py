@@ -26,15 +26,15 @@ def reserve_or_preempt(queues: RequestQueues, req: Request, kv_len: int) -> bool
     return True
 
 
-def reserve_decode_slots(queues: RequestQueues, decoding: Sequence[Request]) -> None:
-    """Give every decoding request a slot for its pending token, in one allocation.
+def reserve_decode_slots(queues: RequestQueues, full: Sequence[Request]) -> None:
+    """Give every one of the decoding requests ``full`` (their slots all used: the pending
+    token needs a new one) one more page, in one allocation.
 
     Pauses the newest running requests while the pages cannot be had (a paused request's own
     need goes with it).
     """
     ledger = queues.ledger
-    ps = ledger.page_size
-    needy = [r for r in decoding if r.num_computed_tokens >= r.num_cached_tokens + r.num_owned_pages * ps]
+    needy = list(full)
     while needy and not ledger.obtain(len(needy), 0):
         queues.pause(queues.running[-1])
         needy = [r for r in needy if r.state is RequestState.RUNNING]

@@ -193,8 +193,32 @@ class Scheduler:
         items = batch.items
         budget = self.config.max_batched_tokens
         running = list(self.running)
+        ps = self.page_size
+        decoding = [r for r in running if r.num_computed_tokens + 1 == len(r.prompt_ids) + len(r.output_ids)]
+        # Decoding requests whose slots are all used need one more page for the pending token.
+        full = [r for r in decoding if r.num_computed_tokens >= r.num_cached_tokens + r.num_owned_pages * ps]
+        if full:
+            reserve_decode_slots(self.queues, full)
+        if len(decoding) == len(running) == len(self.running) and len(running) <= budget:
+            # Only decodes, all within the budget, none paused: one token each, slots reserved.
+            # (tuple.__new__ builds a ScheduledItem without its Python-level __new__: 3x cheaper.)
+            new_item = tuple.__new__
+            items += [new_item(ScheduledItem, (r, r.num_computed_tokens, 1, True, None, 0)) for r in running]
+            budget -= len(running)
+        else:
+            budget = self._schedule_running(items, running, budget)
+        if budget > 0 and self.waiting:
+            cfg = self.config
+            budget = admit(self.queues, batch, budget, cfg.max_running, cfg.lpm_window, cfg.min_shared_prefix)
+        if budget > 0 and self.config.num_speculative_tokens:
+            self._ask_for_drafts(batch, budget)
+        return batch
+
+    def _schedule_running(self, items: list[ScheduledItem], running: list[Request], budget: int) -> int:
+        """Append the items of ``running`` (oldest first) while ``budget`` tokens remain, reserving
+        their slots (pausing the newest requests when pages run out); return the budget left."""
         queues, ps = self.queues, self.page_size
-        reserve_decode_slots(queues, [r for r in running if len(r.prompt_ids) + len(r.output_ids) - r.num_computed_tokens == 1])
+        new_item = tuple.__new__
         for req in running:  # the hot loop: properties inlined
             if budget <= 0:
                 break
@@ -208,14 +232,9 @@ class Scheduler:
             end = computed + n
             if end > req.num_cached_tokens + req.num_owned_pages * ps and not reserve_or_preempt(queues, req, end):
                 continue  # req itself was paused
-            items.append(ScheduledItem(req, computed, n, end >= seq_len))
+            items.append(new_item(ScheduledItem, (req, computed, n, end >= seq_len, None, 0)))
             budget -= n
-        if budget > 0 and self.waiting:
-            cfg = self.config
-            budget = admit(queues, batch, budget, cfg.max_running, cfg.lpm_window, cfg.min_shared_prefix)
-        if budget > 0 and self.config.num_speculative_tokens:
-            self._ask_for_drafts(batch, budget)
-        return batch
+        return budget
 
     def update(self, batch: ScheduledBatch, sampled: Sequence[SampledToken | None]) -> list[Request]:
         """Commit one step: advance computed counts, append sampled tokens, finish requests.
