@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from treeserve.sampling.backend import resolve_backend
@@ -114,7 +115,13 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     allowed set or logprobs: ``SamplingRows.all_plain_greedy``): the first argmax of each row,
     ``-1`` for a row with a NaN or +inf logit -- exactly ``sample(...).tokens`` of such a batch,
     without building its ``SamplingBatch``."""
-    row_max, tokens = first_argmax(logits.to(work_dtype(logits)))
+    x = logits.to(work_dtype(logits))
+    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0]:  # numpy's SIMD argmax: first max, NaN first
+        a = x.numpy()
+        idx = a.argmax(axis=1)
+        best = np.take_along_axis(a, idx[:, None], 1)[:, 0]
+        return torch.from_numpy(np.where(np.isfinite(best), idx, -1).astype(np.int64))
+    row_max, tokens = first_argmax(x)
     return tokens.masked_fill(~torch.isfinite(row_max), -1)
 
 
