@@ -147,11 +147,14 @@ def test_measured_crossover_is_a_candidate_row_count(monkeypatch) -> None:
     margin=st.sampled_from([0.0, 1e-4, 1e-3, 1e-2]),
     max_cand=st.sampled_from([1, 64]),
     static=st.booleans(),
+    op=st.booleans() if quant._rescore_op_available() else st.just(False),
 )
-def test_exact_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: float, max_cand: int, static: bool) -> None:
+def test_exact_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: float, max_cand: int, static: bool,
+                                                           op: bool) -> None:
     """Rows where the two best logits differ by ~margin (far below bf16's resolution at |logit| ~ 10);
     the bf16 path forced (on a machine where it is slower the head would skip it). ``static``: the
-    static-shape re-scoring a whole-graph compile traces (top candidates + ``torch.cond``), run eagerly."""
+    static-shape re-scoring a whole-graph compile traces (top candidates + ``torch.cond``), run eagerly;
+    ``op``: the C++ re-scoring (``treeserve::exact_head_rescore``), else the torch ops."""
     gen = torch.Generator().manual_seed(seed)
     v, h, m = 300, 64, 4
     w = torch.randn(v, h, generator=gen)
@@ -164,7 +167,7 @@ def test_exact_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: f
         w[b] = w[b] + d * x[r]
     head = ExactHead(torch.nn.Parameter(w, requires_grad=False), max_candidates=max_cand)
     head.use_bf16 = True
-    with mock.patch.object(quant, "_tracing", lambda: static):
+    with mock.patch.object(quant, "_tracing", lambda: static), mock.patch.object(quant, "_rescore_op_available", lambda: op):
         logits = head(x)
     if max_cand == 64:  # some rows keep bf16 values: the bf16 GEMM really ran
         assert float((logits - F.linear(x, w)).abs().max()) > 0
@@ -255,3 +258,20 @@ def test_embedded_model_packed_decode_agrees_with_float32(smol, monkeypatch, max
 
     ppl_ratio = float(np.exp(nll(got) - nll(ref)))
     assert len(ids) >= 100 and agreement >= min_agreement and ppl_ratio <= max_ppl_ratio, (len(ids), agreement, ppl_ratio)
+
+
+@pytest.mark.skipif(not quant._rescore_op_available(), reason="C++ exact-head re-scoring unavailable")
+def test_rescore_op_flags_full_rows_and_names_bad_operands() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(50, 16, generator=gen), torch.randn(2, 16, generator=gen)
+    approx = F.linear(x, w)
+    approx[1] = 0.0  # every entry of row 1 ties: more candidates than allowed
+    out = approx.clone()
+    full = torch.ops.treeserve.exact_head_rescore(out, x, w, w.norm(dim=1), 1e-3, 8)
+    assert full.tolist() == [False, True]
+    assert torch.equal(out[1], approx[1])  # a flagged row is left to the caller
+    assert int(out[0].argmax()) == int(F.linear(x, w)[0].argmax())
+    with pytest.raises(ValueError, match=r"need approx \[M, V\], x \[M, K\]"):
+        torch.ops.treeserve.exact_head_rescore(out, x[:, :8].contiguous(), w, w.norm(dim=1), 1e-3, 8)
+    with pytest.raises(TypeError, match="contiguous float32 CPU tensors"):
+        torch.ops.treeserve.exact_head_rescore(out, x.double(), w, w.norm(dim=1), 1e-3, 8)

@@ -38,6 +38,8 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from functools import lru_cache
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -45,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeserve._cpp import load_cpp_op
 from treeserve.models.gguf_op import GGUFWeight, gguf_op_available
 from treeserve.models.int8_op import BLOCK as INT8_BLOCK
 from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear
@@ -363,6 +366,18 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
     return True
 
 
+def _rescore_fake(approx, x, weight, row_norms, factor, max_candidates):  # type: ignore[no-untyped-def]
+    return x.new_empty((x.shape[0],), dtype=torch.bool)
+
+
+@lru_cache(maxsize=1)
+def _rescore_op_available() -> bool:
+    """Whether ``treeserve::exact_head_rescore`` (``csrc/exact_head.cpp``: ``ExactHead``'s
+    re-scoring in two passes per row) is built; otherwise the torch ops below serve."""
+    source = Path(__file__).with_name("csrc") / "exact_head.cpp"
+    return load_cpp_op(source, "exact_head_rescore", "C++ exact-head re-scoring", _rescore_fake) is None
+
+
 class ExactHead(nn.Module):
     """LM head whose greedy pick equals the float32 head's, at the cost of a cheaper first pass.
 
@@ -376,7 +391,8 @@ class ExactHead(nn.Module):
     - else the float32 head itself.
 
     After an approximate pass every entry ``j`` the bound cannot exclude from the argmax is
-    recomputed in float32 and written back, so the argmax row is the float32 head's (up to float32
+    recomputed in float32 and written back (``treeserve::exact_head_rescore``, two passes per row,
+    where built; torch ops otherwise), so the argmax row is the float32 head's (up to float32
     rounding between two float32 evaluations of one dot product); a row with more than
     ``max_candidates`` such entries is computed in float32 entirely.
     """
@@ -441,6 +457,13 @@ class ExactHead(nn.Module):
             approx, factor = F.linear(x.to(torch.bfloat16), self.weight_bf16).float(), self.bound_factor
         else:
             return F.linear(x, self.weight)
+        if not _tracing() and _rescore_op_available():
+            full = torch.ops.treeserve.exact_head_rescore(approx, x.contiguous(), self.weight, self.row_norms, factor,
+                                                          self.max_candidates)
+            if bool(full.any()):
+                rows = full.nonzero()[:, 0]
+                approx[rows] = F.linear(x[rows], self.weight)
+            return approx
         bound = (factor * x.norm(dim=1, keepdim=True)) * self.row_norms  # [M, V]
         if _tracing():
             return self._rescore_static(x, approx, bound)

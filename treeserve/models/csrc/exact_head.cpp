@@ -1,0 +1,88 @@
+// treeserve::exact_head_rescore: ExactHead's re-scoring after its approximate first pass, in two
+// passes over each logits row instead of torch's seven.
+//
+// approx [M, V] (float32, written in place) holds the first pass's logits, x [M, K] the head's
+// input, weight [V, K] the float32 head, row_norms [V] = |W_j|. With b_j = (factor |x_m|) |W_j|
+// (the first pass's error bound), every entry j whose upper bound approx_j + b_j reaches the best
+// lower bound max_i (approx_i - b_i) is recomputed in float32 (x_m . W_j). A row with more than
+// max_candidates such entries is left alone and flagged in the returned bool [M]: the caller
+// computes it in float32 entirely (one GEMM over those rows).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+float dot(const float* a, const float* b, int64_t k) {
+  int64_t j = 0;
+  float s = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; j + 16 <= k; j += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
+  for (float v : lanes) s += v;
+#endif
+  for (; j < k; ++j) s += a[j] * b[j];
+  return s;
+}
+
+at::Tensor exact_head_rescore(const at::Tensor& approx, const at::Tensor& x, const at::Tensor& weight,
+                              const at::Tensor& row_norms, double factor, int64_t max_candidates) {
+  for (const at::Tensor* t : {&approx, &x, &weight, &row_norms})
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous(),
+                     "approx, x, weight and row_norms must be contiguous float32 CPU tensors");
+  TORCH_CHECK_VALUE(approx.dim() == 2 && x.dim() == 2 && weight.dim() == 2 && row_norms.dim() == 1 &&
+                        approx.size(0) == x.size(0) && approx.size(1) == weight.size(0) &&
+                        x.size(1) == weight.size(1) && row_norms.size(0) == weight.size(0),
+                    "need approx [M, V], x [M, K], weight [V, K], row_norms [V]; got ", approx.sizes(), ", ",
+                    x.sizes(), ", ", weight.sizes(), ", ", row_norms.sizes());
+  TORCH_CHECK_VALUE(max_candidates >= 0, "max_candidates must be >= 0, got ", max_candidates);
+  const int64_t m = x.size(0), k = x.size(1), v = weight.size(0);
+  at::Tensor full = at::zeros({m}, x.options().dtype(at::kBool));
+  float* ap = approx.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* rn = row_norms.data_ptr<float>();
+  bool* fp = full.data_ptr<bool>();
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> cand;
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * k;
+      float* a = ap + r * v;
+      const float fx = static_cast<float>(factor) * std::sqrt(dot(xr, xr, k));
+      float threshold = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < v; ++j) threshold = std::max(threshold, a[j] - fx * rn[j]);
+      cand.clear();
+      for (int64_t j = 0; j < v; ++j)
+        if (a[j] + fx * rn[j] >= threshold) cand.push_back(j);
+      if (static_cast<int64_t>(cand.size()) > max_candidates) {
+        fp[r] = true;
+        continue;
+      }
+      for (int64_t j : cand) a[j] = dot(xr, wp + j * k, k);
+    }
+  });
+  return full;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(treeserve, m) {
+  m.def("exact_head_rescore(Tensor(a!) approx, Tensor x, Tensor weight, Tensor row_norms, float factor, "
+        "int max_candidates) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(treeserve, CPU, m) { m.impl("exact_head_rescore", &exact_head_rescore); }
