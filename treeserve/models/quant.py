@@ -21,9 +21,8 @@ bfloat16 — scales then carry bf16 precision (relative 2^-9), the codes stay ex
 batches, where a GEMM over all rows wins: an int8 GEMM (``int8_op``: a Hadamard rotation, then
 the weight rounded once more to per-channel 8-bit codes and the activations to 7-bit codes per
 row) where it is available and measured faster than the dense one (``use_int8``), else the dense
-float GEMM. Both choices, and the crossover in
-rows per step from the packed path to the large-batch one, are measured on the machine
-(``measure_crossover``), never assumed.
+float GEMM. Both choices, and the crossover in rows per step from the packed path to the
+large-batch one, are measured on the machine (``measure_crossover``), never assumed.
 
 HF (float) checkpoints can opt in: ``quantize_int4`` (asymmetric group-32 min/max, the Q4_1
 form) and ``quantize_int8`` (symmetric group-32, the Q8_0 form).
@@ -313,8 +312,8 @@ def _crossover(key: tuple[object, ...], k: int, dtype: torch.dtype, packed: Call
 def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     """The largest row count (of 1, 2, 4 ... 128) up to which the packed path of ``layers`` (run one
     after another, all of one K, as a decode step reads them: the weights do not stay in cache)
-    is at least as fast as the large-batch one (``large_forward``) on this machine, 0 when never; measured once per process
-    per set of shapes, dtypes and thread count. ``TREESERVE_PACKED_MAX_ROWS`` (an int >= 0)
+    is at least as fast as the large-batch one (``large_forward``) on this machine, 0 when never;
+    measured once per process per set of shapes, dtypes and thread count. ``TREESERVE_PACKED_MAX_ROWS`` (an int >= 0)
     overrides the measurement."""
     env = _env_rows("TREESERVE_PACKED_MAX_ROWS")
     if env is not None:
@@ -338,9 +337,9 @@ def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
 def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
     """Give every layer of ``layers`` (one input width, run one after another as a step reads
     them) an int8 copy of its weight (``Int8Weight``: rotated, per-channel 8-bit codes, row-wise
-    7-bit activations, ``int8_op``; K a multiple of 64) for its batches above ``packed_max_rows``, when the int8 GEMM is
-    available and, at ``rows`` rows, faster than ``F.linear`` on the dense weights on this machine
-    (measured once per process per set of shapes and thread count). ``TREESERVE_INT8`` = ``0`` /
+    7-bit activations, ``int8_op``; K a multiple of 64) for its batches above ``packed_max_rows``,
+    when the int8 GEMM is available and, at ``rows`` rows, faster than ``F.linear`` on the dense
+    weights on this machine (measured once per process per set of shapes and thread count). ``TREESERVE_INT8`` = ``0`` /
     ``1`` overrides the measurement (``1`` still needs the operator). Returns whether it did."""
     group = list(layers)
     env = os.environ.get("TREESERVE_INT8")
