@@ -9,12 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeserve.models.int8_op import BLOCK, W_MAX, Int8Weight, int8_available, int8_linear, mixer, rotate
+from treeserve.models.int8_op import BLOCK, W_MAX, X_MAX, Int8Weight, int8_available, int8_linear, mixer, rotate
 from treeserve.models.quant import PackedLinear, quantize_int8, use_int8
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="oneDNN int8 linear unavailable in this torch build")
-
-X_MAX = 63  # activation codes (int8_op docstring)
 
 
 def inverse_rotate(t: torch.Tensor) -> torch.Tensor:

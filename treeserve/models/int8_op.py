@@ -12,10 +12,11 @@ on the rest of the batch. Error per output ``y_mn``: at most ``0.5 s_m |(W R)_n|
 |(x R)_m|_1`` plus float32 rounding. Activations get 7 bits so that hosts without VNNI, whose int8
 multiply adds pairs of products into a saturating int16, stay exact (``2 * 127 * 127 < 2^15``).
 
-Measured on SmolLM2-135M (Q4_1 GGUF, 1,500 tokens of this repository's docs): perplexity +0.2%
+Measured on SmolLM2-135M (Q4_1 GGUF, 1,500 tokens of this repository's docs): perplexity +0.1%
 over the float32 product of the same weights (the Hadamard blocks alone: +1.0%, no rotation:
 +4.8%), where llama.cpp's per-32-block int8 activations give +0.4% and the int16 path of
-``gguf_op`` +0.003%; the decoder GEMMs run ~1.6-1.9x faster than float32 ones (benches/RESULTS.md).
+``gguf_op`` +0.003%; a projection at 24-512 rows runs 1.1-2.3x faster than the float32 GEMM
+(benches/RESULTS.md).
 
 CPU only; ``K`` a multiple of 64. ``int8_available()`` says whether oneDNN's quantized linear
 exists in this torch build and the operator builds; otherwise callers keep their dense path.
@@ -31,11 +32,13 @@ import torch
 
 from treeserve._cpp import load_cpp_op
 
-__all__ = ["BLOCK", "W_MAX", "Int8Weight", "int8_available", "int8_linear", "mixer", "rotate"]
+__all__ = ["BLOCK", "W_MAX", "X_MAX", "Int8Weight", "int8_available", "int8_linear", "mixer", "rotate"]
 
 SOURCE = Path(__file__).with_name("csrc") / "int8_linear.cpp"
 W_MAX = 127
 """Largest weight code magnitude."""
+X_MAX = 63
+"""Largest activation code magnitude (the operator's ``X_MAX``: 7 bits, see the module docstring)."""
 BLOCK = 64
 """Walsh-Hadamard block of the rotation (``in_features`` must be a multiple)."""
 
