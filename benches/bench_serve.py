@@ -95,8 +95,21 @@ def _gauge(url: str, name: str) -> float:
 DATASETS = ("random", "shared-prefix")
 
 
-def _engine_time(base: str) -> tuple[float, float]:
-    return _gauge(base, "treeserve:engine_steps_total"), _gauge(base, "treeserve:engine_busy_seconds_total")
+def _engine_time(base: str) -> tuple[float, float, dict[float, float]]:
+    """Steps so far, seconds spent in them, and the step-time histogram (cumulative count per
+    upper bound in seconds)."""
+    text = httpx.get(base + "/metrics", timeout=10).text
+    hist = {float(le): float(v) for le, v in
+            re.findall(r'^treeserve:engine_step_seconds_bucket{le="([^"]+)"[^}]*} (\S+)$', text, re.M)}  # fmt: skip
+    return _gauge(base, "treeserve:engine_steps_total"), _gauge(base, "treeserve:engine_busy_seconds_total"), hist
+
+
+def _slow_steps(before: dict[float, float], after: dict[float, float]) -> dict:
+    """Steps of one run slower than 1 s, and the bucket bound the slowest one fell under."""
+    count = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
+    total = count[float("inf")]
+    slowest = next(le for le, c in count.items() if c == total)
+    return {"over_1s": total - count[1.0], "slowest_under_s": slowest}
 
 
 def _load_runs(base: str, n: int, out_len: int, ours: bool) -> dict:
@@ -110,9 +123,11 @@ def _load_runs(base: str, n: int, out_len: int, ours: bool) -> dict:
         rep = out[dataset] = asyncio.run(run_bench(cfg)).as_dict()
         rep["load_after"] = _load()
         if before is not None:
-            steps, busy = (b - a for a, b in zip(before, _engine_time(base)))
+            after = _engine_time(base)
+            steps, busy = after[0] - before[0], after[1] - before[1]
             rep["engine"] = {"steps": steps, "mean_step_ms": 1e3 * busy / max(steps, 1),
-                             "busy_share": busy / rep["duration"], "tokens_per_step": rep["output_tokens"] / max(steps, 1)}  # fmt: skip
+                             "busy_share": busy / rep["duration"], "tokens_per_step": rep["output_tokens"] / max(steps, 1),
+                             "slow_steps": _slow_steps(before[2], after[2])}  # fmt: skip
     return out
 
 

@@ -1,9 +1,11 @@
 """Building and loading treeserve's C++ CPU operators (``torch.library`` ops under ``treeserve::``).
 
 One builder for every operator: the source is compiled once per host with torch's
-``cpp_extension`` (``-O3 -march=native``; the cache key is the source, the shared headers of
-``treeserve/csrc`` (on the include path), the host's CPU flags and the torch version, so a machine
-with other features builds its own copy) and loaded into the process.
+``cpp_extension`` (``-O3 -march=native``; the cache key is the source with its path, the shared
+headers of ``treeserve/csrc`` (on the include path), the host's CPU flags and the torch version, so
+a machine with other features builds its own copy, and two checkouts sharing one build cache do not
+rebuild over each other: torch's own check would see the other's paths and recompile) and loaded
+into the process.
 An operator that cannot be built (no compiler, no headers, no ninja) is reported once and its
 callers use their torch path: a missing compiler costs speed, never correctness.
 """
@@ -15,13 +17,13 @@ import platform
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from treeserve._utils import log_once
 
-__all__ = ["INCLUDE", "cpu_flags", "load_cpp_op"]
+__all__ = ["INCLUDE", "build_name", "cpp_op_loader", "cpu_flags", "load_all_cpp_ops", "load_cpp_op"]
 
 INCLUDE = Path(__file__).with_name("csrc")
 """Headers shared by the operators (``#include "treeserve_vec.h"``)."""
@@ -37,6 +39,26 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+_LOADERS: list[Callable[[], object]] = []
+_T = TypeVar("_T")
+
+
+def cpp_op_loader(fn: Callable[[], _T]) -> Callable[[], _T]:
+    """Decorator for a module's operator loader (no arguments, calls :func:`load_cpp_op`): caches
+    it and registers it with :func:`load_all_cpp_ops`."""
+    cached = lru_cache(maxsize=1)(fn)
+    _LOADERS.append(cached)
+    return cached  # type: ignore[return-value]
+
+
+def load_all_cpp_ops() -> None:
+    """Build (first run on a host: seconds to a minute each) and load every registered operator of
+    the modules imported so far. The engine calls it at start-up so the first request never waits
+    for a compiler; an operator that cannot be built is reported once, as in :func:`load_cpp_op`."""
+    for load in _LOADERS:
+        load()
 
 
 @lru_cache(maxsize=None)
@@ -59,17 +81,23 @@ def load_cpp_op(source: Path, op_name: str, what: str, fake: Callable[..., Any] 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
+def build_name(source: Path) -> str:
+    """The extension's name in torch's build cache: ``treeserve_<stem>_<key>``, the key a hash of
+    everything the build depends on (module docstring), the source's absolute path included."""
+    headers = b"".join(h.read_bytes() for h in sorted(INCLUDE.glob("*.h")))
+    blob = b"\0".join((str(source.resolve()).encode(), source.read_bytes(), headers, cpu_flags().encode(),
+                       torch.__version__.encode(), str(_CFLAGS).encode()))  # fmt: skip
+    return f"treeserve_{source.stem}_{hashlib.sha1(blob).hexdigest()[:12]}"
+
+
 def _build(source: Path, op_name: str, what: str) -> str | None:
     if hasattr(torch.ops.treeserve, op_name):
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        headers = b"".join(h.read_bytes() for h in sorted(INCLUDE.glob("*.h")))
-        blob = source.read_bytes() + headers + cpu_flags().encode() + torch.__version__.encode() + str(_CFLAGS).encode()
-        key = hashlib.sha1(blob).hexdigest()[:12]
         load(
-            name=f"treeserve_{source.stem}_{key}",
+            name=build_name(source),
             sources=[str(source)],
             extra_include_paths=[str(INCLUDE)],
             extra_cflags=_CFLAGS,

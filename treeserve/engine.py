@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from treeserve._cpp import load_all_cpp_ops
 from treeserve._cpu import auto_dtype
 from treeserve._utils import log_once
 from treeserve.kvcache import KVPool, RadixCache, ReqToTokenTable
@@ -317,6 +318,8 @@ class LLM:
             self.model_name = tp_name or type(self.model).__name__
         if cfg.batch_invariant:
             make_batch_invariant(self.model)
+        if torch.device(cfg.device).type == "cpu":
+            load_all_cpp_ops()  # now, not in the first request's step
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         positions = mc.max_position_embeddings

@@ -67,6 +67,9 @@ def test_info_endpoints(engine) -> None:
             busy = re.search(r'^treeserve:engine_busy_seconds_total{model_name="tiny-synthetic"} (\S+)$', metrics.text,
                              re.M)  # fmt: skip
             assert steps and float(steps.group(1)) >= 1 and busy and float(busy.group(1)) > 0
+            timed = re.search(r'^treeserve:engine_step_seconds_count{model_name="tiny-synthetic"} (\S+)$', metrics.text,
+                              re.M)  # fmt: skip
+            assert timed and float(timed.group(1)) >= float(steps.group(1))  # every step timed (and idle polls)
             missing = await c.get("/v1/nothing")
             assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
             assert (await c.get("/v1/chat/completions")).status_code == 405

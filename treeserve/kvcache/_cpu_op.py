@@ -6,12 +6,11 @@ without importing the attention modules (which import ``backends`` through ``met
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from treeserve._cpp import cpu_flags, load_cpp_op
+from treeserve._cpp import cpp_op_loader, cpu_flags, load_cpp_op
 
 __all__ = ["SOURCE", "avx2_host", "cpu_decode_op_usable", "load_cpu_decode_op"]
 
@@ -24,7 +23,7 @@ def _fake(q, k_cache, v_cache, kv_indptr, kv_page_indices, kv_last_page_len, sca
     return torch.empty_like(q)
 
 
-@lru_cache(maxsize=1)
+@cpp_op_loader
 def load_cpu_decode_op() -> str | None:
     """Build (first time on this host) and load the operator; ``None`` when it is available,
     else the reason it is not (logged once; callers then use the torch path)."""

@@ -22,14 +22,13 @@ call, once for all layers (host ints already: no sync).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from treeserve._cpp import load_cpp_op
+from treeserve._cpp import cpp_op_loader, load_cpp_op
 from treeserve.kvcache import AttentionMetadata, KVPool
 from treeserve.kvcache.backends import select_backend
 from treeserve.models._norm_op import load_norm_op
@@ -49,7 +48,7 @@ def _fake(h, rope_table, positions, norms, projs, qtypes, k_caches, v_caches, ou
     return torch.empty_like(h)
 
 
-@lru_cache(maxsize=1)
+@cpp_op_loader
 def load_decode_op() -> str | None:
     """Build (first time on this host) and load the operator and the three it calls; ``None``
     when all are usable, else the first reason one is not (the Python path then serves)."""

@@ -10,13 +10,12 @@ serve. Built on first use with ``treeserve._cpp`` (cached per host).
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from treeserve._cpp import load_cpp_op
+from treeserve._cpp import cpp_op_loader, load_cpp_op
 
 __all__ = ["SOURCE", "add_rms_norm", "add_rms_norm_torch", "load_norm_op"]
 
@@ -24,7 +23,7 @@ SOURCE = Path(__file__).with_name("csrc") / "rmsnorm.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-@lru_cache(maxsize=1)
+@cpp_op_loader
 def load_norm_op() -> str | None:
     """Build (first time on this host) and load the operator; ``None`` when it is available,
     else the reason it is not (logged once; the torch path then serves)."""

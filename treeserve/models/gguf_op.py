@@ -21,7 +21,6 @@ activations in both modes).
 from __future__ import annotations
 
 import warnings
-from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from treeserve._cpp import load_cpp_op
+from treeserve._cpp import cpp_op_loader, load_cpp_op
 
 __all__ = ["BLOCK_BYTES", "GROUP", "GGUFWeight", "gguf_linear", "gguf_op_available", "load_gguf_linear_op"]
 
@@ -102,7 +101,7 @@ def _fake(x, w, qtype, k):  # type: ignore[no-untyped-def]
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
-@lru_cache(maxsize=1)
+@cpp_op_loader
 def load_gguf_linear_op() -> str | None:
     """Build (first time on this host) and load the operator; ``None`` when usable, else the reason
     (logged once; ``gguf_linear`` then runs the torch path)."""

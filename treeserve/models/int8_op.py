@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from treeserve._cpp import load_cpp_op
+from treeserve._cpp import cpp_op_loader, load_cpp_op
 
 __all__ = ["BLOCK", "W_MAX", "X_MAX", "Int8Weight", "int8_available", "int8_linear", "mixer", "rotate"]
 
@@ -71,7 +71,7 @@ def _fake(x, w, w_scales, w_zeros, mix):  # type: ignore[no-untyped-def]
     return x.new_empty((x.shape[0], w_scales.shape[0]))
 
 
-@lru_cache(maxsize=1)
+@cpp_op_loader
 def int8_available() -> bool:
     """Whether ``treeserve::int8_linear`` can run here (oneDNN quantized linear in torch, operator built)."""
     if not torch.backends.mkldnn.is_available():

@@ -37,7 +37,6 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeserve._cpp import load_cpp_op
+from treeserve._cpp import cpp_op_loader, load_cpp_op
 from treeserve.models.gguf_op import GGUFWeight, gguf_op_available
 from treeserve.models.int8_op import BLOCK as INT8_BLOCK
 from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear
@@ -369,7 +368,7 @@ def _rescore_fake(approx, x, weight, row_norms, factor, max_candidates):  # type
     return x.new_empty((x.shape[0],), dtype=torch.bool)
 
 
-@lru_cache(maxsize=1)
+@cpp_op_loader
 def _rescore_op_available() -> bool:
     """Whether ``treeserve::exact_head_rescore`` (``csrc/exact_head.cpp``: ``ExactHead``'s
     re-scoring in two passes per row) is built; otherwise the torch ops below serve."""

@@ -9,12 +9,11 @@ use with ``treeserve._cpp`` (cached per host); without a compiler ``torch.topk``
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from treeserve._cpp import load_cpp_op
+from treeserve._cpp import cpp_op_loader, load_cpp_op
 
 __all__ = ["SOURCE", "load_top_op", "top_candidates", "topk_rows"]
 
@@ -22,7 +21,7 @@ SOURCE = Path(__file__).with_name("csrc") / "top_candidates.cpp"
 DTYPES = (torch.float32, torch.float64)
 
 
-@lru_cache(maxsize=1)
+@cpp_op_loader
 def load_top_op() -> str | None:
     """Build (first time on this host) and load the operator; ``None`` when it is available,
     else the reason it is not (logged once; ``topk_rows`` then uses ``torch.topk``)."""

@@ -20,6 +20,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,11 +200,14 @@ class EngineClient(abc.ABC):
 
     ``tokenizer`` and ``max_model_len`` describe the served model. ``add_request`` raises
     ``ValueError`` / ``TypeError`` for bad input (nothing queued), :class:`QueueFullError` when
-    full and :class:`EngineDeadError` when the engine is gone.
+    full and :class:`EngineDeadError` when the engine is gone. ``step_observer``, when set, is
+    called with each engine step's wall time in seconds (on the engine's side: keep it cheap and
+    thread-safe, e.g. a Prometheus histogram's ``observe``).
     """
 
     tokenizer: Any
     max_model_len: int
+    step_observer: Callable[[float], None] | None = None
 
     @abc.abstractmethod
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
@@ -320,11 +324,14 @@ class AsyncLLMEngine(EngineClient):
             while not self._stop.is_set():
                 self._run_commands()
                 if llm.has_unfinished_requests():
+                    t0 = time.perf_counter()
                     try:
                         deltas = llm.step()
                     except Exception as exc:  # failed requests get their error deltas next step
                         log.error("engine step failed: %s: %s", type(exc).__name__, exc)
                         deltas = []
+                    if self.step_observer is not None:
+                        self.step_observer(time.perf_counter() - t0)
                     self._dispatch(deltas)
                 else:
                     self._wake.wait(self._idle_wait)

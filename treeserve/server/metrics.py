@@ -1,9 +1,10 @@
 """Prometheus metrics under vLLM's names, so routers and dashboards built for vLLM read them.
 
 Gauges are read at scrape time from :meth:`EngineClient.stats`; histograms and counters are fed
-once per finished (or aborted) request from its :class:`RequestStream` timings. Two counters of
-treeserve's own (``treeserve:engine_steps_total``, ``treeserve:engine_busy_seconds_total``) tell
-engine time from serving overhead.
+once per finished (or aborted) request from its :class:`RequestStream` timings. Metrics of
+treeserve's own (counters ``treeserve:engine_steps_total``, ``treeserve:engine_busy_seconds_total``
+and the histogram ``treeserve:engine_step_seconds``, fed by the engine loop) tell engine time from
+serving overhead and show slow steps.
 """
 
 from __future__ import annotations
@@ -78,7 +79,10 @@ class ServerMetrics:
                                    registry=r)  # fmt: skip
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                lab + ["finished_reason"], registry=r)  # fmt: skip
+        self.step_time = Histogram("treeserve:engine_step_seconds", "Wall time of one engine step.", lab,
+                                   registry=r, buckets=_LATENCY_BUCKETS)  # fmt: skip
         self._name = model_name
+        client.step_observer = self.step_time.labels(model_name).observe
         r.register(_EngineGauges(client, model_name, self))
 
     def observe(self, stream: RequestStream, prompt_tokens: int, cached_tokens: int, output_tokens: int,
