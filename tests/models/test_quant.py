@@ -25,6 +25,7 @@ from treeserve.models.quant import (
     planes_from_gguf,
     quantize_int4,
     quantize_int8,
+    restore_dense,
 )
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
@@ -193,12 +194,41 @@ def test_tiny_gguf_packed_model_tracks_dense(tmp_path, monkeypatch) -> None:
         proj = packed.layers[1].self_attn.qkv_proj
         assert isinstance(proj, PackedLinear) and proj.packed_max_rows == 256
         assert isinstance(packed.lm_head, ExactHead)
-        torch.testing.assert_close(proj.weight, dense.layers[1].self_attn.qkv_proj.weight, rtol=0, atol=0)
+        torch.testing.assert_close(proj.dense_weight(), dense.layers[1].self_attn.qkv_proj.weight, rtol=0, atol=0)
         x = torch.randn(3, 64)
-        torch.testing.assert_close(proj(x), F.linear(x, proj.weight), rtol=0.03, atol=0.03)
+        torch.testing.assert_close(proj(x), F.linear(x, proj.dense_weight()), rtol=0.03, atol=0.03)
         a = paged_logits(dense, ids, [len(ids)], 4)
         b = paged_logits(packed, ids, [8] + [1] * 24, 4)
         assert float((a - b).abs().max()) < 0.05 * float(a.abs().max())
+
+
+@pytest.mark.skipif(not quant.int8_available(), reason="oneDNN int8 linear unavailable in this torch build")
+def test_dense_weight_is_dropped_where_codes_and_int8_serve(tmp_path, monkeypatch) -> None:
+    """A GGUF projection whose small batches take the C++ operator and large ones the int8 GEMM
+    holds no dense copy; every batch still multiplies right, and the copy comes back on demand."""
+    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "8")
+    monkeypatch.setenv("TREESERVE_INT8", "1")
+    model = random_model(tiny_config("llama", hidden_size=64, intermediate_size=128), seed=4, init_std=0.1)
+    path = write_gguf(model, tmp_path / "q8.gguf", GGMLQuantizationType.Q8_0)
+    dense, _ = load(path)
+    packed, _ = load(path, quantization="auto")
+    projs = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+    assert len(projs) == 4 * len(packed.layers) and not any(m.has_dense for m in projs)
+    assert not any(n.endswith("_proj.weight") for n, _ in packed.named_parameters())
+    proj, ref = packed.layers[1].mlp.down_proj, dense.layers[1].mlp.down_proj.weight
+    for rows in (3, 40):  # the operator, then int8 (2-D and 3-D inputs)
+        x = torch.randn(rows, 128)
+        expect = F.linear(x, ref)
+        torch.testing.assert_close(proj(x), expect, rtol=0.05, atol=0.05 * float(expect.abs().max()))
+        torch.testing.assert_close(proj(x.view(1, rows, 128)), proj(x).view(1, rows, -1), rtol=0, atol=0)
+    ids = list(range(5, 37))
+    a = paged_logits(dense, ids, [len(ids)], 4)
+    b = paged_logits(packed, ids, [16] + [1] * 16, 4)  # prefill through int8, decode through the operator
+    assert float((a - b).abs().max()) < 0.05 * float(a.abs().max())
+    torch.testing.assert_close(proj.dense_weight(), ref, rtol=0, atol=0)
+    assert proj.has_dense and sum(m.has_dense for m in projs) == 1
+    restore_dense(packed)
+    assert all(m.has_dense for m in projs)
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])

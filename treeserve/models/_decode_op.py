@@ -70,7 +70,7 @@ class _Proj(NamedTuple):
 
     raw: torch.Tensor | None
     qtype: str | None
-    weight: torch.Tensor
+    weight: torch.Tensor | None  # None: dropped (``int8`` serves the large batches)
     max_rows: int
     int8: Int8Weight | None = None
 
@@ -92,25 +92,25 @@ class DecodePlan(NamedTuple):
 def _proj(module: nn.Module, dense_type: type[nn.Module]) -> _Proj | None:
     """How ``module`` multiplies (see ``_Proj``), or None when the operator cannot (bias, other
     module types, a weight that is not float32 on CPU)."""
-    weight = getattr(module, "weight", None)
-    if (
-        getattr(module, "bias", True) is not None
-        or not isinstance(weight, torch.Tensor)
-        or weight.dtype != torch.float32
-        or weight.device.type != "cpu"
-    ):
-        return None
-    if "forward" in vars(module):  # a wrapped forward (e.g. batch-invariant row tiles)
+    if getattr(module, "bias", True) is not None or "forward" in vars(module):  # e.g. batch-invariant row tiles
         return None
     if type(module) is dense_type:
-        return _Proj(None, None, weight, 0)
-    if not isinstance(module, PackedLinear):
+        weight = module.weight
+        return _Proj(None, None, weight, 0) if _float32_cpu(weight) else None
+    if not isinstance(module, PackedLinear) or module.weight_dtype != torch.float32:
+        return None
+    weight = module.weight if module.has_dense else None  # without it, int8 serves every large batch
+    if weight is not None and not _float32_cpu(weight):
         return None
     if module.qtype is None:  # Int4Planes: torch's int4 kernel, not in the operator
         return _Proj(None, None, weight, module.packed_max_rows, module.int8)
     if not module.use_op:  # packed_forward is large_forward's dense path
         return _Proj(None, None, weight, 0, module.int8)
     return _Proj(module.raw, module.qtype, weight, module.packed_max_rows, module.int8)
+
+
+def _float32_cpu(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
 
 
 def decode_plan(layers: Sequence[nn.Module], dense_type: type[nn.Module]) -> DecodePlan | None:
@@ -163,6 +163,7 @@ def _operands(plan: DecodePlan, rows: int) -> tuple[list[torch.Tensor], list[str
                 tensors.extend((p.int8.packed, p.int8.scales, p.int8.zeros, p.int8.mix))
                 qtypes.append("int8")
             else:
+                assert p.weight is not None  # only an int8 projection drops its dense weight
                 tensors.append(p.weight)
                 qtypes.append("dense")
         else:

@@ -63,6 +63,7 @@ __all__ = [
     "planes_from_gguf",
     "quantize_int4",
     "quantize_int8",
+    "restore_dense",
     "use_int8",
 ]
 
@@ -205,6 +206,11 @@ class PackedLinear(nn.Module):
     GEMM where ``use_int8`` gave the layer an ``Int8Weight``, else ``F.linear`` on ``weight`` (the
     codes dequantized once into the model dtype; the caller passes it). The output has ``x``'s
     dtype. CPU only.
+
+    Memory: when nothing in eager use needs the dense weight (GGUF codes multiplied by the C++
+    operator up to ``packed_max_rows``, the int8 GEMM above), ``drop_dense`` frees it and
+    ``weight`` is absent; ``dense_weight()`` gives it back, rebuilt from the codes (and kept), for
+    whoever needs it (a traced step: ``restore_dense`` before compiling).
     """
 
     def __init__(
@@ -221,6 +227,7 @@ class PackedLinear(nn.Module):
             raise ValueError(f"weight must have the codes' shape {(n, k)}, got {tuple(weight.shape)}")
         self.in_features, self.out_features = k, n
         self.act_dtype = act_dtype
+        self.weight_dtype = weight.dtype
         self.packed_max_rows = packed_max_rows
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
@@ -251,17 +258,49 @@ class PackedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def large_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The product for batches above ``packed_max_rows``: the int8 GEMM when ``int8`` is set
-        (and Dynamo is not tracing), else ``F.linear`` on the dense weight."""
-        if self.int8 is None or x.dim() != 2 or _tracing():
+        """The product for batches above ``packed_max_rows`` (``x [M, K]``): the int8 GEMM when
+        ``int8`` is set (and Dynamo is not tracing), else ``F.linear`` on the dense weight."""
+        if self.int8 is None or _tracing():
             return F.linear(x, self.weight, self.bias)
         y = int8_linear(x.float(), self.int8).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
+    @property
+    def has_dense(self) -> bool:
+        """Whether the dense weight is held (see ``drop_dense``)."""
+        return "weight" in self._parameters
+
+    def drop_dense(self) -> bool:
+        """Free the dense weight if eager calls never read it (GGUF codes through the C++ operator
+        for small batches, ``int8`` for large ones); return whether it was dropped."""
+        if self.qtype is None or not self.use_op or self.int8 is None or not self.has_dense:
+            return False
+        del self._parameters["weight"]
+        return True
+
+    def dense_weight(self) -> torch.Tensor:
+        """The dense weight ``[N, K]`` in the model dtype, rebuilt from the codes (and kept as
+        ``weight`` again) when it was dropped."""
+        if not self.has_dense:
+            codes = GGUFWeight(self.qtype, self.raw, self.in_features)  # type: ignore[arg-type]
+            self.weight = nn.Parameter(codes.dequantize().to(self.weight_dtype), requires_grad=False)
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.packed_max_rows and x.dim() == 2:
+        """``x [..., K] -> [..., N]``, routed by its number of rows (leading dimensions flattened)."""
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        if x.shape[0] <= self.packed_max_rows:
             return self.packed_forward(x)
         return self.large_forward(x)
+
+
+def restore_dense(model: nn.Module) -> None:
+    """Give every ``PackedLinear`` of ``model`` its dense weight back (before tracing: a traced step
+    multiplies by the dense weights)."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.dense_weight()
 
 
 _tracing = torch.compiler.is_compiling
@@ -321,7 +360,7 @@ def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     if not group or len({m.in_features for m in group}) != 1:
         raise ValueError(f"layers must be a non-empty set of one in_features, got {[m.in_features for m in group]}")
     key = (
-        tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight.dtype, m.act_dtype, m.int8 is not None)
+        tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight_dtype, m.act_dtype, m.int8 is not None)
               for m in group),
         torch.get_num_threads(),
     )
@@ -329,7 +368,7 @@ def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     def run(fn: Callable[[PackedLinear, torch.Tensor], object]) -> Callable[[torch.Tensor], None]:
         return lambda x: [fn(m, x) for m in group] and None
 
-    return _crossover(key, group[0].in_features, group[0].weight.dtype,
+    return _crossover(key, group[0].in_features, group[0].weight_dtype,
                       run(lambda m, x: m.packed_forward(x)), run(lambda m, x: m.large_forward(x)))
 
 
@@ -548,6 +587,7 @@ def pack_model(
         rows = measure_crossover(group)
         for m in group:
             m.packed_max_rows = rows
+            m.drop_dense()  # eager calls no longer read it
     if model.lm_head.weight.dtype == torch.float32:
         model.lm_head = ExactHead(model.lm_head.weight, packed=head_codes)
     return model

@@ -26,6 +26,7 @@ import torch
 
 from treeserve._utils import log_once
 from treeserve.kvcache import AttentionMetadata, KVPool
+from treeserve.models.quant import restore_dense
 
 __all__ = ["CompiledForward", "compile_model"]
 
@@ -53,6 +54,7 @@ class CompiledForward:
         self._dynamo = importlib.import_module("torch._dynamo")
         self._counters = importlib.import_module("torch._dynamo.utils").counters
         self.static = True
+        restore_dense(model)  # a traced step multiplies by the dense weights
         self._compiled = torch.compile(model, backend=backend, mode=mode, dynamic=False, fullgraph=True)
         self.compile_seconds = 0.0
         self.num_compiles = 0
