@@ -1,12 +1,17 @@
-"""Issue 15: where one batched decode step goes on CPU: GEMMs vs attention vs norms vs sampling vs
-the rest, for the embedded SmolLM2-135M at batch 64 x context 128 (page size 1, the engine default).
+"""Issue 15: where one batched decode step goes on CPU: decoder layers (GEMMs, attention, norms,
+or the fused C++ decode operator as one part), LM head, sampling, the rest, for the embedded
+SmolLM2-135M at batch 64 x context 128 (page size 1, the engine default), in the default
+configuration (the GGUF as shipped, ``quantization="auto"``) unless ``--quantization none``.
 
-Each category is timed by wrapping its entry point (``F.linear`` for every projection and the LM
-head, the model's ``paged_attention`` + ``store_kv``, its residual-add + RMSNorm, ``sample``) with
-``perf_counter``; "rest" is the step's wall time minus the categories (RoPE, SiLU-mul, embedding,
-adds, Python). ``--torch-table`` also prints ``torch.profiler``'s top ops of one step. Best of
-``--reps`` steps after warm-up; CPU model and load printed. Run under the bench lock:
-``flock /tmp/treeserve-bench.lock python benches/profile_decode_step.py --dtype bfloat16``.
+Each category is timed by wrapping its entry point with ``perf_counter``: ``gemm`` every
+projection (``PackedLinear.forward`` and ``F.linear``; a timed call inside another counts for the outer one), ``head``
+the LM head module (``ExactHead``: its first pass and re-scoring), ``attention`` the model's
+``paged_attention`` + ``store_kv``, ``norm`` its residual-add + RMSNorm, ``fused layers`` the C++
+operator running every decoder layer of a decode step (then the three before it read 0),
+``sampling`` ``sample``; "rest" is the step's wall time minus the categories (RoPE, SiLU-mul,
+embedding, adds, Python). ``--torch-table`` also prints ``torch.profiler``'s top ops of one step.
+Best of ``--reps`` steps after warm-up; CPU model and load printed. Run under the bench lock:
+``flock /tmp/treeserve-bench.lock python benches/profile_decode_step.py``.
 """
 
 from __future__ import annotations
@@ -24,38 +29,46 @@ import torch.nn.functional as F
 import treeserve.models.llama as llama
 from treeserve.kvcache import AttentionMetadata, KVPool
 from treeserve.models import load
+from treeserve.models.quant import PackedLinear
 from treeserve.sampling import SamplingBatch, SamplingParams, sample
 
 MODEL = "smollm2-135m-instruct"
 SPENT: dict[str, float] = defaultdict(float)
 
 
+_OPEN: set[str] = set()  # the category being timed now: a call nested in it counts as part of it
+
+
 def _timed(category: str, fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
+        if _OPEN:
+            return fn(*args, **kwargs)
+        _OPEN.add(category)
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             SPENT[category] += time.perf_counter() - t
+            _OPEN.discard(category)
 
     return wrapper
 
 
-def _instrument() -> None:
+def _instrument(model: torch.nn.Module) -> None:
     """Route the model's entry points through the timers (this process only)."""
     F.linear = _timed("gemm", F.linear)
+    PackedLinear.forward = _timed("gemm", PackedLinear.forward)
+    model.lm_head.forward = _timed("head", model.lm_head.forward)
     llama.paged_attention = _timed("attention", llama.paged_attention)
     llama.store_kv = _timed("attention", llama.store_kv)
-    if hasattr(llama, "add_rms_norm"):  # the fused operator (issue 15)
-        llama.add_rms_norm = _timed("norm", llama.add_rms_norm)
-    else:  # an older checkout: torch's norm (its residual adds then count as "rest")
-        F.rms_norm = _timed("norm", F.rms_norm)
+    llama.add_rms_norm = _timed("norm", llama.add_rms_norm)
+    llama.run_decode_layers = _timed("fused layers", llama.run_decode_layers)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--quantization", default=None, help="load()'s quantization (default: dense)")
+    ap.add_argument("--quantization", default="auto", help="load()'s quantization ('none': dense)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -67,7 +80,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model = load(MODEL, dtype=dtype, quantization=args.quantization).model
+    quantization = None if args.quantization == "none" else args.quantization
+    model = load(MODEL, dtype=dtype, quantization=quantization).model
     if args.no_fused:
         model._decode_plan = None
     fused = getattr(model, "decode_plan", lambda: None)() is not None
@@ -94,7 +108,7 @@ def main() -> None:
             logits = model(ids, positions, kv, out_slots, meta, rows)
             timed_sample(logits, batch, positions)
 
-    _instrument()
+    _instrument(model)
     step()
     best: tuple[float, dict[str, float]] = (float("inf"), {})
     for _ in range(args.reps):
@@ -111,7 +125,7 @@ def main() -> None:
     print(f"# decode step, batch {b} x context {ctx}, {args.dtype}, quantization {args.quantization}, "
           f"{args.sampling}, {args.threads} threads, fused layers {fused}; {model_name}, load {os.getloadavg()[0]:.2f}")
     print(f"| step | {wall * 1e3:.1f} ms | {b / wall:.0f} tok/s |")
-    for name in ("gemm", "attention", "norm", "sampling", "rest"):
+    for name in ("fused layers", "gemm", "attention", "norm", "head", "sampling", "rest"):
         print(f"| {name} | {spent.get(name, 0.0) * 1e3:.1f} ms | {100 * spent.get(name, 0.0) / wall:.0f}% |")
     if args.torch_table:
         from torch.profiler import profile
