@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from treeserve._cpp import load_all_cpp_ops
-from treeserve._cpu import auto_dtype
+from treeserve._cpu import auto_dtype, release_free_memory
 from treeserve._utils import log_once
 from treeserve.kvcache import KVPool, RadixCache, ReqToTokenTable
 from treeserve.models.invariant import make_batch_invariant
@@ -320,6 +320,7 @@ class LLM:
             make_batch_invariant(self.model)
         if torch.device(cfg.device).type == "cpu":
             load_all_cpp_ops()  # now, not in the first request's step
+            release_free_memory()  # the loader's temporary copies
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         positions = mc.max_position_embeddings
