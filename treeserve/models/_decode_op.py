@@ -160,7 +160,7 @@ def _operands(plan: DecodePlan, rows: int) -> tuple[list[torch.Tensor], list[str
                 tensors.append(p.raw)
                 qtypes.append(p.qtype)
             elif p.int8 is not None:
-                tensors.extend((p.int8.packed, p.int8.scales, p.int8.zeros, p.int8.mix))
+                tensors.extend(p.int8.operands)
                 qtypes.append("int8")
             else:
                 assert p.weight is not None  # only an int8 projection drops its dense weight

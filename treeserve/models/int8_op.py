@@ -91,6 +91,12 @@ class Int8Weight(NamedTuple):
     mix: torch.Tensor
     in_features: int
 
+    @property
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(packed, scales, zeros, mix)``: the weight's operands, in the order the C++ operators
+        (``int8_linear``, ``decode_layers``) take them."""
+        return self.packed, self.scales, self.zeros, self.mix
+
     @staticmethod
     def from_dense(weight: torch.Tensor) -> Int8Weight:
         """Rotate ``weight`` (a floating ``[N, K]`` CPU tensor) and round it to codes in ``[-W_MAX, W_MAX]`` per row;
@@ -116,4 +122,4 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
         raise TypeError(f"x must be a float32 tensor, got {getattr(x, 'dtype', type(x))}")
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must have shape [M, {w.in_features}], got {tuple(x.shape)}")
-    return torch.ops.treeserve.int8_linear(x, w.packed, w.scales, w.zeros, w.mix)
+    return torch.ops.treeserve.int8_linear(x, *w.operands)

@@ -389,10 +389,10 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
         raise ValueError(f"layers must share one in_features, got {[m.in_features for m in group]}")
     weights = [Int8Weight.from_dense(m.weight) for m in group]
     if env is None:
-        key = (tuple((m.out_features, m.in_features, m.weight.dtype) for m in group), rows, torch.get_num_threads())
+        key = (tuple((m.out_features, m.in_features, m.weight_dtype) for m in group), rows, torch.get_num_threads())
         if key not in _int8_cache:
             with torch.inference_mode():
-                x = torch.randn(rows, group[0].in_features, dtype=group[0].weight.dtype)
+                x = torch.randn(rows, group[0].in_features, dtype=group[0].weight_dtype)
                 dense = _best_seconds(lambda: [F.linear(x, m.weight) for m in group])
                 xf = x.float()
                 _int8_cache[key] = _best_seconds(lambda: [int8_linear(xf, w) for w in weights]) < dense
@@ -497,9 +497,7 @@ class ExactHead(nn.Module):
         if not _tracing() and _rescore_op_available():
             full = torch.ops.treeserve.exact_head_rescore(approx, x.contiguous(), self.weight, self.row_norms, factor,
                                                           self.max_candidates)
-            if bool(full.any()):
-                rows = full.nonzero()[:, 0]
-                approx[rows] = F.linear(x[rows], self.weight)
+            self._recompute_rows(approx, x, full)
             return approx
         bound = (factor * x.norm(dim=1, keepdim=True)) * self.row_norms  # [M, V]
         if _tracing():
@@ -507,14 +505,21 @@ class ExactHead(nn.Module):
         threshold = (approx - bound).amax(dim=1, keepdim=True)
         candidate = approx + bound >= threshold
         counts = candidate.sum(1)
-        full = counts > self.max_candidates
-        if bool(full.any()):
-            rows = full.nonzero()[:, 0]
-            approx[rows] = F.linear(x[rows], self.weight)
+        rows = self._recompute_rows(approx, x, counts > self.max_candidates)
+        if rows is not None:
             candidate[rows] = False
         r, c = candidate.nonzero(as_tuple=True)
         approx[r, c] = (x[r] * self.weight[c]).sum(-1)
         return approx
+
+    def _recompute_rows(self, approx: torch.Tensor, x: torch.Tensor, full: torch.Tensor) -> torch.Tensor | None:
+        """Overwrite the rows of ``approx`` flagged in ``full`` (too many candidates) with the
+        float32 head; their indices, or None when none is flagged."""
+        if not bool(full.any()):
+            return None
+        rows = full.nonzero()[:, 0]
+        approx[rows] = F.linear(x[rows], self.weight)
+        return rows
 
     def _rescore_static(self, x: torch.Tensor, approx: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
         """The re-scoring of ``forward`` with static shapes (what a whole-graph compile can trace):
