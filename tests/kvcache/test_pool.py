@@ -142,6 +142,19 @@ def test_kv_pool_shapes_memory_and_slot_addressing() -> None:
     assert bool((pool.k_caches[0][2, 1] == 1.0).all()) and float(pool.k_caches[0].sum()) == 16.0
 
 
+@pytest.mark.parametrize("num_pages", [5, 3000, 40000])
+def test_kv_pool_buffers_start_page_aligned_and_zero(num_pages: int) -> None:
+    """Small and large (calloc'd through mmap: 16 bytes past a page when not re-aligned) buffers
+    alike start on a 4096-byte boundary, so every cache row of a power-of-two size sits in the
+    fewest cache lines; they read as zeros and are independent."""
+    pool = KVPool(num_layers=2, num_pages=num_pages, page_size=1, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    for buf in pool.k_caches + pool.v_caches:
+        assert buf.data_ptr() % 4096 == 0 and buf.is_contiguous()
+        assert not bool(buf[-1].any()) and not bool(buf[0].any())
+    pool.k_caches[0][-1] = 1.0
+    assert float(pool.k_caches[0].sum()) == 192.0 and not bool(pool.v_caches[0].any())
+
+
 @pytest.mark.parametrize(
     ("bad", "error", "match"),
     [

@@ -1,7 +1,7 @@
-// Small AVX2 helpers shared by treeserve's C++ CPU operators (include "treeserve_vec.h"; the
+// Small SIMD helpers shared by treeserve's C++ CPU operators (include "treeserve_vec.h"; the
 // builder treeserve/_cpp.py puts this folder on the include path and hashes it into the cache key).
-// Everything here exists only when the compiler targets AVX2 (__AVX2__, with FMA); callers keep a
-// scalar path for other hosts.
+// The 8-lane helpers exist only when the compiler targets AVX2 (__AVX2__, with FMA), the 16-lane
+// ones only under AVX-512F (TREESERVE_AVX512); callers keep a scalar path for other hosts.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -58,6 +58,73 @@ inline void store8(uint16_t* p, __m256 v) {
   hi = _mm256_blendv_epi8(hi, _mm256_set1_epi32(0x7FC0), nan);
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+}  // namespace treeserve_vec
+#endif
+
+// ---- AVX-512 (16 lanes): present when the compiler targets AVX-512F (-march=native on such a host).
+#if defined(__AVX512F__)
+#define TREESERVE_AVX512 1
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace treeserve_vec {
+
+// exp(x) for x <= 0 on 16 lanes: the same polynomial and underflow rule as the 8-lane one.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
+}
+
+// 16 floats from float32 or bfloat16 storage.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Store 16 floats as float32, or as bfloat16 rounded like c10::BFloat16(float) (see store8).
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i hi = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  hi = _mm512_mask_mov_epi32(hi, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(hi));
+}
+
+// The 16 lane sums of 16 vectors stored at v[0..255] (vector j at v + 16 j), as one vector whose
+// lane l is the sum of vector SUM16_SLOT[l]: a 4 x 4 transpose of 128-bit lanes, so a caller that
+// stores item i at slot SUM16_SLOT[i] gets item i's sum in lane i.
+constexpr int SUM16_SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+inline __m512 sum16x16(const float* v) {
+  __m512 w[8], z[4], u[2];
+  for (int j = 0; j < 8; ++j) {
+    const __m512 a = _mm512_load_ps(v + 32 * j), b = _mm512_load_ps(v + 32 * j + 16);
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int j = 0; j < 4; ++j)
+    z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    u[j] = _mm512_add_ps(_mm512_unpacklo_ps(z[2 * j], z[2 * j + 1]), _mm512_unpackhi_ps(z[2 * j], z[2 * j + 1]));
+  const __m512d a = _mm512_castps_pd(u[0]), b = _mm512_castps_pd(u[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
 }
 
 }  // namespace treeserve_vec

@@ -171,15 +171,24 @@ class PageAllocator:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor; on CPU from ``calloc`` (numpy), so the OS maps zero pages lazily.
+    """A zero tensor; on CPU from ``calloc`` (numpy), so the OS maps zero pages lazily, starting on
+    a ``_ALIGN``-byte boundary.
 
     ``torch.zeros`` writes every byte: 1.5 GB for the default 32k-token float32 pool of SmolLM2,
-    seconds at start-up, and resident memory for pages no request ever touches.
+    seconds at start-up, and resident memory for pages no request ever touches. ``calloc`` of a
+    large block returns an address 16 bytes past a page boundary; a cache row there straddles one
+    more cache line than it needs (a 128-byte bfloat16 row of head_dim 64: three lines, not two),
+    which made the decode attention operator 2.4x slower on an AVX-512 EPYC (benches/RESULTS.md).
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(shape)
+
+
+_ALIGN = 4096  # a page: every cache line, and every row of a power-of-two size up to a page, aligned
 
 
 class KVPool:
