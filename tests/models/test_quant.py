@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from unittest import mock
 
 import numpy as np
@@ -134,7 +135,9 @@ def test_bad_inputs_name_the_field(monkeypatch) -> None:
     monkeypatch.setenv("TREESERVE_EXACT_HEAD", "f32")
     w = torch.randn(4, 32)
     head = ExactHead(torch.nn.Parameter(w))
-    assert not head.use_bf16 and torch.equal(head(torch.ones(2, 32)), F.linear(torch.ones(2, 32), w))
+    assert head.bf16_max_rows == 0 and torch.equal(head(torch.ones(2, 32)), F.linear(torch.ones(2, 32), w))
+    monkeypatch.setenv("TREESERVE_EXACT_HEAD", "bf16")
+    assert ExactHead(torch.nn.Parameter(w)).bf16_max_rows >= 2**40  # every batch size
 
 
 def test_measured_crossover_is_a_candidate_row_count(monkeypatch) -> None:
@@ -166,8 +169,8 @@ def test_exact_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: f
         a, b = top2[r]
         d = (f32[r, a] - f32[r, b] - margin) / x[r].dot(x[r])
         w[b] = w[b] + d * x[r]
-    head = ExactHead(torch.nn.Parameter(w, requires_grad=False), max_candidates=max_cand)
-    head.use_bf16 = True
+    with mock.patch.dict(os.environ, {"TREESERVE_EXACT_HEAD": "bf16"}):
+        head = ExactHead(torch.nn.Parameter(w, requires_grad=False), max_candidates=max_cand)
     with mock.patch.object(quant, "_tracing", lambda: static), mock.patch.object(quant, "_rescore_op_available", lambda: op):
         logits = head(x)
     if max_cand == 64:  # some rows keep bf16 values: the bf16 GEMM really ran

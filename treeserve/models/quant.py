@@ -307,8 +307,8 @@ _tracing = torch.compiler.is_compiling
 """True while Dynamo traces (``ExactHead`` then re-scores with static shapes); tests patch it."""
 
 _CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+_ALL_ROWS = 1 << 62  # a path that wins at the last measured row count serves every larger one
 _crossover_cache: dict[tuple[object, ...], int] = {}
-_head_cache: dict[tuple[int, int, int], bool] = {}
 _int8_cache: dict[tuple[object, ...], bool] = {}
 
 
@@ -423,8 +423,10 @@ class ExactHead(nn.Module):
     - ``packed`` (a GGUF ``GGUFWeight`` whose dequantization is ``weight``), for ``M <=
       packed_max_rows`` and when ``treeserve::gguf_linear_exact`` is built: the same float32 products in
       another summation order, bound ``2 (K + 2) 2^-24 |x| |W_j|``;
-    - bfloat16 (``W`` rounded once) where measured faster than float32 (``use_bf16``): bound
-      ``c |x| |W_j|`` (rounding of x and W to bf16, relative 2^-9 each, plus float32 accumulation);
+    - bfloat16 (``W`` rounded once), for the larger ``M`` up to ``bf16_max_rows`` (the rows up
+      to which it measured faster than float32 on this machine; on an AVX-512 BF16 EPYC, batch 64:
+      8.6 ms against 31 ms float32 and 21 ms packed): bound ``c |x| |W_j|`` (rounding of x and W to
+      bf16, relative 2^-9 each, plus float32 accumulation);
     - else the float32 head itself.
 
     After an approximate pass every entry ``j`` the bound cannot exclude from the argmax is
@@ -450,48 +452,53 @@ class ExactHead(nn.Module):
         self.qtype = None if packed is None or not gguf_op_available() else packed.qtype
         if self.qtype is not None:
             self.register_buffer("raw", packed.raw, persistent=False)
-            self.packed_max_rows = self._packed_rows()
-        self.use_bf16 = self.qtype is None and self._bf16_pays()  # a packed head needs no bf16 copy
-        if self.qtype is None:
+        self.bf16_max_rows = self._bf16_rows()
+        if self.bf16_max_rows:
             self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16), persistent=False)
+        if self.qtype is not None:
+            self.packed_max_rows = self._packed_rows()
+            if 0 < self.bf16_max_rows <= self.packed_max_rows:  # the packed pass serves every row bf16 would
+                self.bf16_max_rows = 0
+                del self.weight_bf16
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.treeserve.gguf_linear_exact(x, self.raw, self.qtype, self.weight.shape[1])
 
+    def _bf16(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight_bf16).float()
+
     def _packed_rows(self) -> int:
-        """Rows up to which the packed first pass beats the float32 head (``TREESERVE_HEAD_PACKED_MAX_ROWS``
-        overrides)."""
+        """Rows up to which the packed first pass beats the head that serves the rows above it
+        (the bf16 pass or the float32 head, ``bf16_max_rows``); ``TREESERVE_HEAD_PACKED_MAX_ROWS`` overrides."""
         env = _env_rows("TREESERVE_HEAD_PACKED_MAX_ROWS")
         if env is not None:
             return env
-        key = ("head", *self.weight.shape, self.qtype, torch.get_num_threads())
-        return _crossover(key, self.weight.shape[1], torch.float32, self._packed, lambda x: F.linear(x, self.weight))
+        key = ("head", *self.weight.shape, self.qtype, self.bf16_max_rows, torch.get_num_threads())
+        return _crossover(key, self.weight.shape[1], torch.float32, self._packed,
+                          lambda x: self._bf16(x) if x.shape[0] <= self.bf16_max_rows else F.linear(x, self.weight))
 
-    def _bf16_pays(self) -> bool:
-        """Whether the bf16 head is faster than the float32 one for a decode row on this machine
-        (measured once per process per shape and thread count; without native bf16 dot products
-        and under CPU contention it can be slower). ``TREESERVE_EXACT_HEAD=bf16|f32`` overrides."""
+    def _bf16_rows(self) -> int:
+        """Rows up to which the bf16 first pass beats the float32 head on this machine (measured once
+        per process per shape and thread count over 1 ... 128 rows; winning at 128 counts for
+        every size). Native bf16 dot products (AVX-512 BF16, AMX) win at every size, an AVX2 CPU at
+        a few rows at most, and CPU contention moves it. ``TREESERVE_EXACT_HEAD=bf16|f32`` overrides."""
         env = os.environ.get("TREESERVE_EXACT_HEAD")
         if env is not None:
             if env not in ("bf16", "f32"):
                 raise ValueError(f"TREESERVE_EXACT_HEAD must be 'bf16' or 'f32', got {env!r}")
-            return env == "bf16"
-        key = (*self.weight.shape, torch.get_num_threads())
-        if key not in _head_cache:
-            w16 = self.weight.detach().to(torch.bfloat16)
-            with torch.inference_mode():
-                x = torch.randn(1, self.weight.shape[1])
-                _head_cache[key] = _best_seconds(lambda: F.linear(x.to(torch.bfloat16), w16)) < _best_seconds(
-                    lambda: F.linear(x, self.weight)
-                )
-        return _head_cache[key]
+            return _ALL_ROWS if env == "bf16" else 0
+        w16 = self.weight.detach().to(torch.bfloat16)
+        key = ("head-bf16", *self.weight.shape, torch.get_num_threads())
+        rows = _crossover(key, self.weight.shape[1], torch.float32,
+                          lambda x: F.linear(x.to(torch.bfloat16), w16).float(), lambda x: F.linear(x, self.weight))
+        return _ALL_ROWS if rows == _CROSSOVER_ROWS[-1] else rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         if x.shape[0] <= self.packed_max_rows:
             approx, factor = self._packed(x), self.packed_bound_factor
-        elif self.use_bf16:
-            approx, factor = F.linear(x.to(torch.bfloat16), self.weight_bf16).float(), self.bound_factor
+        elif x.shape[0] <= self.bf16_max_rows:
+            approx, factor = self._bf16(x), self.bound_factor
         else:
             return F.linear(x, self.weight)
         if not _tracing() and _rescore_op_available():
