@@ -137,7 +137,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from treeserve.server.launch import serve
 
-    return serve(_make_llm(args), host=args.host, port=args.port, model_name=args.served_model_name,
+    return serve(lambda: _make_llm(args), host=args.host, port=args.port, model_name=args.served_model_name,
                  max_live_requests=args.max_live_requests)  # fmt: skip
 
 

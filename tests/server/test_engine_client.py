@@ -69,7 +69,7 @@ def test_add_request_errors(engine) -> None:
             await engine.add_request([10**8], SamplingParams(), "vocab")
         assert "long" not in engine._streams and "vocab" not in engine._streams
         full = AsyncLLMEngine(engine.llm, max_live_requests=1)
-        full._thread = engine._thread  # healthy without a second loop: the limit is checked first
+        full._thread, full._go = engine._thread, engine._go  # healthy without a second loop: the limit is checked first
         full._streams["x"] = RequestStream("x", 1, asyncio.get_running_loop())
         with pytest.raises(QueueFullError):
             await full.add_request([3, 4], SamplingParams(), "y")
@@ -160,3 +160,39 @@ def test_random_mix_of_finishes_aborts_and_drops_keeps_invariants(engine, plan) 
 
     run(go())
     assert_engine_drained(engine)
+
+
+def test_build_makes_and_steps_the_llm_on_one_thread() -> None:
+    """``AsyncLLMEngine.build``: the factory runs on the engine thread, every step runs there too
+    (one OpenMP pool), nothing steps before ``start``; a factory's error reaches the caller."""
+    import threading
+
+    where: dict[str, set[int]] = {"built": set(), "stepped": set()}
+
+    def factory():
+        where["built"].add(threading.get_ident())
+        return synthetic_llm()
+
+    eng = AsyncLLMEngine.build(factory)
+    eng.step_observer = lambda seconds: where["stepped"].add(threading.get_ident())
+    assert not eng.is_healthy() and where["built"] and threading.get_ident() not in where["built"]
+    with running(eng):
+        assert eng.is_healthy()
+
+        async def go():
+            stream = await eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True), "b")
+            return [d for ds in [x async for x in stream] for d in ds]
+
+        deltas = run(go())
+        assert sum(len(d.token_ids) for d in deltas) == 6
+    assert where["stepped"] == where["built"] and not eng.is_healthy()
+    assert_engine_drained(eng)
+
+    def broken():
+        raise ValueError("no such model: 'x'")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncLLMEngine.build(broken)
+    never = AsyncLLMEngine.build(synthetic_llm)
+    never.shutdown()  # before start: the waiting thread ends, nothing ran
+    assert not never.is_healthy() and never.llm.metrics.steps == 0

@@ -249,7 +249,46 @@ class AsyncLLMEngine(EngineClient):
     ``max_live_requests``: requests accepted at once (running + waiting, each with its ``n``
     samples); one more gets :class:`QueueFullError`. ``idle_wait``: seconds the loop sleeps when
     idle before re-checking (commands wake it at once).
+
+    On CPU, prefer :meth:`build`, which constructs the ``LLM`` on the engine thread itself.
     """
+
+    @classmethod
+    def build(cls, factory: Callable[[], LLM], max_live_requests: int = 1024, idle_wait: float = 0.5) -> AsyncLLMEngine:
+        """An engine whose ``LLM`` is made by ``factory()`` on the engine thread, which then steps
+        it once :meth:`start` is called (``factory``'s exception is re-raised here).
+
+        Why: OpenMP (libgomp) keeps one worker pool per thread that opens parallel regions, and
+        its workers stop spinning between regions once more threads exist than cores. A model
+        loaded (its GEMMs measured) on one thread and stepped on another left two pools, and made
+        every decode step of the served benchmark ~1.6x slower on a 2-core EPYC
+        (benches/RESULTS.md); with load and steps on one thread there is one pool.
+        """
+        built: Future[LLM] = Future()
+        go = threading.Event()
+        box: list[AsyncLLMEngine] = []
+
+        def run() -> None:
+            try:
+                llm = factory()
+            except BaseException as exc:  # handed to the caller, which re-raises it
+                built.set_exception(exc)
+                return
+            built.set_result(llm)
+            go.wait()
+            if not box[0]._stop.is_set():
+                box[0]._loop()
+
+        thread = threading.Thread(target=run, name="treeserve-engine", daemon=True)
+        thread.start()
+        try:
+            engine = cls(built.result(), max_live_requests, idle_wait)
+        except BaseException:
+            go.set()
+            raise
+        engine._thread, engine._go = thread, go
+        box.append(engine)
+        return engine
 
     def __init__(self, llm: LLM, max_live_requests: int = 1024, idle_wait: float = 0.5) -> None:
         if not isinstance(max_live_requests, int) or max_live_requests < 1:
@@ -264,6 +303,7 @@ class AsyncLLMEngine(EngineClient):
         self._streams: dict[str, RequestStream] = {}
         self._stats = read_engine_stats(llm)
         self._stop = threading.Event()
+        self._go = threading.Event()  # set by start() (a build() thread waits on it)
         self._thread: threading.Thread | None = None
         self._dead: str | None = None
 
@@ -301,15 +341,17 @@ class AsyncLLMEngine(EngineClient):
         return self._stats
 
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread is not None and self._thread.is_alive()
+        return self._dead is None and self._go.is_set() and self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="treeserve-engine", daemon=True)
             self._thread.start()
+        self._go.set()
 
     def shutdown(self) -> None:
         self._stop.set()
+        self._go.set()
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -24,11 +25,16 @@ __all__ = ["serve"]
 log = logging.getLogger("treeserve.server")
 
 
-def serve(llm: LLM, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+def serve(llm: LLM | Callable[[], LLM], *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           max_live_requests: int = 1024, graceful_seconds: float = 5.0, log_level: str = "info") -> int:  # fmt: skip
-    """Serve ``llm`` over HTTP until SIGINT / SIGTERM; returns the exit status (0)."""
-    name = model_name or llm.model_name
-    engine = AsyncLLMEngine(llm, max_live_requests=max_live_requests)
+    """Serve ``llm`` over HTTP until SIGINT / SIGTERM; returns the exit status (0). Given a
+    factory instead, the model is built on the engine thread (``AsyncLLMEngine.build``: what
+    ``treeserve serve`` does, one OpenMP pool for load and steps)."""
+    if isinstance(llm, LLM):
+        engine = AsyncLLMEngine(llm, max_live_requests=max_live_requests)
+    else:
+        engine = AsyncLLMEngine.build(llm, max_live_requests=max_live_requests)
+    name = model_name or engine.llm.model_name
     config = uvicorn.Config(build_app(engine, name), host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=graceful_seconds)  # fmt: skip
     server = _Server(config, engine, graceful_seconds / 2)
