@@ -76,19 +76,19 @@ def auto_dtype(device: str = "cpu", features: CPUFeatures | None = None) -> str:
     """The compute dtype ``dtype="auto"`` picks: measured, not assumed.
 
     - CUDA: ``"bfloat16"``.
-    - CPU with AVX-512 BF16 or AMX: ``"bfloat16"``. Issue 12's micro-benchmark on such a CPU
-      (AMD EPYC, AVX-512 BF16/VNNI, 2 threads, SmolLM2-135M shapes, all 30 layers + head, one
-      row): bf16 16.5 ms, int8 weight-only 7.8 ms, int4 group-32 5.8 ms; bf16 dense serves
-      prefill/large batches there and packed int4 the decode steps.
-    - Other CPUs (AVX2 only): ``"float32"``. Measured on the 2-core AVX2 EPYC dev VM
-      (``benches/bench_quant.py``, 1 thread, same shapes, one row): float32 dense 63 ms,
-      bf16 dense 54 ms but slower than float32 from a few rows on (no native bf16 dot product),
-      packed int4 with bf16 activations 32 ms. So float32 runs prefill and norms/attention, and
-      packed int4 (GGUF codes) still serves decode (``treeserve.models.quant``).
+    - CPU with AMX: ``"bfloat16"`` (the 2026-12-02 measurement on a Xeon with AMX-BF16, where
+      bf16 dense GEMMs served prefill; not re-measured since the int8 GEMM tier and the fused
+      float32 decode operator exist, no AMX machine has been available).
+    - Every other CPU: ``"float32"`` activations over quantized weights (GGUF codes for small
+      batches, the int8 GEMM tier for large ones), which the fused C++ decode operator serves.
+      Measured with ``dtype`` forced, same session, SmolLM2 Q8_0, 2 threads: on an AVX-512
+      BF16/VNNI EPYC (Zen 5) float32 is faster on the 64 x 128 uniform set (1278-1441 vs
+      1168-1363 tok/s, three interleaved pairs) and for one stream (165-202 vs 123-132 tok/s); on
+      the AVX2 EPYC (Zen 3) bf16 had no native dot product and lost from a few rows on.
     """
     if device.startswith("cuda"):
         return "bfloat16"
-    return "bfloat16" if (features or cpu_features()).fast_bf16 else "float32"
+    return "bfloat16" if (features or cpu_features()).amx else "float32"
 
 
 def release_free_memory() -> bool:

@@ -64,7 +64,7 @@ class EngineConfig:
     """Engine-wide settings (validated; every field named in errors).
 
     ``dtype``: ``"auto"`` (``treeserve._cpu.auto_dtype``: bfloat16 on CUDA and on CPUs with
-    AVX-512 BF16 or AMX, float32 otherwise), ``"float32"`` or ``"bfloat16"``. ``quantization``:
+    AMX, float32 activations over quantized weights otherwise), ``"float32"`` or ``"bfloat16"``. ``quantization``:
     ``"auto"`` keeps a GGUF's Q4_0/Q4_1/Q8_0 codes packed for decode steps plus the exact bf16
     head (CPU; not with an explicit ``dtype="float32"``, the parity configuration), ``"int4"`` /
     ``"int8"`` also quantize float checkpoints, None keeps dense weights

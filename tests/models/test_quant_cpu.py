@@ -17,12 +17,13 @@ def test_avx2_only_machine_gets_float32() -> None:
     assert auto_dtype("cpu", f) == "float32"
 
 
-def test_bf16_capable_machines_get_bfloat16() -> None:
+def test_amx_machines_and_cuda_get_bfloat16_avx512_bf16_alone_float32() -> None:
     f = parse_cpuinfo(SPR, "AVX512")
     assert f.avx512 and f.avx512_vnni and f.avx512_bf16 and f.amx and f.fast_bf16
     assert auto_dtype("cpu", f) == "bfloat16"
     no_amx = parse_cpuinfo("flags: avx512f avx512_bf16 amx_bf16\n")  # amx without tiles: not AMX
     assert no_amx.fast_bf16 and not no_amx.amx
+    assert auto_dtype("cpu", no_amx) == "float32"  # measured: the fused float32 path wins there
     assert auto_dtype("cuda:0", parse_cpuinfo("")) == "bfloat16"
 
 
