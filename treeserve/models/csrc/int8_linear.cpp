@@ -128,14 +128,14 @@ void quantize_rows(const float* x, const float* mix, uint8_t* q, float* scale, i
     std::vector<float> blocks(static_cast<size_t>(k)), row(static_cast<size_t>(k));
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t b = 0; b < k; b += BLOCK) hadamard64(x + r * k + b, blocks.data() + b);
-      std::fill(row.begin(), row.end(), 0.f);
-      for (int64_t c = 0; c < nb; ++c) {
-        float* out = row.data() + c * BLOCK;
+      for (int64_t c = 0; c < nb; ++c) {  // out block c = sum_b mix[c, b] * block b, summed in registers
+        float acc[BLOCK] = {};
         for (int64_t b = 0; b < nb; ++b) {
           const float w = mix[c * nb + b];
           const float* in = blocks.data() + b * BLOCK;
-          for (int64_t j = 0; j < BLOCK; ++j) out[j] += w * in[j];
+          for (int64_t j = 0; j < BLOCK; ++j) acc[j] += w * in[j];
         }
+        std::copy(acc, acc + BLOCK, row.data() + c * BLOCK);
       }
       const float amax = amax_abs(row.data(), k);
       to_codes(row.data(), amax > 0.f ? static_cast<float>(X_MAX) / amax : 0.f, q + r * k, k);
