@@ -169,6 +169,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
 // values where the CPU has AVX-512 BF16 (products exact, float32 sums). The scale multiplies the
 // dot products, not the query.
 
+constexpr int64_t WAHEAD = 32;  // K rows requested this many keys ahead (16: 20% slower for bf16, 8: 30%)
 constexpr int64_t WBLOCK = 32;  // keys per online-softmax block (32: fastest of 16 / 32 / 64, bf16 and float32)
 
 // Partial (16-lane) dot products of one key row with NG query heads.
@@ -225,7 +226,7 @@ void heads_avx512(const float* qf, const T* qt, const T* k_cache, const T* v_cac
   }
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale_v = _mm512_set1_ps(scale);
-  for (int64_t i = 0; i < std::min(AHEAD, len); ++i) prefetch_row(k_cache + offsets[i], D);
+  for (int64_t i = 0; i < std::min(WAHEAD, len); ++i) prefetch_row(k_cache + offsets[i], D);
   for (int64_t t0 = 0; t0 < len; t0 += WBLOCK) {
     const int64_t n = std::min(WBLOCK, len - t0);
     const int64_t nvec = (n + 15) / 16;
@@ -238,7 +239,7 @@ void heads_avx512(const float* qf, const T* qt, const T* k_cache, const T* v_cac
           for (int g = 0; g < NG; ++g) _mm512_store_ps(slot + 256 * g, _mm512_setzero_ps());
           continue;
         }
-        if (t + AHEAD < len) prefetch_row(k_cache + offsets[t + AHEAD], D);
+        if (t + WAHEAD < len) prefetch_row(k_cache + offsets[t + WAHEAD], D);
         prefetch_row(v_cache + offsets[t], D);
         scorer.partials(k_cache + offsets[t], slot);
       }
