@@ -16,6 +16,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--quantization", default="auto", choices=["auto", "int4", "int8", "none"],
                    help="weight-only packing for decode (auto: a GGUF's codes as shipped)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="KV cache storage (auto: bf16 under float32 on AVX-512 BF16 CPUs, else the model's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
@@ -40,6 +42,7 @@ def _make_llm(args: argparse.Namespace) -> LLM:
         args.model,
         dtype=args.dtype,
         quantization=None if args.quantization == "none" else args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.threads,
         page_size=args.page_size,
         kv_cache_tokens=args.kv_cache_tokens,
@@ -107,6 +110,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     llm_nocache = LLM(
         (llm.model, llm.tokenizer),
         dtype=args.dtype,
+        kv_cache_dtype=str(llm.kv.dtype).removeprefix("torch."),  # the same KV as the cached run
         enable_prefix_cache=False,
         kv_cache_tokens=args.kv_cache_tokens,
         max_batched_tokens=args.max_batched_tokens,

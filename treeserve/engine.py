@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from treeserve._cpp import load_all_cpp_ops
-from treeserve._cpu import auto_dtype, release_free_memory
+from treeserve._cpu import auto_dtype, cpu_features, release_free_memory
 from treeserve._utils import log_once
 from treeserve.kvcache import KVPool, RadixCache, ReqToTokenTable
 from treeserve.models.invariant import make_batch_invariant
@@ -59,6 +59,21 @@ from treeserve.scheduler import (
 Prompt = str | Sequence[int]
 
 
+def _kv_cache_dtype(cfg: EngineConfig, dtype: torch.dtype, loaded: bool) -> torch.dtype:
+    """The KV pool's dtype: ``cfg.kv_cache_dtype`` when given; for ``"auto"``, bfloat16 under the
+    default float32 CPU configuration of a model loaded by name (``dtype`` and ``quantization``
+    "auto", one process) on CPUs with AVX-512 BF16, where the decode attention operator scores
+    bf16 rows with ``vdpbf16ps`` and reads half the bytes (measured: benches/RESULTS.md); else
+    the model's dtype (explicit ``dtype="float32"`` is the parity configuration: float32 KV)."""
+    if cfg.kv_cache_dtype != "auto":
+        return getattr(torch, cfg.kv_cache_dtype)
+    default_cpu = (cfg.dtype == "auto" and cfg.quantization == "auto" and torch.device(cfg.device).type == "cpu"
+                   and cfg.tensor_parallel_size == 1 and not cfg.batch_invariant)  # fmt: skip
+    if loaded and default_cpu and dtype == torch.float32 and cpu_features().avx512_bf16:
+        return torch.bfloat16
+    return dtype
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine-wide settings (validated; every field named in errors).
@@ -69,6 +84,9 @@ class EngineConfig:
     head (CPU; not with an explicit ``dtype="float32"``, the parity configuration), ``"int4"`` /
     ``"int8"`` also quantize float checkpoints, None keeps dense weights
     (``treeserve.models.quant``).
+    ``kv_cache_dtype``: ``"auto"`` (the model's dtype, except bfloat16 under the default float32
+    configuration on CPUs with AVX-512 BF16: ``_kv_cache_dtype``), ``"float32"`` or ``"bfloat16"``
+    (K/V stored rounded to bf16 and attended with q rounded to it: half the KV memory).
 
     ``kv_cache_tokens``: KV pool capacity in tokens (rounded up to whole pages).
     ``max_model_len``: prompt + output cap per request; ``None`` = the model's, at most 4096.
@@ -95,6 +113,7 @@ class EngineConfig:
 
     dtype: str = "auto"
     quantization: str | None = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     page_size: int = 1
     kv_cache_tokens: int = 32768
@@ -117,8 +136,9 @@ class EngineConfig:
     distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in ("auto", "float32", "bfloat16"):
+                raise ValueError(f"{name} must be 'auto', 'float32' or 'bfloat16', got {getattr(self, name)!r}")
         check_quantization(self.quantization)
         self._check_device()
         for name in ("page_size", "kv_cache_tokens", "max_batched_tokens", "max_running", "cuda_graph_max_batch"):
@@ -334,7 +354,9 @@ class LLM:
         ps = cfg.page_size
         num_pages = -(-cfg.kv_cache_tokens // ps) + 1  # + the dummy page
         kv_heads = getattr(self.model, "kv_heads_per_rank", mc.num_kv_heads)  # rank 0's share under TP
-        self.kv = KVPool(mc.num_layers, num_pages, ps, kv_heads, mc.head_dim, dtype, cfg.device)
+        self.model_dtype = dtype
+        kv_dtype = _kv_cache_dtype(cfg, dtype, loaded=isinstance(model, str))
+        self.kv = KVPool(mc.num_layers, num_pages, ps, kv_heads, mc.head_dim, kv_dtype, cfg.device)
         self.radix = RadixCache(self.kv.allocator, ps, disable=not cfg.enable_prefix_cache)
         self.table = ReqToTokenTable(cfg.max_running, -(-max_len // ps) * ps, device=cfg.device)
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids or [])
@@ -641,7 +663,7 @@ class LLM:
         if name.startswith("self:"):
             draft = truncated_copy(self.model, int(name[len("self:") :]))
         else:
-            draft, _ = load(name, dtype=self.kv.dtype, device=cfg.device)
+            draft, _ = load(name, dtype=self.model_dtype, device=cfg.device)
         dc = draft.config
         if dc.vocab_size != self.vocab_size:
             raise ValueError(f"draft model vocab {dc.vocab_size} differs from the target's {self.vocab_size}")

@@ -152,3 +152,43 @@ def test_invalid_logits_fail_only_their_request(tiny) -> None:
     for i in (0, 2):
         assert outs[i].error is None and len(outs[i].outputs[0].token_ids) == 5
     assert_drained(llm)
+
+
+def test_bf16_kv_cache_under_a_float32_model(tiny) -> None:
+    """``kv_cache_dtype="bfloat16"``: the pool holds bf16, greedy output is the same batched (with
+    prefix sharing) as alone, every page comes back; ``"auto"`` keeps a given model's dtype; a bad
+    value is named."""
+    assert make_llm(tiny).kv.dtype == torch.float32
+    prompts = prompts_for(7, 6)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    llm = make_llm(tiny, kv_cache_dtype="bfloat16")
+    assert llm.kv.dtype == torch.bfloat16 and next(llm.model.parameters()).dtype == torch.float32
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    alone = [make_llm(tiny, kv_cache_dtype="bfloat16", enable_prefix_cache=False).generate([p], sp, use_tqdm=False)[0]
+             .outputs[0].token_ids for p in prompts]  # fmt: skip
+    assert batched == alone and all(len(t) == 12 for t in batched)
+    assert_drained(llm)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto', 'float32' or 'bfloat16'"):
+        make_llm(tiny, kv_cache_dtype="float16")
+
+
+def test_kv_cache_dtype_auto_rule(monkeypatch) -> None:
+    """``"auto"``: bf16 only for the default float32 CPU configuration of a model loaded by name on
+    an AVX-512 BF16 CPU; the model's dtype otherwise; an explicit value always wins."""
+    from types import SimpleNamespace
+
+    import treeserve.engine as engine
+    from treeserve.engine import EngineConfig, _kv_cache_dtype
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    for has_bf16 in (True, False):
+        monkeypatch.setattr(engine, "cpu_features", lambda has=has_bf16: SimpleNamespace(avx512_bf16=has))
+        want = bf16 if has_bf16 else f32
+        assert _kv_cache_dtype(EngineConfig(), f32, loaded=True) == want
+        assert _kv_cache_dtype(EngineConfig(), f32, loaded=False) == f32  # a given model
+        assert _kv_cache_dtype(EngineConfig(dtype="float32"), f32, loaded=True) == f32  # the parity configuration
+        assert _kv_cache_dtype(EngineConfig(quantization=None), f32, loaded=True) == f32
+        assert _kv_cache_dtype(EngineConfig(batch_invariant=True), f32, loaded=True) == f32
+        assert _kv_cache_dtype(EngineConfig(), bf16, loaded=True) == bf16
+        assert _kv_cache_dtype(EngineConfig(kv_cache_dtype="bfloat16"), f32, loaded=False) == bf16
+        assert _kv_cache_dtype(EngineConfig(kv_cache_dtype="float32"), bf16, loaded=True) == f32

@@ -24,12 +24,13 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def paged_logits(
-    model: LlamaForCausalLM, ids: Sequence[int], chunks: Sequence[int], page_size: int, seed: int = 0
+    model: LlamaForCausalLM, ids: Sequence[int], chunks: Sequence[int], page_size: int, seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Feed ``ids`` in chunks of the given sizes (they must sum to ``len(ids)``) through a fresh
     ``PagedSequence`` with shuffled pages; return every position's logits ``[len(ids), vocab]``."""
     assert sum(chunks) == len(ids)
-    seq = PagedSequence(model, len(ids), page_size=page_size, shuffle_seed=seed)
+    seq = PagedSequence(model, len(ids), page_size=page_size, shuffle_seed=seed, kv_dtype=kv_dtype)
     out, start = [], 0
     for n in chunks:
         out.append(seq.extend(ids[start : start + n], all_logits=True))

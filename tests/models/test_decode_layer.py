@@ -50,14 +50,15 @@ def gguf_model(seed: int = 0, max_rows: int = 8, num_layers: int = 2, int8: bool
     return model
 
 
-def decode_step(model: LlamaForCausalLM, ctx: list[int], page_size: int, seed: int, fused: bool):
+def decode_step(model: LlamaForCausalLM, ctx: list[int], page_size: int, seed: int, fused: bool,
+                kv_dtype: torch.dtype = torch.float32):
     """One decode step (one new token per request, after ``ctx[b] - 1`` cached random tokens of
-    KV) on a pool filled with random K/V; returns ``(logits, k_caches, v_caches)``."""
+    KV) on a pool of ``kv_dtype`` filled with random K/V; returns ``(logits, k_caches, v_caches)``."""
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     pages_per = [-(-c // page_size) for c in ctx]
     num_pages = 1 + sum(pages_per)
-    pool = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    pool = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
     for c in pool.k_caches + pool.v_caches:
         c.copy_(torch.randn(c.shape, generator=gen))
     perm = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
@@ -82,13 +83,15 @@ def decode_step(model: LlamaForCausalLM, ctx: list[int], page_size: int, seed: i
     max_ctx=st.integers(1, 70),
     max_rows=st.sampled_from([0, 3, 8]),  # 0: every projection dense (or int8); 3: mixed by batch
     int8=st.booleans() if int8_available() else st.just(False),
+    kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),  # bf16: KV stored rounded, q rounded to attend
     seed=st.integers(0, 2**16),
 )
-def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_rows: int, int8: bool, seed: int) -> None:
+def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_rows: int, int8: bool,
+                                  kv_dtype: torch.dtype, seed: int) -> None:
     model = gguf_model(seed=seed % 3, max_rows=max_rows, int8=int8)
     ctx = np.random.default_rng(seed).integers(1, max_ctx + 1, batch).tolist()
-    ref = decode_step(model, ctx, page_size, seed, fused=False)
-    got = decode_step(model, ctx, page_size, seed, fused=True)
+    ref = decode_step(model, ctx, page_size, seed, fused=False, kv_dtype=kv_dtype)
+    got = decode_step(model, ctx, page_size, seed, fused=True, kv_dtype=kv_dtype)
     assert model.decode_plan() is not None
     for a, b in zip(ref, got):
         if isinstance(a, list):
@@ -99,12 +102,15 @@ def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_
 
 
 @requires_op
-def test_dense_model_equals_python_path() -> None:
+@pytest.mark.parametrize("head_dim", [32, 64])  # 64: the attention operator's compile-time (AVX-512) size
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_dense_model_equals_python_path(head_dim: int, kv_dtype: torch.dtype) -> None:
     """Plain ``Linear`` projections (an HF checkpoint without quantization) take the operator too."""
-    model = random_model(tiny_config(num_layers=3, head_dim=32), seed=1)
+    model = random_model(tiny_config(num_layers=3, head_dim=head_dim), seed=1)
     assert model.decode_plan() is not None
-    ref = decode_step(model, [1, 17, 40, 9], 4, 3, fused=False)
-    got = decode_step(model, [1, 17, 40, 9], 4, 3, fused=True)
+    ref = decode_step(model, [1, 17, 40, 9], 4, 3, fused=False, kv_dtype=kv_dtype)
+    got = decode_step(model, [1, 17, 40, 9], 4, 3, fused=True, kv_dtype=kv_dtype)
+    assert got[1][0].dtype == kv_dtype
     assert torch.equal(ref[0], got[0])
     assert all(torch.equal(x, y) for x, y in zip(ref[1] + ref[2], got[1] + got[2]))
 

@@ -192,14 +192,14 @@ def run_decode_layers(
         or meta.num_qo_tokens != meta.batch_size
         or torch.compiler.is_compiling()
         or h.dtype != torch.float32
-        or kv.k_caches[0].dtype != torch.float32
+        or kv.k_caches[0].dtype not in (torch.float32, torch.bfloat16)
         or kv.k_caches[0].shape[1] != meta.page_size
     ):
         return None
     operands = _operands(plan, n)
     if operands is None or (torch.is_grad_enabled() and _needs_grad(plan, h, operands[0])):
         return None  # the operator has no autograd formula: differentiable calls stay in Python
-    kernel = meta.attention_backend or select_backend("paged_attention", "auto", h.device, h.dtype)
+    kernel = meta.attention_backend or select_backend("paged_attention", "auto", h.device, kv.k_caches[0].dtype)
     if kernel.name != "cpu":
         return None
     indices = (meta.kv_indptr.int(), meta.kv_page_indices.int(), meta.kv_last_page_len.int())  # int32: no copy

@@ -112,8 +112,11 @@ class Attention(nn.Module):
         # Q and K heads are adjacent in the fused projection: rotate them in one pass.
         qk = apply_rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        store_kv(k_cache, v_cache, out_slots, k, v.view(n, self.num_kv_heads, self.head_dim))
-        o = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)
+        # A cache narrower than the model (bf16 KV under float32 activations) stores K/V rounded to
+        # it and attends with q rounded to it; the output comes back in the model's dtype.
+        kv_dtype = k_cache.dtype
+        store_kv(k_cache, v_cache, out_slots, k.to(kv_dtype), v.view(n, self.num_kv_heads, self.head_dim).to(kv_dtype))
+        o = paged_attention(q.to(kv_dtype), k_cache, v_cache, meta, scale=self.scale).to(x.dtype)
         return self.o_proj(o.reshape(n, self.q_size))
 
 

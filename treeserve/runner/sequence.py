@@ -25,6 +25,8 @@ class PagedSequence:
     tables are non-contiguous (as they are in a busy server). ``extend`` feeds new tokens and
     returns their logits; ``truncate`` rolls back; ``length`` counts the tokens whose K/V is cached.
     A tensor-parallel model (``treeserve.distributed``) gets a pool of its ``kv_heads_per_rank``.
+    ``kv_dtype``: the pool's dtype (default the model's; bfloat16 under a float32 model stores K/V
+    rounded, as ``EngineConfig.kv_cache_dtype`` does).
     """
 
     __slots__ = ("model", "pool", "page_size", "max_len", "_pages", "_slots", "length")
@@ -35,6 +37,7 @@ class PagedSequence:
         max_len: int,
         page_size: int = 1,
         shuffle_seed: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
@@ -49,7 +52,7 @@ class PagedSequence:
         self.max_len = max_len
         self.pool = KVPool(
             cfg.num_layers, num_pages + 1, page_size, getattr(model, "kv_heads_per_rank", cfg.num_kv_heads), cfg.head_dim,
-            dtype=model.dtype, device=model.device,
+            dtype=kv_dtype or model.dtype, device=model.device,
         )
         pages = self.pool.allocator.alloc(num_pages)
         if shuffle_seed is not None:

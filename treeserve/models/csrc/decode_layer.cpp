@@ -10,11 +10,12 @@
 //                                                next layer (the add folded into its input norm)
 // The existing operators are called through the dispatcher (their kernels, not copies). RoPE is
 // computed as torch's mul/addcmul round it, so the result equals the Python path bit for bit.
-// float32 only; the caches are written in place.
+// float32 activations; the caches (float32 or bfloat16, written in place) as the Python layer keeps them.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -71,17 +72,20 @@ void check_slots(const Index* slot, int64_t m, int64_t num_slots) {
 }
 
 // RoPE on the q and k heads of qkv [M, (Hq + 2 Hkv) D]: q into q_out [M, Hq, D], k and v into the
-// caches' rows slot[i] ([num_slots, Hkv, D] views).
+// caches' rows slot[i] ([num_slots, Hkv, D] views), as float32 or rounded to bfloat16 the way
+// torch's Tensor.to rounds (c10::BFloat16's round to nearest even).
+template <typename C>
 void rope_store(const float* qkv, const float* table, const int64_t* pos, const int64_t* slot, float* q_out,
-                float* kc, float* vc, int64_t m, int64_t hq, int64_t hkv, int64_t dim) {
+                C* kc, C* vc, int64_t m, int64_t hq, int64_t hkv, int64_t dim) {
   const int64_t half = dim / 2, width = (hq + 2 * hkv) * dim;
+  std::vector<float> k(static_cast<size_t>(hkv * dim));
   for (int64_t i = 0; i < m; ++i) {
     const float* row = qkv + i * width;
     const float* cs = table + pos[i] * dim;  // [2, D/2]: cos then sin
     for (int64_t h = 0; h < hq; ++h) rotate(row + h * dim, cs, cs + half, q_out + (i * hq + h) * dim, half);
-    float* krow = kc + slot[i] * hkv * dim;
-    for (int64_t h = 0; h < hkv; ++h) rotate(row + (hq + h) * dim, cs, cs + half, krow + h * dim, half);
-    std::memcpy(vc + slot[i] * hkv * dim, row + (hq + hkv) * dim, sizeof(float) * hkv * dim);
+    for (int64_t h = 0; h < hkv; ++h) rotate(row + (hq + h) * dim, cs, cs + half, k.data() + h * dim, half);
+    std::copy(k.begin(), k.end(), kc + slot[i] * hkv * dim);
+    std::copy(row + (hq + hkv) * dim, row + (hq + 2 * hkv) * dim, vc + slot[i] * hkv * dim);
   }
 }
 
@@ -167,9 +171,14 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
   TORCH_CHECK_VALUE(dim % 2 == 0 && rope_table.dim() == 3 && rope_table.size(1) == 2 &&
                         rope_table.size(2) == dim / 2,
                     "rope_table must be [positions, 2, head_dim/2 = ", dim / 2, "], got ", rope_table.sizes());
+  const at::ScalarType cache_type = kc0.scalar_type();
+  TORCH_CHECK_TYPE(cache_type == at::kFloat || cache_type == at::kBFloat16,
+                   "caches must be float32 or bfloat16, got ", cache_type);
   for (int64_t l = 0; l < layers; ++l) {
     for (const auto& c : {k_caches[l], v_caches[l]}) {
-      check_f32(c, "caches");
+      TORCH_CHECK_TYPE(c.scalar_type() == cache_type && c.device().is_cpu() && c.is_contiguous(),
+                       "every layer's caches must be contiguous CPU tensors of one dtype, got ", c.scalar_type(),
+                       " at layer ", l);
       TORCH_CHECK_VALUE(c.sizes() == kc0.sizes(), "every layer's caches must have shape ", kc0.sizes(),
                         ", got ", c.sizes(), " at layer ", l);
     }
@@ -200,10 +209,17 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
     TORCH_CHECK_VALUE(qkv.size(1) == q_size + 2 * num_kv_heads * dim, "layer ", l,
                       "'s qkv projection must have (num_heads + 2 num_kv_heads) * head_dim rows, got ", qkv.size(1));
     at::Tensor q = at::empty({m, num_heads, dim}, h.options());
-    rope_store(qkv.data_ptr<float>(), rope_table.data_ptr<float>(), pp, sp, q.data_ptr<float>(),
-               k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>(), m, num_heads, num_kv_heads, dim);
-    const at::Tensor o = op.attn.call(q, k_caches[l], v_caches[l], kv_indptr, kv_page_indices, kv_last_page_len,
-                                      scale);
+    if (cache_type == at::kFloat) {
+      rope_store(qkv.data_ptr<float>(), rope_table.data_ptr<float>(), pp, sp, q.data_ptr<float>(),
+                 k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>(), m, num_heads, num_kv_heads, dim);
+    } else {
+      rope_store(qkv.data_ptr<float>(), rope_table.data_ptr<float>(), pp, sp, q.data_ptr<float>(),
+                 k_caches[l].data_ptr<c10::BFloat16>(), v_caches[l].data_ptr<c10::BFloat16>(), m, num_heads,
+                 num_kv_heads, dim);
+    }
+    // A bfloat16 cache attends with q rounded to it, the output back in float32 (as the Python layer).
+    const at::Tensor o = op.attn.call(q.to(cache_type), k_caches[l], v_caches[l], kv_indptr, kv_page_indices,
+                                      kv_last_page_len, scale).to(at::kFloat);
     const at::Tensor attn = project(op, o.view({m, q_size}), projs, first[4 * l + 1], qtypes.get(4 * l + 1), q_size);
     std::tie(x, normed) = op.norm.call(x, attn, norms[2 * l + 1], eps);
     const at::Tensor gu = project(op, normed, projs, first[4 * l + 2], qtypes.get(4 * l + 2), hidden);
