@@ -185,6 +185,9 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size > 1 runs the eager path: compile, cuda_graph and batch_invariant must be off")
         if self.quantization not in (None, "auto"):
             raise ValueError(f"quantization must be None or 'auto' (dense shards) with tensor_parallel_size > 1, got {self.quantization!r}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype must be 'auto' (the model's dtype on every rank) with tensor_parallel_size > 1, "
+                             f"got {self.kv_cache_dtype!r}")
         if isinstance(self.speculative, str) and self.speculative.startswith("draft:self:"):
             raise ValueError("speculative='draft:self:N' is not supported with tensor_parallel_size > 1; use 'draft:<model>'")
 

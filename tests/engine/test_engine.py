@@ -170,6 +170,10 @@ def test_bf16_kv_cache_under_a_float32_model(tiny) -> None:
     assert_drained(llm)
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto', 'float32' or 'bfloat16'"):
         make_llm(tiny, kv_cache_dtype="float16")
+    from treeserve.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto'.*tensor_parallel_size > 1"):
+        EngineConfig(kv_cache_dtype="bfloat16", tensor_parallel_size=2)
 
 
 def test_kv_cache_dtype_auto_rule(monkeypatch) -> None:
