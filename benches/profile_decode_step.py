@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import treeserve.models.llama as llama
+from treeserve.engine import EngineConfig, _kv_cache_dtype
 from treeserve.kvcache import AttentionMetadata, KVPool
 from treeserve.models import load
 from treeserve.models.quant import PackedLinear
@@ -69,6 +70,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--quantization", default="auto", help="load()'s quantization ('none': dense)")
+    ap.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="KV cache dtype (auto: what LLM() picks for this dtype and quantization on this CPU)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -87,7 +90,8 @@ def main() -> None:
     fused = getattr(model, "decode_plan", lambda: None)() is not None
     cfg = model.config
     b, ctx = args.batch, args.context
-    kv = KVPool(cfg.num_layers, 1 + b * (ctx + 1), 1, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    kv_dtype = _kv_cache_dtype(EngineConfig(quantization=quantization, kv_cache_dtype=args.kv_dtype), dtype, loaded=True)
+    kv = KVPool(cfg.num_layers, 1 + b * (ctx + 1), 1, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype)
     gen = torch.Generator().manual_seed(0)
     for k, v in zip(kv.k_caches, kv.v_caches):
         k.copy_(torch.randn(k.shape, generator=gen) * 0.5)
@@ -122,7 +126,7 @@ def main() -> None:
     spent["rest"] = wall - sum(spent.values())
     model_name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                        if ln.startswith("model name")), "unknown CPU")
-    print(f"# decode step, batch {b} x context {ctx}, {args.dtype}, quantization {args.quantization}, "
+    print(f"# decode step, batch {b} x context {ctx}, {args.dtype}, KV {str(kv_dtype)[6:]}, quantization {args.quantization}, "
           f"{args.sampling}, {args.threads} threads, fused layers {fused}; {model_name}, load {os.getloadavg()[0]:.2f}")
     print(f"| step | {wall * 1e3:.1f} ms | {b / wall:.0f} tok/s |")
     for name in ("fused layers", "gemm", "attention", "norm", "head", "sampling", "rest"):
