@@ -193,6 +193,8 @@ def test_build_makes_and_steps_the_llm_on_one_thread() -> None:
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncLLMEngine.build(broken)
+    with pytest.raises(ValueError, match="max_live_requests"):
+        AsyncLLMEngine.build(synthetic_llm, max_live_requests=0)
     never = AsyncLLMEngine.build(synthetic_llm)
     never.shutdown()  # before start: the waiting thread ends, nothing ran
     assert not never.is_healthy() and never.llm.metrics.steps == 0

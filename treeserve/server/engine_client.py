@@ -276,7 +276,7 @@ class AsyncLLMEngine(EngineClient):
                 return
             built.set_result(llm)
             go.wait()
-            if not box[0]._stop.is_set():
+            if box and not box[0]._stop.is_set():  # empty: the engine's own checks failed
                 box[0]._loop()
 
         thread = threading.Thread(target=run, name="treeserve-engine", daemon=True)
