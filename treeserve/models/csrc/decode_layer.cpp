@@ -72,21 +72,34 @@ void check_slots(const Index* slot, int64_t m, int64_t num_slots) {
 }
 
 // RoPE on the q and k heads of qkv [M, (Hq + 2 Hkv) D]: q into q_out [M, Hq, D], k and v into the
-// caches' rows slot[i] ([num_slots, Hkv, D] views), as float32 or rounded to bfloat16 the way
-// torch's Tensor.to rounds (c10::BFloat16's round to nearest even).
+// caches' rows slot[i] ([num_slots, Hkv, D] views); q, k and v in the caches' type: float32, or
+// rounded to bfloat16 the way torch's Tensor.to rounds (c10::BFloat16's round to nearest even).
 template <typename C>
-void rope_store(const float* qkv, const float* table, const int64_t* pos, const int64_t* slot, float* q_out,
+void rope_store(const float* qkv, const float* table, const int64_t* pos, const int64_t* slot, C* q_out,
                 C* kc, C* vc, int64_t m, int64_t hq, int64_t hkv, int64_t dim) {
   const int64_t half = dim / 2, width = (hq + 2 * hkv) * dim;
-  std::vector<float> k(static_cast<size_t>(hkv * dim));
+  std::vector<float> q(static_cast<size_t>(hq * dim)), k(static_cast<size_t>(hkv * dim));
   for (int64_t i = 0; i < m; ++i) {
     const float* row = qkv + i * width;
     const float* cs = table + pos[i] * dim;  // [2, D/2]: cos then sin
-    for (int64_t h = 0; h < hq; ++h) rotate(row + h * dim, cs, cs + half, q_out + (i * hq + h) * dim, half);
+    for (int64_t h = 0; h < hq; ++h) rotate(row + h * dim, cs, cs + half, q.data() + h * dim, half);
     for (int64_t h = 0; h < hkv; ++h) rotate(row + (hq + h) * dim, cs, cs + half, k.data() + h * dim, half);
+    std::copy(q.begin(), q.end(), q_out + i * hq * dim);
     std::copy(k.begin(), k.end(), kc + slot[i] * hkv * dim);
     std::copy(row + (hq + hkv) * dim, row + (hq + 2 * hkv) * dim, vc + slot[i] * hkv * dim);
   }
+}
+
+// t as float32: itself, or a bfloat16 tensor widened in one plain loop (exact; at::Tensor::to took
+// ~45 us for the [64, 9, 64] attention output of a batch-64 step).
+at::Tensor widen(const at::Tensor& t) {
+  if (t.scalar_type() == at::kFloat) return t;
+  const at::Tensor src = t.contiguous();
+  at::Tensor out = at::empty(src.sizes(), src.options().dtype(at::kFloat));
+  const c10::BFloat16* in = src.data_ptr<c10::BFloat16>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0, n = src.numel(); i < n; ++i) dst[i] = static_cast<float>(in[i]);
+  return out;
 }
 
 // Operands a projection of this qtype takes from projs: "int8" = treeserve::int8_linear's prepacked
@@ -208,18 +221,18 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
     const at::Tensor qkv = project(op, normed, projs, first[4 * l], qtypes.get(4 * l), hidden);
     TORCH_CHECK_VALUE(qkv.size(1) == q_size + 2 * num_kv_heads * dim, "layer ", l,
                       "'s qkv projection must have (num_heads + 2 num_kv_heads) * head_dim rows, got ", qkv.size(1));
-    at::Tensor q = at::empty({m, num_heads, dim}, h.options());
+    at::Tensor q = at::empty({m, num_heads, dim}, h.options().dtype(cache_type));
     if (cache_type == at::kFloat) {
       rope_store(qkv.data_ptr<float>(), rope_table.data_ptr<float>(), pp, sp, q.data_ptr<float>(),
                  k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>(), m, num_heads, num_kv_heads, dim);
     } else {
-      rope_store(qkv.data_ptr<float>(), rope_table.data_ptr<float>(), pp, sp, q.data_ptr<float>(),
+      rope_store(qkv.data_ptr<float>(), rope_table.data_ptr<float>(), pp, sp, q.data_ptr<c10::BFloat16>(),
                  k_caches[l].data_ptr<c10::BFloat16>(), v_caches[l].data_ptr<c10::BFloat16>(), m, num_heads,
                  num_kv_heads, dim);
     }
     // A bfloat16 cache attends with q rounded to it, the output back in float32 (as the Python layer).
-    const at::Tensor o = op.attn.call(q.to(cache_type), k_caches[l], v_caches[l], kv_indptr, kv_page_indices,
-                                      kv_last_page_len, scale).to(at::kFloat);
+    const at::Tensor o = widen(op.attn.call(q, k_caches[l], v_caches[l], kv_indptr, kv_page_indices,
+                                            kv_last_page_len, scale));
     const at::Tensor attn = project(op, o.view({m, q_size}), projs, first[4 * l + 1], qtypes.get(4 * l + 1), q_size);
     std::tie(x, normed) = op.norm.call(x, attn, norms[2 * l + 1], eps);
     const at::Tensor gu = project(op, normed, projs, first[4 * l + 2], qtypes.get(4 * l + 2), hidden);
