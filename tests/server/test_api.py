@@ -295,8 +295,10 @@ def test_request_failing_while_running_gets_500_and_spares_the_others() -> None:
     streamed), while a concurrent request completes in full."""
     eng = AsyncLLMEngine(synthetic_llm(wrap=PoisonedModel))
     bad = {"prompt": [4, 5, PoisonedModel.POISON], "max_tokens": 5, "ignore_eos": True}
-    # logit_bias: the good request samples (temperature 1) and must never draw the poison token itself.
-    good = {"prompt": [4, 5, 6], "max_tokens": 40, "ignore_eos": True, "logit_bias": {str(PoisonedModel.POISON): -100}}
+    # Greedy, and the poison token banned: the good request must never produce it itself (sampled at
+    # the default temperature 1 it could, and then failed: seen once in a clean-clone run).
+    good = {"prompt": [4, 5, 6], "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+            "logit_bias": {str(PoisonedModel.POISON): -100}}
     with running(eng):
         async def go():
             async with http(eng) as c:
