@@ -452,9 +452,10 @@ class ExactHead(nn.Module):
         self.qtype = None if packed is None or not gguf_op_available() else packed.qtype
         if self.qtype is not None:
             self.register_buffer("raw", packed.raw, persistent=False)
-        self.bf16_max_rows = self._bf16_rows()
+        w16 = weight.detach().to(torch.bfloat16)  # measured with, then kept where it is used
+        self.bf16_max_rows = self._bf16_rows(w16)
         if self.bf16_max_rows:
-            self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16), persistent=False)
+            self.register_buffer("weight_bf16", w16, persistent=False)
         if self.qtype is not None:
             self.packed_max_rows = self._packed_rows()
             if 0 < self.bf16_max_rows <= self.packed_max_rows:  # the packed pass serves every row bf16 would
@@ -477,17 +478,17 @@ class ExactHead(nn.Module):
         return _crossover(key, self.weight.shape[1], torch.float32, self._packed,
                           lambda x: self._bf16(x) if x.shape[0] <= self.bf16_max_rows else F.linear(x, self.weight))
 
-    def _bf16_rows(self) -> int:
+    def _bf16_rows(self, w16: torch.Tensor) -> int:
         """Rows up to which the bf16 first pass beats the float32 head on this machine (measured once
         per process per shape and thread count over 1 ... 128 rows; winning at 128 counts for
-        every size). Native bf16 dot products (AVX-512 BF16, AMX) win at every size, an AVX2 CPU at
-        a few rows at most, and CPU contention moves it. ``TREESERVE_EXACT_HEAD=bf16|f32`` overrides."""
+        every size; ``w16`` is ``weight`` in bf16). Native bf16 dot products (AVX-512 BF16, AMX) win
+        at every size, an AVX2 CPU at a few rows at most, and CPU contention moves it.
+        ``TREESERVE_EXACT_HEAD=bf16|f32`` overrides."""
         env = os.environ.get("TREESERVE_EXACT_HEAD")
         if env is not None:
             if env not in ("bf16", "f32"):
                 raise ValueError(f"TREESERVE_EXACT_HEAD must be 'bf16' or 'f32', got {env!r}")
             return _ALL_ROWS if env == "bf16" else 0
-        w16 = self.weight.detach().to(torch.bfloat16)
         key = ("head-bf16", *self.weight.shape, torch.get_num_threads())
         rows = _crossover(key, self.weight.shape[1], torch.float32,
                           lambda x: F.linear(x.to(torch.bfloat16), w16).float(), lambda x: F.linear(x, self.weight))
