@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import treeserve.models.llama as llama
-from treeserve.engine import EngineConfig, _kv_cache_dtype
+from treeserve.engine import EngineConfig
 from treeserve.kvcache import AttentionMetadata, KVPool
 from treeserve.models import load
 from treeserve.models.quant import PackedLinear
@@ -90,7 +90,7 @@ def main() -> None:
     fused = getattr(model, "decode_plan", lambda: None)() is not None
     cfg = model.config
     b, ctx = args.batch, args.context
-    kv_dtype = _kv_cache_dtype(EngineConfig(quantization=quantization, kv_cache_dtype=args.kv_dtype), dtype, loaded=True)
+    kv_dtype = EngineConfig(quantization=quantization, kv_cache_dtype=args.kv_dtype).kv_dtype(dtype, loaded=True)
     kv = KVPool(cfg.num_layers, 1 + b * (ctx + 1), 1, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype)
     gen = torch.Generator().manual_seed(0)
     for k, v in zip(kv.k_caches, kv.v_caches):

@@ -59,21 +59,6 @@ from treeserve.scheduler import (
 Prompt = str | Sequence[int]
 
 
-def _kv_cache_dtype(cfg: EngineConfig, dtype: torch.dtype, loaded: bool) -> torch.dtype:
-    """The KV pool's dtype: ``cfg.kv_cache_dtype`` when given; for ``"auto"``, bfloat16 under the
-    default float32 CPU configuration of a model loaded by name (``dtype`` and ``quantization``
-    "auto", one process) on CPUs with AVX-512 BF16, where the decode attention operator scores
-    bf16 rows with ``vdpbf16ps`` and reads half the bytes (measured: benches/RESULTS.md); else
-    the model's dtype (explicit ``dtype="float32"`` is the parity configuration: float32 KV)."""
-    if cfg.kv_cache_dtype != "auto":
-        return getattr(torch, cfg.kv_cache_dtype)
-    default_cpu = (cfg.dtype == "auto" and cfg.quantization == "auto" and torch.device(cfg.device).type == "cpu"
-                   and cfg.tensor_parallel_size == 1 and not cfg.batch_invariant)  # fmt: skip
-    if loaded and default_cpu and dtype == torch.float32 and cpu_features().avx512_bf16:
-        return torch.bfloat16
-    return dtype
-
-
 @dataclass(slots=True)
 class EngineConfig:
     """Engine-wide settings (validated; every field named in errors).
@@ -85,7 +70,7 @@ class EngineConfig:
     ``"int8"`` also quantize float checkpoints, None keeps dense weights
     (``treeserve.models.quant``).
     ``kv_cache_dtype``: ``"auto"`` (the model's dtype, except bfloat16 under the default float32
-    configuration on CPUs with AVX-512 BF16: ``_kv_cache_dtype``), ``"float32"`` or ``"bfloat16"``
+    configuration on CPUs with AVX-512 BF16: :meth:`kv_dtype`), ``"float32"`` or ``"bfloat16"``
     (K/V stored rounded to bf16 and attended with q rounded to it: half the KV memory).
 
     ``kv_cache_tokens``: KV pool capacity in tokens (rounded up to whole pages).
@@ -171,6 +156,21 @@ class EngineConfig:
         if self.batch_invariant and (self.cuda_graph or self.compile):
             raise ValueError("batch_invariant=True runs the eager path: it needs cuda_graph=False/None and compile=False")
         self._check_parallel()
+
+    def kv_dtype(self, model_dtype: torch.dtype, loaded: bool) -> torch.dtype:
+        """The KV pool's dtype for a model of ``model_dtype`` (``loaded``: loaded by name, not
+        given as a module): ``kv_cache_dtype`` when given; for ``"auto"``, bfloat16 under the
+        default float32 CPU configuration (``dtype`` and ``quantization`` "auto", one process) on
+        CPUs with AVX-512 BF16, where the decode attention operator scores bf16 rows with
+        ``vdpbf16ps`` and reads half the bytes (measured: benches/RESULTS.md); else the model's
+        dtype (explicit ``dtype="float32"`` is the parity configuration: float32 KV)."""
+        if self.kv_cache_dtype != "auto":
+            return getattr(torch, self.kv_cache_dtype)
+        default_cpu = (self.dtype == "auto" and self.quantization == "auto" and torch.device(self.device).type == "cpu"
+                       and self.tensor_parallel_size == 1 and not self.batch_invariant)  # fmt: skip
+        if loaded and default_cpu and model_dtype == torch.float32 and cpu_features().avx512_bf16:
+            return torch.bfloat16
+        return model_dtype
 
     def _check_parallel(self) -> None:
         tp = self.tensor_parallel_size
@@ -358,7 +358,7 @@ class LLM:
         num_pages = -(-cfg.kv_cache_tokens // ps) + 1  # + the dummy page
         kv_heads = getattr(self.model, "kv_heads_per_rank", mc.num_kv_heads)  # rank 0's share under TP
         self.model_dtype = dtype
-        kv_dtype = _kv_cache_dtype(cfg, dtype, loaded=isinstance(model, str))
+        kv_dtype = cfg.kv_dtype(dtype, loaded=isinstance(model, str))
         self.kv = KVPool(mc.num_layers, num_pages, ps, kv_heads, mc.head_dim, kv_dtype, cfg.device)
         self.radix = RadixCache(self.kv.allocator, ps, disable=not cfg.enable_prefix_cache)
         self.table = ReqToTokenTable(cfg.max_running, -(-max_len // ps) * ps, device=cfg.device)

@@ -182,17 +182,17 @@ def test_kv_cache_dtype_auto_rule(monkeypatch) -> None:
     from types import SimpleNamespace
 
     import treeserve.engine as engine
-    from treeserve.engine import EngineConfig, _kv_cache_dtype
+    from treeserve.engine import EngineConfig
 
     f32, bf16 = torch.float32, torch.bfloat16
     for has_bf16 in (True, False):
         monkeypatch.setattr(engine, "cpu_features", lambda has=has_bf16: SimpleNamespace(avx512_bf16=has))
         want = bf16 if has_bf16 else f32
-        assert _kv_cache_dtype(EngineConfig(), f32, loaded=True) == want
-        assert _kv_cache_dtype(EngineConfig(), f32, loaded=False) == f32  # a given model
-        assert _kv_cache_dtype(EngineConfig(dtype="float32"), f32, loaded=True) == f32  # the parity configuration
-        assert _kv_cache_dtype(EngineConfig(quantization=None), f32, loaded=True) == f32
-        assert _kv_cache_dtype(EngineConfig(batch_invariant=True), f32, loaded=True) == f32
-        assert _kv_cache_dtype(EngineConfig(), bf16, loaded=True) == bf16
-        assert _kv_cache_dtype(EngineConfig(kv_cache_dtype="bfloat16"), f32, loaded=False) == bf16
-        assert _kv_cache_dtype(EngineConfig(kv_cache_dtype="float32"), bf16, loaded=True) == f32
+        assert EngineConfig().kv_dtype(f32, loaded=True) == want
+        assert EngineConfig().kv_dtype(f32, loaded=False) == f32  # a given model
+        assert EngineConfig(dtype="float32").kv_dtype(f32, loaded=True) == f32  # the parity configuration
+        assert EngineConfig(quantization=None).kv_dtype(f32, loaded=True) == f32
+        assert EngineConfig(batch_invariant=True).kv_dtype(f32, loaded=True) == f32
+        assert EngineConfig().kv_dtype(bf16, loaded=True) == bf16
+        assert EngineConfig(kv_cache_dtype="bfloat16").kv_dtype(f32, loaded=False) == bf16
+        assert EngineConfig(kv_cache_dtype="float32").kv_dtype(bf16, loaded=True) == f32
