@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import mmap
+
 import pytest
 import torch
 from hypothesis import given
@@ -146,10 +149,14 @@ def test_kv_pool_shapes_memory_and_slot_addressing() -> None:
 def test_kv_pool_buffers_start_page_aligned_and_zero(num_pages: int) -> None:
     """Small and large (calloc'd through mmap: 16 bytes past a page when not re-aligned) buffers
     alike start on a 4096-byte boundary, so every cache row of a power-of-two size sits in the
-    fewest cache lines; they read as zeros and are independent."""
+    fewest cache lines; buffers of 2 MiB or more (15 MB here at 40000 pages) start on a 2 MiB
+    huge-page boundary where the OS takes the huge-page advice; they read as zeros, are
+    independent, and outlive everything but themselves (the mapping stays alive)."""
     pool = KVPool(num_layers=2, num_pages=num_pages, page_size=1, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    gc.collect()
+    huge = num_pages * 3 * 64 * 2 >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE")
     for buf in pool.k_caches + pool.v_caches:
-        assert buf.data_ptr() % 4096 == 0 and buf.is_contiguous()
+        assert buf.data_ptr() % (2 << 20 if huge else 4096) == 0 and buf.is_contiguous()
         assert not bool(buf[-1].any()) and not bool(buf[0].any())
     pool.k_caches[0][-1] = 1.0
     assert float(pool.k_caches[0].sum()) == 192.0 and not bool(pool.v_caches[0].any())

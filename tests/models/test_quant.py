@@ -300,14 +300,24 @@ def test_rescore_op_flags_full_rows_and_names_bad_operands() -> None:
     approx = F.linear(x, w)
     approx[1] = 0.0  # every entry of row 1 ties: more candidates than allowed
     out = approx.clone()
-    full = torch.ops.treeserve.exact_head_rescore(out, x, w, w.norm(dim=1), 1e-3, 8)
+    full = torch.ops.treeserve.exact_head_rescore(out, out, x, w, w.norm(dim=1), 1e-3, 8)
     assert full.tolist() == [False, True]
     assert torch.equal(out[1], approx[1])  # a flagged row is left to the caller
     assert int(out[0].argmax()) == int(F.linear(x, w)[0].argmax())
-    with pytest.raises(ValueError, match=r"need approx \[M, V\], x \[M, K\]"):
-        torch.ops.treeserve.exact_head_rescore(out, x[:, :8].contiguous(), w, w.norm(dim=1), 1e-3, 8)
+    with pytest.raises(ValueError, match=r"need approx and out \[M, V\], x \[M, K\]"):
+        torch.ops.treeserve.exact_head_rescore(out, out, x[:, :8].contiguous(), w, w.norm(dim=1), 1e-3, 8)
     with pytest.raises(TypeError, match="contiguous float32 CPU tensors"):
-        torch.ops.treeserve.exact_head_rescore(out, x.double(), w, w.norm(dim=1), 1e-3, 8)
+        torch.ops.treeserve.exact_head_rescore(out, out, x.double(), w, w.norm(dim=1), 1e-3, 8)
+    # A bf16 first pass is widened into out on the way: the same result as re-scoring its float32 copy.
+    approx16 = F.linear(x.bfloat16(), w.bfloat16())
+    widened, into = approx16.float(), torch.full(approx16.shape, float("nan"))
+    flags = torch.ops.treeserve.exact_head_rescore(widened, widened, x, w, w.norm(dim=1), 1e-2, 8)
+    assert torch.equal(torch.ops.treeserve.exact_head_rescore(approx16, into, x, w, w.norm(dim=1), 1e-2, 8), flags)
+    assert torch.equal(into, widened)
+    with pytest.raises(TypeError, match="approx must be a contiguous float32 or bfloat16"):
+        torch.ops.treeserve.exact_head_rescore(approx16.double(), into, x, w, w.norm(dim=1), 1e-2, 8)
+    with pytest.raises(ValueError, match="need approx and out"):
+        torch.ops.treeserve.exact_head_rescore(approx16, into[:, :10].contiguous(), x, w, w.norm(dim=1), 1e-2, 8)
 
 
 def test_bf16_kv_cache_tracks_the_float32_cache(smol) -> None:

@@ -403,7 +403,7 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
     return True
 
 
-def _rescore_fake(approx, x, weight, row_norms, factor, max_candidates):  # type: ignore[no-untyped-def]
+def _rescore_fake(approx, out, x, weight, row_norms, factor, max_candidates):  # type: ignore[no-untyped-def]
     return x.new_empty((x.shape[0],), dtype=torch.bool)
 
 
@@ -426,7 +426,8 @@ class ExactHead(nn.Module):
     - bfloat16 (``W`` rounded once), for the larger ``M`` up to ``bf16_max_rows`` (the rows up
       to which it measured faster than float32 on this machine; on an AVX-512 BF16 EPYC, batch 64:
       8.6 ms against 31 ms float32 and 21 ms packed): bound ``c |x| |W_j|`` (rounding of x and W to
-      bf16, relative 2^-9 each, plus float32 accumulation);
+      bf16, relative 2^-9 each, float32 accumulation, and the product rounded to bf16, relative
+      2^-9: oneDNN's bf16 GEMM returns bf16, widened by the re-scoring while it reads the row);
     - else the float32 head itself.
 
     After an approximate pass every entry ``j`` the bound cannot exclude from the argmax is
@@ -446,7 +447,7 @@ class ExactHead(nn.Module):
         self.max_candidates = max_candidates
         self.register_buffer("row_norms", weight.detach().double().norm(dim=1).float(), persistent=False)
         k = weight.shape[1]
-        self.bound_factor = 2.0**-8 + 2.0**-16 + 2 * (k + 2) * 2.0**-24
+        self.bound_factor = 2.0**-8 + 2.0**-9 + 2.0**-16 + 2 * (k + 2) * 2.0**-24
         self.packed_bound_factor = 2 * (k + 2) * 2.0**-24
         self.packed_max_rows = 0
         self.qtype = None if packed is None or not gguf_op_available() else packed.qtype
@@ -466,7 +467,8 @@ class ExactHead(nn.Module):
         return torch.ops.treeserve.gguf_linear_exact(x, self.raw, self.qtype, self.weight.shape[1])
 
     def _bf16(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight_bf16).float()
+        """The bf16 first pass, in bf16 (the re-scoring widens it)."""
+        return F.linear(x.to(torch.bfloat16), self.weight_bf16)
 
     def _packed_rows(self) -> int:
         """Rows up to which the packed first pass beats the head that serves the rows above it
@@ -503,10 +505,12 @@ class ExactHead(nn.Module):
         else:
             return F.linear(x, self.weight)
         if not _tracing() and _rescore_op_available():
-            full = torch.ops.treeserve.exact_head_rescore(approx, x.contiguous(), self.weight, self.row_norms, factor,
-                                                          self.max_candidates)
-            self._recompute_rows(approx, x, full)
-            return approx
+            out = approx if approx.dtype == torch.float32 else torch.empty(approx.shape, dtype=torch.float32)
+            full = torch.ops.treeserve.exact_head_rescore(approx, out, x.contiguous(), self.weight, self.row_norms,
+                                                          factor, self.max_candidates)
+            self._recompute_rows(out, x, full)
+            return out
+        approx = approx.float()
         bound = (factor * x.norm(dim=1, keepdim=True)) * self.row_norms  # [M, V]
         if _tracing():
             return self._rescore_static(x, approx, bound)

@@ -1,12 +1,13 @@
 // treeserve::exact_head_rescore: ExactHead's re-scoring after its approximate first pass, in two
 // passes over each logits row instead of torch's seven.
 //
-// approx [M, V] (float32, written in place) holds the first pass's logits, x [M, K] the head's
+// approx [M, V] (float32 or bfloat16) holds the first pass's logits, out [M, V] (float32; may be
+// approx itself) receives them (widened) and then the re-scored entries, x [M, K] is the head's
 // input, weight [V, K] the float32 head, row_norms [V] = |W_j|. With b_j = (factor |x_m|) |W_j|
 // (the first pass's error bound), every entry j whose upper bound approx_j + b_j reaches the best
 // lower bound max_i (approx_i - b_i) is recomputed in float32 (x_m . W_j). A row with more than
-// max_candidates such entries is left alone and flagged in the returned bool [M]: the caller
-// computes it in float32 entirely (one GEMM over those rows).
+// max_candidates such entries keeps the first pass's values in out and is flagged in the returned
+// bool [M]: the caller computes it in float32 entirely (one GEMM over those rows).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,6 +15,8 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "treeserve_vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -71,20 +74,44 @@ void collect_candidates(const float* a, const float* rn, float fx, float thresho
     if (a[j] + fx * rn[j] >= threshold) cand.push_back(j);
 }
 
-at::Tensor exact_head_rescore(const at::Tensor& approx, const at::Tensor& x, const at::Tensor& weight,
-                              const at::Tensor& row_norms, double factor, int64_t max_candidates) {
-  for (const at::Tensor* t : {&approx, &x, &weight, &row_norms})
+// out[0, v) = a[0, v) widened from bfloat16 (exact: a 16-bit shift).
+void widen_row(const c10::BFloat16* a, float* out, int64_t v) {
+  int64_t j = 0;
+#ifdef TREESERVE_AVX512
+  for (; j + 16 <= v; j += 16) treeserve_vec::store16(out + j, treeserve_vec::load16(reinterpret_cast<const uint16_t*>(a + j)));
+#endif
+  for (; j < v; ++j) out[j] = static_cast<float>(a[j]);
+}
+
+// out[0, v) = row r of approx [M, v] (float32, or bfloat16 widened).
+void copy_row(const at::Tensor& approx, int64_t r, float* out, int64_t v) {
+  if (approx.scalar_type() == at::kFloat) {
+    const float* a = approx.const_data_ptr<float>() + r * v;
+    std::copy(a, a + v, out);
+  } else {
+    widen_row(approx.const_data_ptr<c10::BFloat16>() + r * v, out, v);
+  }
+}
+
+at::Tensor exact_head_rescore(const at::Tensor& approx, const at::Tensor& out, const at::Tensor& x,
+                              const at::Tensor& weight, const at::Tensor& row_norms, double factor,
+                              int64_t max_candidates) {
+  for (const at::Tensor* t : {&out, &x, &weight, &row_norms})
     TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous(),
-                     "approx, x, weight and row_norms must be contiguous float32 CPU tensors");
-  TORCH_CHECK_VALUE(approx.dim() == 2 && x.dim() == 2 && weight.dim() == 2 && row_norms.dim() == 1 &&
-                        approx.size(0) == x.size(0) && approx.size(1) == weight.size(0) &&
+                     "out, x, weight and row_norms must be contiguous float32 CPU tensors");
+  TORCH_CHECK_TYPE((approx.scalar_type() == at::kFloat || approx.scalar_type() == at::kBFloat16) &&
+                       approx.device().is_cpu() && approx.is_contiguous(),
+                   "approx must be a contiguous float32 or bfloat16 CPU tensor, got ", approx.scalar_type());
+  TORCH_CHECK_VALUE(approx.dim() == 2 && out.sizes() == approx.sizes() && x.dim() == 2 && weight.dim() == 2 &&
+                        row_norms.dim() == 1 && approx.size(0) == x.size(0) && approx.size(1) == weight.size(0) &&
                         x.size(1) == weight.size(1) && row_norms.size(0) == weight.size(0),
-                    "need approx [M, V], x [M, K], weight [V, K], row_norms [V]; got ", approx.sizes(), ", ",
-                    x.sizes(), ", ", weight.sizes(), ", ", row_norms.sizes());
+                    "need approx and out [M, V], x [M, K], weight [V, K], row_norms [V]; got ", approx.sizes(),
+                    ", ", out.sizes(), ", ", x.sizes(), ", ", weight.sizes(), ", ", row_norms.sizes());
+  const bool in_place = approx.data_ptr() == out.data_ptr();
   TORCH_CHECK_VALUE(max_candidates >= 0, "max_candidates must be >= 0, got ", max_candidates);
   const int64_t m = x.size(0), k = x.size(1), v = weight.size(0);
   at::Tensor full = at::zeros({m}, x.options().dtype(at::kBool));
-  float* ap = approx.data_ptr<float>();
+  float* ap = out.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   const float* rn = row_norms.data_ptr<float>();
@@ -94,6 +121,7 @@ at::Tensor exact_head_rescore(const at::Tensor& approx, const at::Tensor& x, con
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xp + r * k;
       float* a = ap + r * v;
+      if (!in_place) copy_row(approx, r, a, v);
       const float fx = static_cast<float>(factor) * std::sqrt(dot(xr, xr, k));
       const float threshold = best_lower_bound(a, rn, fx, v);
       cand.clear();
@@ -111,8 +139,8 @@ at::Tensor exact_head_rescore(const at::Tensor& approx, const at::Tensor& x, con
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(treeserve, m) {
-  m.def("exact_head_rescore(Tensor(a!) approx, Tensor x, Tensor weight, Tensor row_norms, float factor, "
-        "int max_candidates) -> Tensor");
+  m.def("exact_head_rescore(Tensor approx, Tensor(a!) out, Tensor x, Tensor weight, Tensor row_norms, "
+        "float factor, int max_candidates) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(treeserve, CPU, m) { m.impl("exact_head_rescore", &exact_head_rescore); }

@@ -24,6 +24,8 @@
 #include <immintrin.h>
 #endif
 
+#include "treeserve_vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,6 +37,94 @@ constexpr int64_t X_MAX = 63;  // activation codes q in [-63, 63]
 constexpr int64_t X_ZERO = 64;
 constexpr int64_t BLOCK = 64;  // Walsh-Hadamard block (K must be a multiple)
 
+const c10::OperatorHandle& qlinear() {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
+  return op;
+}
+
+#ifdef TREESERVE_AVX512
+// One 64-float block in four 16-lane registers -> the block times H / 8: the same butterflies, in the
+// same order, as hadamard64 (bitwise equal). Stages h = 1, 2, 4, 8 inside each register (b = v with
+// partners swapped; lanes whose bit is set in Upper take partner - self), h = 16, 32 across them.
+template <int Upper>
+inline __m512 in_register16(__m512 v, __m512 b) {
+  return _mm512_mask_sub_ps(_mm512_add_ps(v, b), static_cast<__mmask16>(Upper), b, v);
+}
+
+inline void hadamard64_16(const float* in, __m512 r[4]) {
+  for (int i = 0; i < 4; ++i) {
+    __m512 v = _mm512_loadu_ps(in + 16 * i);
+    v = in_register16<0xAAAA>(v, _mm512_permute_ps(v, 0b10110001));            // h = 1
+    v = in_register16<0xCCCC>(v, _mm512_permute_ps(v, 0b01001110));            // h = 2
+    v = in_register16<0xF0F0>(v, _mm512_shuffle_f32x4(v, v, 0b10110001));      // h = 4
+    v = in_register16<0xFF00>(v, _mm512_shuffle_f32x4(v, v, 0b01001110));      // h = 8
+    r[i] = v;
+  }
+  for (int h = 1; h < 4; h *= 2)  // h = 16, 32 floats: whole registers
+    for (int i = 0; i < 4; i += 2 * h)
+      for (int j = i; j < i + h; ++j) {
+        const __m512 a = r[j], b = r[j + h];
+        r[j] = _mm512_add_ps(a, b);
+        r[j + h] = _mm512_sub_ps(a, b);
+      }
+  const __m512 eighth = _mm512_set1_ps(0.125f);
+  for (int i = 0; i < 4; ++i) r[i] = _mm512_mul_ps(r[i], eighth);
+}
+
+// One row (AVX-512): the Hadamard blocks into `blocks`, out block c = sum_b mix[c, b] * block b (fused
+// multiply-adds in b order, as the portable loop compiles), |.| max tracked, then the codes. Output
+// blocks go two at a time so each loaded input block feeds eight accumulators.
+void quantize_row(const float* x, const float* mix, float* blocks, float* row, uint8_t* q, float* scale,
+                    int64_t k) {
+  const int64_t nb = k / BLOCK;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 r[4];
+    hadamard64_16(x + b * BLOCK, r);
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(blocks + b * BLOCK + 16 * i, r[i]);
+  }
+  __m512 amax = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 2 <= nb; c += 2) {
+    __m512 a0[4], a1[4];
+    for (int i = 0; i < 4; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 w0 = _mm512_set1_ps(mix[c * nb + b]), w1 = _mm512_set1_ps(mix[(c + 1) * nb + b]);
+      for (int i = 0; i < 4; ++i) {
+        const __m512 in = _mm512_loadu_ps(blocks + b * BLOCK + 16 * i);
+        a0[i] = _mm512_fmadd_ps(w0, in, a0[i]);
+        a1[i] = _mm512_fmadd_ps(w1, in, a1[i]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      _mm512_storeu_ps(row + c * BLOCK + 16 * i, a0[i]);
+      _mm512_storeu_ps(row + (c + 1) * BLOCK + 16 * i, a1[i]);
+      amax = _mm512_max_ps(amax, _mm512_max_ps(_mm512_abs_ps(a0[i]), _mm512_abs_ps(a1[i])));
+    }
+  }
+  for (; c < nb; ++c) {
+    __m512 a0[4];
+    for (int i = 0; i < 4; ++i) a0[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 w0 = _mm512_set1_ps(mix[c * nb + b]);
+      for (int i = 0; i < 4; ++i) a0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(blocks + b * BLOCK + 16 * i), a0[i]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      _mm512_storeu_ps(row + c * BLOCK + 16 * i, a0[i]);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(a0[i]));
+    }
+  }
+  const float m = _mm512_reduce_max_ps(amax);
+  const __m512 inv = _mm512_set1_ps(m > 0.f ? static_cast<float>(X_MAX) / m : 0.f);
+  const __m512i zero = _mm512_set1_epi32(X_ZERO);
+  for (int64_t j = 0; j < k; j += 16) {
+    const __m512i code = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + j), inv)), zero);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(code));
+  }
+  *scale = m / static_cast<float>(X_MAX);
+}
+
+#else  // AVX2 or scalar
 // x <- in H / 8 on one block of 64 (H the Sylvester Hadamard matrix of order 64): butterfly
 // stages h = 1, 2, ..., 32, each x[j], x[j + h] <- x[j] + x[j + h], x[j] - x[j + h]. The AVX2 and the
 // scalar version perform the same additions in the same order (bitwise equal results).
@@ -79,11 +169,6 @@ void hadamard64(const float* in, float* x) {
 }
 #endif
 
-const c10::OperatorHandle& qlinear() {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
-  return op;
-}
 
 // max |x_j| over k (a multiple of 32) floats, and the codes out_j = round(x_j * inv) + X_ZERO
 // (round half to even, as the AVX2 conversion does under the default rounding mode).
@@ -121,25 +206,31 @@ void to_codes(const float* x, float inv, uint8_t* out, int64_t k) {
 }
 #endif
 
+// One row, portable: the Hadamard blocks into `blocks`, the mixed blocks into `row`, then the codes.
+void quantize_row(const float* x, const float* mix, float* blocks, float* row, uint8_t* q, float* scale, int64_t k) {
+  const int64_t nb = k / BLOCK;
+  for (int64_t b = 0; b < k; b += BLOCK) hadamard64(x + b, blocks + b);
+  for (int64_t c = 0; c < nb; ++c) {  // out block c = sum_b mix[c, b] * block b, summed in registers
+    float acc[BLOCK] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const float w = mix[c * nb + b];
+      const float* in = blocks + b * BLOCK;
+      for (int64_t j = 0; j < BLOCK; ++j) acc[j] += w * in[j];
+    }
+    std::copy(acc, acc + BLOCK, row + c * BLOCK);
+  }
+  const float amax = amax_abs(row, k);
+  to_codes(row, amax > 0.f ? static_cast<float>(X_MAX) / amax : 0.f, q, k);
+  *scale = amax / static_cast<float>(X_MAX);
+}
+#endif  // TREESERVE_AVX512
+
 // Row-wise rotation and quantization of x into q (uint8, zero point X_ZERO); scale[i] = amax(|x_i R|) / X_MAX.
 void quantize_rows(const float* x, const float* mix, uint8_t* q, float* scale, int64_t m, int64_t k) {
-  const int64_t nb = k / BLOCK;
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
     std::vector<float> blocks(static_cast<size_t>(k)), row(static_cast<size_t>(k));
     for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t b = 0; b < k; b += BLOCK) hadamard64(x + r * k + b, blocks.data() + b);
-      for (int64_t c = 0; c < nb; ++c) {  // out block c = sum_b mix[c, b] * block b, summed in registers
-        float acc[BLOCK] = {};
-        for (int64_t b = 0; b < nb; ++b) {
-          const float w = mix[c * nb + b];
-          const float* in = blocks.data() + b * BLOCK;
-          for (int64_t j = 0; j < BLOCK; ++j) acc[j] += w * in[j];
-        }
-        std::copy(acc, acc + BLOCK, row.data() + c * BLOCK);
-      }
-      const float amax = amax_abs(row.data(), k);
-      to_codes(row.data(), amax > 0.f ? static_cast<float>(X_MAX) / amax : 0.f, q + r * k, k);
-      scale[r] = amax / static_cast<float>(X_MAX);
+      quantize_row(x + r * k, mix, blocks.data(), row.data(), q + r * k, scale + r, k);
     }
   });
 }
