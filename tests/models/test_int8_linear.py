@@ -9,7 +9,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeserve.models.int8_op import BLOCK, W_MAX, X_MAX, Int8Weight, int8_available, int8_linear, mixer, rotate
+from treeserve.models.int8_op import (
+    BLOCK,
+    W_MAX,
+    X_MAX,
+    Int8Weight,
+    int8_available,
+    int8_linear,
+    int8_swiglu_linear,
+    mixer,
+    rotate,
+)
 from treeserve.models.quant import PackedLinear, quantize_int8, use_int8
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="oneDNN int8 linear unavailable in this torch build")
@@ -60,6 +70,45 @@ def test_within_bound_of_float64(m: int, n: int, blocks: int, outliers: int, see
     ref = x.double() @ w.double().t()
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert bool(((y.double() - ref).abs() <= bound(x, w)).all())
+
+
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 50), blocks=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_swiglu_within_bound_of_float64(m: int, n: int, blocks: int, seed: int) -> None:
+    """``int8_swiglu_linear([gate | up])`` is the int8 product of ``silu(gate) * up`` (float64 here; the
+    operator's exp is a few ulp off, far inside the bound), with gates deep in both tails."""
+    gen = torch.Generator().manual_seed(seed)
+    k = blocks * BLOCK
+    gate_up = torch.randn(m, 2 * k, generator=gen) * 4.0
+    gate_up[:, 0] = torch.linspace(-120.0, 120.0, m)  # exp under- and overflow territory
+    w = torch.randn(n, k, generator=gen) * 0.05
+    act = torch.nn.functional.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
+    y = int8_swiglu_linear(gate_up, Int8Weight.from_dense(w))
+    assert y.shape == (m, n) and y.dtype == torch.float32 and bool(y.isfinite().all())
+    assert bool(((y.double() - act @ w.double().t()).abs() <= bound(act.float(), w)).all())
+
+
+def test_swiglu_forward_routes_like_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PackedLinear.swiglu_forward``: the fused int8 operator where ``forward`` would take the int8
+    GEMM (above ``packed_max_rows``), else exactly ``forward(silu(gate) * up)``; bad input named."""
+    monkeypatch.setenv("TREESERVE_INT8", "1")
+    layers = _packed_layers(BLOCK)
+    assert use_int8(layers)
+    m = layers[0]
+    gate_up = torch.randn(5, 2 * BLOCK)
+    assert torch.equal(m.swiglu_forward(gate_up), int8_swiglu_linear(gate_up, m.int8))
+    small = gate_up[:2]
+    act = torch.nn.functional.silu(small[:, :BLOCK]) * small[:, BLOCK:]
+    assert torch.equal(m.swiglu_forward(small), m(act))
+    torch.testing.assert_close(m.swiglu_forward(gate_up), m(torch.nn.functional.silu(gate_up[:, :BLOCK]) *
+                                                               gate_up[:, BLOCK:]), rtol=0.05, atol=0.05)
+    with pytest.raises(TypeError, match="gate_up must be a float32"):
+        int8_swiglu_linear(gate_up.double(), m.int8)
+    with pytest.raises(ValueError, match=r"gate_up must have shape \[M, 128\]"):
+        int8_swiglu_linear(gate_up[:, :BLOCK], m.int8)
+    w = m.int8
+    with pytest.raises(ValueError, match="gate_up must have an even number of columns"):
+        torch.ops.treeserve.int8_swiglu_linear(torch.randn(2, 3), w.packed, w.scales, w.zeros, w.mix)
 
 
 def test_rows_are_independent_of_the_batch() -> None:

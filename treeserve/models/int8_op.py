@@ -32,7 +32,8 @@ import torch
 
 from treeserve._cpp import cpp_op_loader, load_cpp_op
 
-__all__ = ["BLOCK", "W_MAX", "X_MAX", "Int8Weight", "int8_available", "int8_linear", "mixer", "rotate"]
+__all__ = ["BLOCK", "W_MAX", "X_MAX", "Int8Weight", "int8_available", "int8_linear", "int8_swiglu_linear", "mixer",
+           "rotate"]
 
 SOURCE = Path(__file__).with_name("csrc") / "int8_linear.cpp"
 W_MAX = 127
@@ -79,7 +80,10 @@ def int8_available() -> bool:
     onednn = torch.ops.onednn
     if not (hasattr(onednn, "qlinear_pointwise") and hasattr(onednn, "qlinear_prepack")):
         return False
-    return load_cpp_op(SOURCE, "int8_linear", "C++ int8 linear (oneDNN)", _fake) is None
+    if load_cpp_op(SOURCE, "int8_linear", "C++ int8 linear (oneDNN)", _fake) is not None:
+        return False
+    torch.library.register_fake("treeserve::int8_swiglu_linear")(_fake)  # same library, same output shape
+    return True
 
 
 class Int8Weight(NamedTuple):
@@ -123,3 +127,15 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must have shape [M, {w.in_features}], got {tuple(x.shape)}")
     return torch.ops.treeserve.int8_linear(x, *w.operands)
+
+
+def int8_swiglu_linear(gate_up: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """``(silu(gate) * up) @ W.T`` for ``gate_up = [gate | up]`` float32 ``[M, 2K]``, as ``int8_linear``
+    of that product (computed row by row in the operator, ``exp`` to a few ulp, then rotated and
+    rounded the same way): a SwiGLU MLP's down projection without the ``[M, K]`` activation.
+    Requires ``int8_available()``; ``TypeError`` / ``ValueError`` name the bad argument."""
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dtype != torch.float32:
+        raise TypeError(f"gate_up must be a float32 tensor, got {getattr(gate_up, 'dtype', type(gate_up))}")
+    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * w.in_features:
+        raise ValueError(f"gate_up must have shape [M, {2 * w.in_features}], got {tuple(gate_up.shape)}")
+    return torch.ops.treeserve.int8_swiglu_linear(gate_up, *w.operands)

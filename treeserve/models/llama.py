@@ -24,6 +24,7 @@ from treeserve.kvcache import AttentionMetadata, KVPool, paged_attention, store_
 from treeserve.models._decode_op import DecodePlan, decode_plan, run_decode_layers
 from treeserve.models._norm_op import add_rms_norm
 from treeserve.models.config import ModelConfig
+from treeserve.models.quant import PackedLinear
 from treeserve.models.rope import apply_rope, rope_table
 
 __all__ = ["LlamaForCausalLM", "check_forward_inputs"]
@@ -130,7 +131,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if isinstance(self.down_proj, PackedLinear):  # may fuse the SwiGLU into its int8 GEMM
+            return self.down_proj.swiglu_forward(gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

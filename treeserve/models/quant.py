@@ -48,7 +48,7 @@ from torch import nn
 from treeserve._cpp import cpp_op_loader, load_cpp_op
 from treeserve.models.gguf_op import GGUFWeight, gguf_op_available
 from treeserve.models.int8_op import BLOCK as INT8_BLOCK
-from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear
+from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear, int8_swiglu_linear
 
 __all__ = [
     "GROUP",
@@ -264,6 +264,16 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         y = int8_linear(x.float(), self.int8).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def swiglu_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """This layer applied to ``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[M, 2 K]``: in one
+        operator (``int8_swiglu_linear``) where ``large_forward`` would take the int8 GEMM, else
+        ``F.silu`` and a multiply before ``forward``."""
+        if gate_up.dim() == 2 and gate_up.shape[0] > self.packed_max_rows and self.int8 is not None and not _tracing():
+            y = int8_swiglu_linear(gate_up.float(), self.int8).to(gate_up.dtype)
+            return y if self.bias is None else y + self.bias
+        gate, up = gate_up.split(self.in_features, dim=-1)
+        return self(F.silu(gate) * up)
 
     @property
     def has_dense(self) -> bool:

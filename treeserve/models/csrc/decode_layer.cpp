@@ -6,8 +6,9 @@
 //   q, k   = rope(q, k) (rotate-half); store k, v at slots[i] of the layer's caches
 //   o      = paged decode attention(q)           treeserve::paged_decode_attention
 //   x, normed = x + o @ Wo^T, rms_norm(...)      gguf_linear, add_rms_norm
-//   x      = x + down(silu(gate) * up)           gguf_linear, at::silu / mul_, add_rms_norm of the
-//                                                next layer (the add folded into its input norm)
+//   x      = x + down(silu(gate) * up)           int8_swiglu_linear, or at::silu / mul_ then gguf_linear;
+//                                                add_rms_norm of the next layer (the add folded into
+//                                                its input norm)
 // The existing operators are called through the dispatcher (their kernels, not copies). RoPE is
 // computed as torch's mul/addcmul round it, so the result equals the Python path bit for bit.
 // float32 activations; the caches (float32 or bfloat16, written in place) as the Python layer keeps them.
@@ -111,6 +112,12 @@ const c10::TypedOperatorHandle<Int8Linear>& int8_op() {  // looked up on first u
   return o;
 }
 
+const c10::TypedOperatorHandle<Int8Linear>& int8_swiglu_op() {  // same library as int8_linear
+  static const auto o =
+      c10::Dispatcher::singleton().findSchemaOrThrow("treeserve::int8_swiglu_linear", "").typed<Int8Linear>();
+  return o;
+}
+
 // x @ w^T with the operands at projs[at]: qtype "dense" = a float32 weight [N, K] through at::linear
 // (what F.linear runs), "int8" through treeserve::int8_linear, else GGUF blocks through
 // treeserve::gguf_linear.
@@ -124,6 +131,17 @@ at::Tensor project(const Ops& op, const at::Tensor& x, at::TensorList projs, int
     return at::linear(x, w);
   }
   return op.linear.call(x, w, qtype, k);
+}
+
+// down(silu(gate) * up) for gu = [gate | up] [M, 2 I] with down's operands at projs[at]: an "int8"
+// projection through treeserve::int8_swiglu_linear (the SwiGLU computed inside, as
+// PackedLinear.swiglu_forward does), every other one after at::silu and mul_.
+at::Tensor swiglu_down(const Ops& op, const at::Tensor& gu, at::TensorList projs, int64_t at, const std::string& qtype) {
+  if (qtype == "int8") return int8_swiglu_op().call(gu, projs[at], projs[at + 1], projs[at + 2], projs[at + 3]);
+  const int64_t inter = gu.size(1) / 2;
+  at::Tensor act = at::silu(gu.narrow(1, 0, inter));
+  act.mul_(gu.narrow(1, inter, inter));
+  return project(op, act, projs, at, qtype, inter);
 }
 
 // The attention operator reads the pages it is given unchecked: check the table once per call.
@@ -235,10 +253,7 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
     const at::Tensor attn = project(op, o.view({m, q_size}), projs, first[4 * l + 1], qtypes.get(4 * l + 1), q_size);
     std::tie(x, normed) = op.norm.call(x, attn, norms[2 * l + 1], eps);
     const at::Tensor gu = project(op, normed, projs, first[4 * l + 2], qtypes.get(4 * l + 2), hidden);
-    const int64_t inter = gu.size(1) / 2;
-    at::Tensor act = at::silu(gu.narrow(1, 0, inter));
-    act.mul_(gu.narrow(1, inter, inter));
-    const at::Tensor down = project(op, act, projs, first[4 * l + 3], qtypes.get(4 * l + 3), inter);
+    const at::Tensor down = swiglu_down(op, gu, projs, first[4 * l + 3], qtypes.get(4 * l + 3));
     if (l + 1 < layers) {
       std::tie(x, normed) = op.norm.call(x, down, norms[2 * l + 2], eps);
     } else {

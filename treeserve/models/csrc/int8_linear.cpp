@@ -9,7 +9,9 @@
 // amax|x R|), stored as uint8 q + X_ZERO, so every row has its own scale and a row's result never
 // depends on the other rows of the batch. The integer product runs in oneDNN
 // (onednn::qlinear_pointwise through the dispatcher: torch's kernel, exact int32 accumulation)
-// and each output row is multiplied by its activation scale.
+// and each output row is multiplied by its activation scale. treeserve::int8_swiglu_linear takes
+// [gate | up] [M, 2K] and multiplies silu(gate) * up, computed row by row on the way into the
+// rotation (a SwiGLU MLP's down projection without the [M, K] activation tensor).
 //
 // Saturation: without VNNI, x86 int8 GEMMs multiply with vpmaddubsw, which adds two u8 x s8
 // products into a saturating int16. Activation codes in [1, 127] (7 bits: X_MAX = 63, zero point
@@ -225,25 +227,53 @@ void quantize_row(const float* x, const float* mix, float* blocks, float* row, u
 }
 #endif  // TREESERVE_AVX512
 
-// Row-wise rotation and quantization of x into q (uint8, zero point X_ZERO); scale[i] = amax(|x_i R|) / X_MAX.
-void quantize_rows(const float* x, const float* mix, uint8_t* q, float* scale, int64_t m, int64_t k) {
-  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
-    std::vector<float> blocks(static_cast<size_t>(k)), row(static_cast<size_t>(k));
+// act[j] = silu(gate[j]) * up[j] = gate[j] / (1 + exp(-gate[j])) * up[j] over k floats.
+void swiglu_row(const float* gate, const float* up, float* act, int64_t k) {
+  int64_t j = 0;
+#ifdef TREESERVE_AVX512
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; j + 16 <= k; j += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + j);
+    const __m512 e = treeserve_vec::exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    // sigmoid(g) = 1 / (1 + e^-g) for g >= 0, e^g / (1 + e^g) below: exp of a non-positive argument either way
+    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
+    _mm512_storeu_ps(act + j, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_loadu_ps(up + j)));
+  }
+#endif
+  for (; j < k; ++j) act[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
+}
+
+// Row-wise rotation and quantization into q (uint8, zero point X_ZERO); scale[i] = amax(|a_i R|) / X_MAX,
+// where a_i is row i of x [m, k] or, with swiglu, silu(x[i, :k]) * x[i, k:] of x [m, 2k].
+void quantize_rows(const float* x, bool swiglu, const float* mix, uint8_t* q, float* scale, int64_t m, int64_t k) {
+  const int64_t width = swiglu ? 2 * k : k;
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> blocks(static_cast<size_t>(k)), row(static_cast<size_t>(k)), act;
+    if (swiglu) act.resize(static_cast<size_t>(k));
     for (int64_t r = r0; r < r1; ++r) {
-      quantize_row(x + r * k, mix, blocks.data(), row.data(), q + r * k, scale + r, k);
+      const float* in = x + r * width;
+      if (swiglu) {
+        swiglu_row(in, in + k, act.data(), k);
+        in = act.data();
+      }
+      quantize_row(in, mix, blocks.data(), row.data(), q + r * k, scale + r, k);
     }
   });
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scales,
-                       const at::Tensor& w_zeros, const at::Tensor& mix) {
+// The int8 product of x's rows (or their SwiGLU) with the prepacked weight, scaled back.
+at::Tensor int8_product(const at::Tensor& x, bool swiglu, const at::Tensor& w, const at::Tensor& w_scales,
+                        const at::Tensor& w_zeros, const at::Tensor& mix) {
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
   TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "x must be a 2-D CPU tensor, got ", x.sizes());
   TORCH_CHECK_VALUE(w_scales.dim() == 1 && w_scales.scalar_type() == at::kFloat,
                     "w_scales must be a 1-D float32 tensor, got ", w_scales.sizes(), " ", w_scales.scalar_type());
   const at::Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), n = w_scales.size(0);
-  TORCH_CHECK_VALUE(k % BLOCK == 0, "x must have a multiple of ", BLOCK, " columns, got ", k);
+  TORCH_CHECK_VALUE(!swiglu || xc.size(1) % 2 == 0, "gate_up must have an even number of columns, got ", xc.size(1));
+  const int64_t m = xc.size(0), k = swiglu ? xc.size(1) / 2 : xc.size(1), n = w_scales.size(0);
+  TORCH_CHECK_VALUE(k % BLOCK == 0, swiglu ? "gate_up must have 2 x a multiple of " : "x must have a multiple of ",
+                    BLOCK, " columns, got ", xc.size(1));
   TORCH_CHECK_VALUE(mix.dim() == 2 && mix.size(0) == k / BLOCK && mix.size(1) == k / BLOCK &&
                         mix.scalar_type() == at::kFloat && mix.is_contiguous(),
                     "mix must be a contiguous float32 [K/64, K/64] = [", k / BLOCK, ", ", k / BLOCK, "], got ",
@@ -251,7 +281,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   if (m == 0) return at::empty({0, n}, xc.options());
   at::Tensor q = at::empty({m, k}, xc.options().dtype(at::kByte));
   std::vector<float> scale(static_cast<size_t>(m));
-  quantize_rows(xc.data_ptr<float>(), mix.data_ptr<float>(), q.data_ptr<uint8_t>(), scale.data(), m, k);
+  quantize_rows(xc.data_ptr<float>(), swiglu, mix.data_ptr<float>(), q.data_ptr<uint8_t>(), scale.data(), m, k);
   torch::jit::Stack stack{q,
                           1.0,  // the row scales are applied afterwards
                           X_ZERO,
@@ -280,12 +310,29 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y;
 }
 
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scales,
+                       const at::Tensor& w_zeros, const at::Tensor& mix) {
+  return int8_product(x, false, w, w_scales, w_zeros, mix);
+}
+
+at::Tensor int8_swiglu_linear(const at::Tensor& gate_up, const at::Tensor& w, const at::Tensor& w_scales,
+                              const at::Tensor& w_zeros, const at::Tensor& mix) {
+  return int8_product(gate_up, true, w, w_scales, w_zeros, mix);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(treeserve, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor w_scales, Tensor w_zeros, Tensor mix) -> Tensor");
+  m.def("int8_swiglu_linear(Tensor gate_up, Tensor w, Tensor w_scales, Tensor w_zeros, Tensor mix) -> Tensor");
 }
 
 // The prepacked weight is a MkldnnCPU tensor, which makes the call dispatch to that key.
-TORCH_LIBRARY_IMPL(treeserve, CPU, m) { m.impl("int8_linear", &int8_linear); }
-TORCH_LIBRARY_IMPL(treeserve, MkldnnCPU, m) { m.impl("int8_linear", &int8_linear); }
+TORCH_LIBRARY_IMPL(treeserve, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int8_swiglu_linear", &int8_swiglu_linear);
+}
+TORCH_LIBRARY_IMPL(treeserve, MkldnnCPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int8_swiglu_linear", &int8_swiglu_linear);
+}
