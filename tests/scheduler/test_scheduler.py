@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from treeserve.kvcache import RadixCache, ReqToTokenTable
 from treeserve.sampling import SamplingParams
 from treeserve.scheduler import FinishReason, RequestState, Scheduler, SchedulerConfig, StopChecker
+from treeserve.scheduler.ledger import DECODE_RUN
 
 from .fake_runner import FakeRunner, make_pool, next_token
 
@@ -259,3 +260,40 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+def test_decoding_requests_get_consecutive_slot_runs() -> None:
+    """Page size 1 with room to spare: a decoding request whose slots ran out gets a run of
+    consecutive slots (``KVLedger.decode_run``: decode attention then streams its K/V rows), capped by
+    the tokens the requests can still take; outputs are unchanged and the unused slots come back."""
+    h = Harness(num_pages=1024, max_running=4)
+    cap = h.sched.ledger.capacity
+    (solo,) = h.add([1, 2], max_new_tokens=60, ignore_eos=True)
+    h.step()
+    h.step()
+    assert cap(solo) == 2 + DECODE_RUN
+    (a,) = h.add([5, 6, 7], max_new_tokens=40, ignore_eos=True)
+    (b,) = h.add([8, 9], max_new_tokens=5, ignore_eos=True)
+    h.step()  # both prefills, one token each (solo decodes within its run)
+    h.step()  # both decode: their slots ran out, a run each, capped by b's 4 tokens left
+    assert (cap(a), cap(b)) == (3 + 4, 2 + 4)
+    for req in (solo, a, b):
+        run = h.table.table[req.row, len(req.prompt_ids) : cap(req)].tolist()
+        assert run == list(range(run[0], run[0] + len(run))), run
+    h.drain()
+    assert solo.output_ids == expected_output([1, 2], 60, ignore_eos=True)
+    assert a.output_ids == expected_output([5, 6, 7], 40, ignore_eos=True)
+    assert b.output_ids == expected_output([8, 9], 5, ignore_eos=True)
+    h.assert_no_leak()
+
+
+def test_decode_runs_give_way_to_a_nearly_full_pool() -> None:
+    """Where a run would leave less than a quarter of the pool free, a decoding request gets one slot."""
+    h = Harness(num_pages=12, max_running=1)
+    (a,) = h.add([5, 6, 7], max_new_tokens=8, ignore_eos=True)
+    h.step()
+    h.step()
+    assert h.sched.ledger.capacity(a) == 4
+    h.drain()
+    assert a.output_ids == expected_output([5, 6, 7], 8, ignore_eos=True)
+    h.assert_no_leak()

@@ -26,9 +26,11 @@ def reserve_or_preempt(queues: RequestQueues, req: Request, kv_len: int) -> bool
     return True
 
 
-def reserve_decode_slots(queues: RequestQueues, full: Sequence[Request]) -> None:
+def reserve_decode_slots(queues: RequestQueues, full: Sequence[Request], runs: bool = True) -> None:
     """Give every one of the decoding requests ``full`` (their slots all used: the pending
-    token needs a new one) one more page, in one allocation.
+    token needs a new one) one more page, or with ``runs`` a run of them
+    (``KVLedger.decode_run``), in one allocation. (Speculative decoding passes ``runs=False``: it
+    reserves its draft slots itself and trims the unused ones after every step.)
 
     Pauses the newest running requests while the pages cannot be had (a paused request's own
     need goes with it).
@@ -39,4 +41,4 @@ def reserve_decode_slots(queues: RequestQueues, full: Sequence[Request]) -> None
         queues.pause(queues.running[-1])
         needy = [r for r in needy if r.state is RequestState.RUNNING]
     if needy:
-        ledger.grow_by_one_page(needy)
+        ledger.grow(needy, ledger.decode_run(needy) if runs else 1)
