@@ -13,6 +13,7 @@
 // computed as torch's mul/addcmul round it, so the result equals the Python path bit for bit.
 // float32 activations; the caches (float32 or bfloat16, written in place) as the Python layer keeps them.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -78,16 +79,19 @@ template <typename C>
 void rope_store(const float* qkv, const float* table, const int64_t* pos, const int64_t* slot, C* q_out,
                 C* kc, C* vc, int64_t m, int64_t hq, int64_t hkv, int64_t dim) {
   const int64_t half = dim / 2, width = (hq + 2 * hkv) * dim;
-  std::vector<float> q(static_cast<size_t>(hq * dim)), k(static_cast<size_t>(hkv * dim));
-  for (int64_t i = 0; i < m; ++i) {
-    const float* row = qkv + i * width;
-    const float* cs = table + pos[i] * dim;  // [2, D/2]: cos then sin
-    for (int64_t h = 0; h < hq; ++h) rotate(row + h * dim, cs, cs + half, q.data() + h * dim, half);
-    for (int64_t h = 0; h < hkv; ++h) rotate(row + (hq + h) * dim, cs, cs + half, k.data() + h * dim, half);
-    std::copy(q.begin(), q.end(), q_out + i * hq * dim);
-    std::copy(k.begin(), k.end(), kc + slot[i] * hkv * dim);
-    std::copy(row + (hq + hkv) * dim, row + (hq + 2 * hkv) * dim, vc + slot[i] * hkv * dim);
-  }
+  // Rows write distinct slots (padding rows may share the dummy slot 0, whose content is never read).
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> q(static_cast<size_t>(hq * dim)), k(static_cast<size_t>(hkv * dim));
+    for (int64_t i = r0; i < r1; ++i) {
+      const float* row = qkv + i * width;
+      const float* cs = table + pos[i] * dim;  // [2, D/2]: cos then sin
+      for (int64_t h = 0; h < hq; ++h) rotate(row + h * dim, cs, cs + half, q.data() + h * dim, half);
+      for (int64_t h = 0; h < hkv; ++h) rotate(row + (hq + h) * dim, cs, cs + half, k.data() + h * dim, half);
+      std::copy(q.begin(), q.end(), q_out + i * hq * dim);
+      std::copy(k.begin(), k.end(), kc + slot[i] * hkv * dim);
+      std::copy(row + (hq + hkv) * dim, row + (hq + 2 * hkv) * dim, vc + slot[i] * hkv * dim);
+    }
+  });
 }
 
 // t as float32: itself, or a bfloat16 tensor widened in one plain loop (exact; at::Tensor::to took
