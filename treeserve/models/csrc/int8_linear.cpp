@@ -39,6 +39,19 @@ constexpr int64_t X_MAX = 63;  // activation codes q in [-63, 63]
 constexpr int64_t X_ZERO = 64;
 constexpr int64_t BLOCK = 64;  // Walsh-Hadamard block (K must be a multiple)
 
+// The Hadamard butterfly stages whose partners lie whole registers apart (stride h = 1, 2, ... < n
+// registers): r[j], r[j + h] <- r[j] + r[j + h], r[j] - r[j + h], for registers of any width.
+template <typename V, typename Add, typename Sub>
+inline void butterflies_across(V* r, int n, Add add, Sub sub) {
+  for (int h = 1; h < n; h *= 2)
+    for (int i = 0; i < n; i += 2 * h)
+      for (int j = i; j < i + h; ++j) {
+        const V a = r[j], b = r[j + h];
+        r[j] = add(a, b);
+        r[j + h] = sub(a, b);
+      }
+}
+
 const c10::OperatorHandle& qlinear() {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
@@ -63,13 +76,8 @@ inline void hadamard64_16(const float* in, __m512 r[4]) {
     v = in_register16<0xFF00>(v, _mm512_shuffle_f32x4(v, v, 0b01001110));      // h = 8
     r[i] = v;
   }
-  for (int h = 1; h < 4; h *= 2)  // h = 16, 32 floats: whole registers
-    for (int i = 0; i < 4; i += 2 * h)
-      for (int j = i; j < i + h; ++j) {
-        const __m512 a = r[j], b = r[j + h];
-        r[j] = _mm512_add_ps(a, b);
-        r[j + h] = _mm512_sub_ps(a, b);
-      }
+  butterflies_across(r, 4, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); },
+                     [](__m512 a, __m512 b) { return _mm512_sub_ps(a, b); });  // h = 16, 32 floats
   const __m512 eighth = _mm512_set1_ps(0.125f);
   for (int i = 0; i < 4; ++i) r[i] = _mm512_mul_ps(r[i], eighth);
 }
@@ -147,13 +155,8 @@ void hadamard64(const float* in, float* x) {
     v = in_register<0b11110000>(v, _mm256_permute2f128_ps(v, v, 0x01));    // h = 4
     r[i] = v;
   }
-  for (int h = 1; h < 8; h *= 2)  // h = 8, 16, 32 floats: whole registers
-    for (int i = 0; i < 8; i += 2 * h)
-      for (int j = i; j < i + h; ++j) {
-        const __m256 a = r[j], b = r[j + h];
-        r[j] = _mm256_add_ps(a, b);
-        r[j + h] = _mm256_sub_ps(a, b);
-      }
+  butterflies_across(r, 8, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); },
+                     [](__m256 a, __m256 b) { return _mm256_sub_ps(a, b); });  // h = 8, 16, 32 floats
   const __m256 eighth = _mm256_set1_ps(0.125f);
   for (int i = 0; i < 8; ++i) _mm256_storeu_ps(x + 8 * i, _mm256_mul_ps(r[i], eighth));
 }
