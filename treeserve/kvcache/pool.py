@@ -195,7 +195,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     align = _HUGE if nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE") else _ALIGN
     if align == _HUGE:
         region = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: the mapping serves as it is
+            pass
         raw = np.frombuffer(region, dtype=np.uint8)  # holds the mapping alive as long as the tensor
     else:
         raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
