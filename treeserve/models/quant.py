@@ -306,11 +306,30 @@ class PackedLinear(nn.Module):
 
 
 def restore_dense(model: nn.Module) -> None:
-    """Give every ``PackedLinear`` of ``model`` its dense weight back (before tracing: a traced step
-    multiplies by the dense weights)."""
+    """Give every ``PackedLinear`` of ``model`` its dense weight back, and an ``ExactHead`` with a bf16
+    pass its plain bf16 weight (before tracing: a traced step multiplies by those)."""
     for m in model.modules():
         if isinstance(m, PackedLinear):
             m.dense_weight()
+        elif isinstance(m, ExactHead) and m.bf16_max_rows:
+            m.bf16_weight()
+
+
+def _prepack_bf16(w16: torch.Tensor) -> torch.Tensor | None:
+    """``w16`` (bf16 ``[N, K]``) reordered once into oneDNN's matmul layout
+    (``mkldnn._reorder_linear_weight``, what inductor's weight freezing uses), or None where torch
+    lacks those ops or the reordered product differs from ``F.linear`` on a probe."""
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")):  # fmt: skip
+        return None
+    probe = torch.randn(3, w16.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    try:
+        packed = ops._reorder_linear_weight(w16)
+        same = torch.equal(ops._linear_pointwise(probe, packed, None, "none", [], ""), F.linear(probe, w16))
+    except RuntimeError:
+        return None
+    return packed if same else None
 
 
 _tracing = torch.compiler.is_compiling
@@ -464,21 +483,37 @@ class ExactHead(nn.Module):
         if self.qtype is not None:
             self.register_buffer("raw", packed.raw, persistent=False)
         w16 = weight.detach().to(torch.bfloat16)  # measured with, then kept where it is used
-        self.bf16_max_rows = self._bf16_rows(w16)
-        if self.bf16_max_rows:
-            self.register_buffer("weight_bf16", w16, persistent=False)
+        self.register_buffer("weight_bf16", w16, persistent=False)
+        self._w16_packed = _prepack_bf16(w16)  # oneDNN's layout of it, or None
+        self.bf16_max_rows = self._bf16_rows()
         if self.qtype is not None:
             self.packed_max_rows = self._packed_rows()
             if 0 < self.bf16_max_rows <= self.packed_max_rows:  # the packed pass serves every row bf16 would
                 self.bf16_max_rows = 0
-                del self.weight_bf16
+        if not self.bf16_max_rows:
+            self._w16_packed = None
+        if not self.bf16_max_rows or self._w16_packed is not None:  # eager reads the reordered copy only
+            del self.weight_bf16
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.treeserve.gguf_linear_exact(x, self.raw, self.qtype, self.weight.shape[1])
 
     def _bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """The bf16 first pass, in bf16 (the re-scoring widens it)."""
-        return F.linear(x.to(torch.bfloat16), self.weight_bf16)
+        """The bf16 first pass, in bf16 (the re-scoring widens it): oneDNN's matmul on the weight
+        reordered once at load (``_prepack_bf16``) where torch offers it, else ``F.linear``, which
+        reorders the weight on every call (1.6x slower at 64 rows, 3x at 1 row on an AVX-512 EPYC;
+        the same products either way)."""
+        xb = x.to(torch.bfloat16)
+        if self._w16_packed is not None and not _tracing():
+            return torch.ops.mkldnn._linear_pointwise(xb, self._w16_packed, None, "none", [], "")
+        return F.linear(xb, self.bf16_weight())
+
+    def bf16_weight(self) -> torch.Tensor:
+        """``weight`` in bf16 ``[V, K]``, made again (and kept) where only the reordered copy was kept:
+        what a traced step multiplies by (``restore_dense`` calls this before compiling)."""
+        if "weight_bf16" not in self._buffers:
+            self.register_buffer("weight_bf16", self.weight.detach().to(torch.bfloat16), persistent=False)
+        return self.weight_bf16
 
     def _packed_rows(self) -> int:
         """Rows up to which the packed first pass beats the head that serves the rows above it
@@ -490,20 +525,20 @@ class ExactHead(nn.Module):
         return _crossover(key, self.weight.shape[1], torch.float32, self._packed,
                           lambda x: self._bf16(x) if x.shape[0] <= self.bf16_max_rows else F.linear(x, self.weight))
 
-    def _bf16_rows(self, w16: torch.Tensor) -> int:
-        """Rows up to which the bf16 first pass beats the float32 head on this machine (measured once
-        per process per shape and thread count over 1 ... 128 rows; winning at 128 counts for
-        every size; ``w16`` is ``weight`` in bf16). Native bf16 dot products (AVX-512 BF16, AMX) win
-        at every size, an AVX2 CPU at a few rows at most, and CPU contention moves it.
+    def _bf16_rows(self) -> int:
+        """Rows up to which the bf16 first pass (``_bf16``) beats the float32 head on this machine
+        (measured once per process per shape and thread count over 1 ... 128 rows; winning at 128
+        counts for every size). Native bf16 dot products (AVX-512 BF16, AMX) win at every size, an
+        AVX2 CPU at a few rows at most, and CPU contention moves it.
         ``TREESERVE_EXACT_HEAD=bf16|f32`` overrides."""
         env = os.environ.get("TREESERVE_EXACT_HEAD")
         if env is not None:
             if env not in ("bf16", "f32"):
                 raise ValueError(f"TREESERVE_EXACT_HEAD must be 'bf16' or 'f32', got {env!r}")
             return _ALL_ROWS if env == "bf16" else 0
-        key = ("head-bf16", *self.weight.shape, torch.get_num_threads())
-        rows = _crossover(key, self.weight.shape[1], torch.float32,
-                          lambda x: F.linear(x.to(torch.bfloat16), w16).float(), lambda x: F.linear(x, self.weight))
+        key = ("head-bf16", *self.weight.shape, self._w16_packed is not None, torch.get_num_threads())
+        rows = _crossover(key, self.weight.shape[1], torch.float32, lambda x: self._bf16(x).float(),
+                          lambda x: F.linear(x, self.weight))
         return _ALL_ROWS if rows == _CROSSOVER_ROWS[-1] else rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
