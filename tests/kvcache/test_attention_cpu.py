@@ -52,6 +52,30 @@ def test_cpu_backend_every_step_kind(batch, slot_rows: bool, causal: bool) -> No
     torch.testing.assert_close(out.double(), reference_attention(batch, causal=causal), atol=1e-5, rtol=1e-5)
 
 
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 40)), min_size=2, max_size=6),
+    page_size=st.sampled_from([1, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    causal=st.booleans(),
+)
+def test_mixed_steps_send_their_decode_rows_to_the_operator(seed, rows, page_size, dtype, causal) -> None:
+    """A step mixing one-query requests (decodes) with prefill / extend chunks: the one-query rows
+    go to the operator on their own page table, the rest to the torch path; together they match
+    the float64 reference."""
+    qo = [q for q, _ in rows]
+    if 1 not in qo or all(q == 1 for q in qo):
+        qo[0], qo[-1] = 1, 3  # at least one of each kind
+    kv = [q + prefix for q, (_, prefix) in zip(qo, rows)]
+    batch = make_batch(seed, qo, kv, page_size, 3, 3, 64, dtype=dtype)
+    meta = build_meta(batch)
+    out = run(batch, "cpu", meta, causal=causal)
+    rest, decode_rows = meta.derived["cpu-split"][:2]
+    assert decode_rows.numel() == qo.count(1) and rest.numel() == len(qo) - qo.count(1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), reference_attention(batch, causal=causal), atol=tol, rtol=tol)
+
+
 def test_cpu_backend_is_the_float32_cpu_default() -> None:
     """float32 always; bfloat16 only where the operator has its AVX2 path (measured faster)."""
     assert select_backend("paged_attention", "auto", "cpu", torch.float32).name == "cpu"

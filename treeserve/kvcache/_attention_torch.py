@@ -113,6 +113,25 @@ def _groups(meta: AttentionMetadata, causal: bool) -> list[_Group]:
     return [_group(meta, decode.nonzero().squeeze(1), causal), _group(meta, (~decode).nonzero().squeeze(1), causal)]
 
 
+def paged_attention_torch_subset(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    req: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """The torch backend for the requests ``req`` (int64 indices, not all of the batch) only:
+    ``[N, Hq, D]`` with those requests' rows written and every other row left uninitialized (the
+    caller fills them). The gather indices and mask are memoized in ``meta.derived``."""
+    key = ("torch-subset", causal)
+    group = meta.derived.get(key)
+    if group is None:
+        group = meta.derived[key] = _group(meta, req, causal)
+    return _attend(q, k_cache, v_cache, [group], scale)
+
+
 def _per_request_groups(meta: AttentionMetadata, causal: bool) -> list[_Group]:
     idx = torch.arange(meta.batch_size, device=meta.device)
     return [_group(meta, idx[i : i + 1], causal) for i in range(meta.batch_size)]
