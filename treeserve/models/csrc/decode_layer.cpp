@@ -140,7 +140,8 @@ at::Tensor project(const Ops& op, const at::Tensor& x, at::TensorList projs, int
 // down(silu(gate) * up) for gu = [gate | up] [M, 2 I] with down's operands at projs[at]: an "int8"
 // projection through treeserve::int8_swiglu_linear (the SwiGLU computed inside, as
 // PackedLinear.swiglu_forward does), every other one after at::silu and mul_.
-at::Tensor swiglu_down(const Ops& op, const at::Tensor& gu, at::TensorList projs, int64_t at, const std::string& qtype) {
+at::Tensor swiglu_down(const Ops& op, const at::Tensor& gu, at::TensorList projs, int64_t at,
+                       const std::string& qtype) {
   if (qtype == "int8") return int8_swiglu_op().call(gu, projs[at], projs[at + 1], projs[at + 2], projs[at + 3]);
   const int64_t inter = gu.size(1) / 2;
   at::Tensor act = at::silu(gu.narrow(1, 0, inter));

@@ -78,7 +78,8 @@ void collect_candidates(const float* a, const float* rn, float fx, float thresho
 void widen_row(const c10::BFloat16* a, float* out, int64_t v) {
   int64_t j = 0;
 #ifdef TREESERVE_AVX512
-  for (; j + 16 <= v; j += 16) treeserve_vec::store16(out + j, treeserve_vec::load16(reinterpret_cast<const uint16_t*>(a + j)));
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(a);
+  for (; j + 16 <= v; j += 16) treeserve_vec::store16(out + j, treeserve_vec::load16(bits + j));
 #endif
   for (; j < v; ++j) out[j] = static_cast<float>(a[j]);
 }
