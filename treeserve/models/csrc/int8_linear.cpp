@@ -82,11 +82,34 @@ inline void hadamard64_16(const float* in, __m512 r[4]) {
   for (int i = 0; i < 4; ++i) r[i] = _mm512_mul_ps(r[i], eighth);
 }
 
-// One row (AVX-512): the Hadamard blocks into `blocks`, out block c = sum_b mix[c, b] * block b (fused
-// multiply-adds in b order, as the portable loop compiles), |.| max tracked, then the codes. Output
-// blocks go two at a time so each loaded input block feeds eight accumulators.
-void quantize_row(const float* x, const float* mix, float* blocks, float* row, uint8_t* q, float* scale,
-                    int64_t k) {
+// Output blocks c .. c + N - 1 of one row: block c + n = sum_b mix[c + n, b] * block b (fused
+// multiply-adds in b order, as the portable loop compiles), accumulated in registers, stored to
+// `row`; returns `amax` raised to their largest |.|. With N = 2 each loaded input block feeds eight
+// accumulators.
+template <int N>
+inline __m512 mix_blocks(const float* blocks, const float* mix, int64_t nb, int64_t c, float* row, __m512 amax) {
+  __m512 acc[N][4];
+  for (int n = 0; n < N; ++n)
+    for (int i = 0; i < 4; ++i) acc[n][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 w[N];
+    for (int n = 0; n < N; ++n) w[n] = _mm512_set1_ps(mix[(c + n) * nb + b]);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 in = _mm512_loadu_ps(blocks + b * BLOCK + 16 * i);
+      for (int n = 0; n < N; ++n) acc[n][i] = _mm512_fmadd_ps(w[n], in, acc[n][i]);
+    }
+  }
+  for (int n = 0; n < N; ++n)
+    for (int i = 0; i < 4; ++i) {
+      _mm512_storeu_ps(row + (c + n) * BLOCK + 16 * i, acc[n][i]);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(acc[n][i]));
+    }
+  return amax;
+}
+
+// One row (AVX-512): the Hadamard blocks into `blocks`, the mixed blocks into `row` (two output
+// blocks at a time, then the odd one), |.| max tracked, then the codes.
+void quantize_row(const float* x, const float* mix, float* blocks, float* row, uint8_t* q, float* scale, int64_t k) {
   const int64_t nb = k / BLOCK;
   for (int64_t b = 0; b < nb; ++b) {
     __m512 r[4];
@@ -95,35 +118,8 @@ void quantize_row(const float* x, const float* mix, float* blocks, float* row, u
   }
   __m512 amax = _mm512_setzero_ps();
   int64_t c = 0;
-  for (; c + 2 <= nb; c += 2) {
-    __m512 a0[4], a1[4];
-    for (int i = 0; i < 4; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m512 w0 = _mm512_set1_ps(mix[c * nb + b]), w1 = _mm512_set1_ps(mix[(c + 1) * nb + b]);
-      for (int i = 0; i < 4; ++i) {
-        const __m512 in = _mm512_loadu_ps(blocks + b * BLOCK + 16 * i);
-        a0[i] = _mm512_fmadd_ps(w0, in, a0[i]);
-        a1[i] = _mm512_fmadd_ps(w1, in, a1[i]);
-      }
-    }
-    for (int i = 0; i < 4; ++i) {
-      _mm512_storeu_ps(row + c * BLOCK + 16 * i, a0[i]);
-      _mm512_storeu_ps(row + (c + 1) * BLOCK + 16 * i, a1[i]);
-      amax = _mm512_max_ps(amax, _mm512_max_ps(_mm512_abs_ps(a0[i]), _mm512_abs_ps(a1[i])));
-    }
-  }
-  for (; c < nb; ++c) {
-    __m512 a0[4];
-    for (int i = 0; i < 4; ++i) a0[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m512 w0 = _mm512_set1_ps(mix[c * nb + b]);
-      for (int i = 0; i < 4; ++i) a0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(blocks + b * BLOCK + 16 * i), a0[i]);
-    }
-    for (int i = 0; i < 4; ++i) {
-      _mm512_storeu_ps(row + c * BLOCK + 16 * i, a0[i]);
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(a0[i]));
-    }
-  }
+  for (; c + 2 <= nb; c += 2) amax = mix_blocks<2>(blocks, mix, nb, c, row, amax);
+  if (c < nb) amax = mix_blocks<1>(blocks, mix, nb, c, row, amax);
   const float m = _mm512_reduce_max_ps(amax);
   const __m512 inv = _mm512_set1_ps(m > 0.f ? static_cast<float>(X_MAX) / m : 0.f);
   const __m512i zero = _mm512_set1_epi32(X_ZERO);
