@@ -129,3 +129,26 @@ inline __m512 sum16x16(const float* v) {
 
 }  // namespace treeserve_vec
 #endif
+
+// ---- Any host: helpers over the widest path compiled above.
+#include <cstdint>
+#include <cstring>
+
+namespace treeserve_vec {
+
+// out[0, n) = the bfloat16 values at in[0, n) (bit patterns) widened to float32: exact (a 16-bit
+// shift), 16 or 8 lanes at a time where compiled for them.
+inline void widen_bf16(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(TREESERVE_AVX512)
+  for (; i + 16 <= n; i += 16) store16(out + i, load16(in + i));
+#elif defined(TREESERVE_AVX2)
+  for (; i + 8 <= n; i += 8) store8(out + i, load8(in + i));
+#endif
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
+    std::memcpy(out + i, &bits, sizeof(bits));
+  }
+}
+
+}  // namespace treeserve_vec

@@ -74,23 +74,14 @@ void collect_candidates(const float* a, const float* rn, float fx, float thresho
     if (a[j] + fx * rn[j] >= threshold) cand.push_back(j);
 }
 
-// out[0, v) = a[0, v) widened from bfloat16 (exact: a 16-bit shift).
-void widen_row(const c10::BFloat16* a, float* out, int64_t v) {
-  int64_t j = 0;
-#ifdef TREESERVE_AVX512
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(a);
-  for (; j + 16 <= v; j += 16) treeserve_vec::store16(out + j, treeserve_vec::load16(bits + j));
-#endif
-  for (; j < v; ++j) out[j] = static_cast<float>(a[j]);
-}
-
 // out[0, v) = row r of approx [M, v] (float32, or bfloat16 widened).
 void copy_row(const at::Tensor& approx, int64_t r, float* out, int64_t v) {
   if (approx.scalar_type() == at::kFloat) {
     const float* a = approx.const_data_ptr<float>() + r * v;
     std::copy(a, a + v, out);
   } else {
-    widen_row(approx.const_data_ptr<c10::BFloat16>() + r * v, out, v);
+    treeserve_vec::widen_bf16(reinterpret_cast<const uint16_t*>(approx.const_data_ptr<c10::BFloat16>()) + r * v,
+                              out, v);
   }
 }
 
