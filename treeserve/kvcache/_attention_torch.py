@@ -124,7 +124,8 @@ def paged_attention_torch_subset(
 ) -> torch.Tensor:
     """The torch backend for the requests ``req`` (int64 indices, not all of the batch) only:
     ``[N, Hq, D]`` with those requests' rows written and every other row left uninitialized (the
-    caller fills them). The gather indices and mask are memoized in ``meta.derived``."""
+    caller fills them). The gather indices and mask are memoized in ``meta.derived``, so every call
+    with one ``meta`` must pass the same ``req`` (the ``cpu`` backend's split of that step)."""
     key = ("torch-subset", causal)
     group = meta.derived.get(key)
     if group is None:
