@@ -31,6 +31,9 @@ class CPUFeatures:
     avx512_bf16: bool
     avx512_vnni: bool
     amx: bool
+    onednn_bf16: bool = False
+    """oneDNN's bf16 matmul primitives run here (AVX-512 BW+VL+DQ, or AVX-NE-CONVERT): what
+    ``mkldnn._reorder_linear_weight`` needs for a bf16 weight; it raises on an AVX2-only CPU."""
 
     @property
     def fast_bf16(self) -> bool:
@@ -59,6 +62,7 @@ def parse_cpuinfo(text: str, torch_capability: str = "DEFAULT") -> CPUFeatures:
         avx512_bf16="avx512_bf16" in flags,
         avx512_vnni="avx512_vnni" in flags,
         amx="amx_bf16" in flags and "amx_tile" in flags,
+        onednn_bf16={"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags,
     )
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from tests.models._helpers import paged_logits, write_gguf
 from treeserve.models import load, load_hf_model, random_model, save_hf_dir, tiny_config
+from treeserve._cpu import cpu_features
 from treeserve.models import quant
 from treeserve.models.quant import (
     ExactHead,
@@ -344,20 +345,25 @@ def test_bf16_kv_cache_tracks_the_float32_cache(smol) -> None:
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN unavailable in this torch build")
 def test_exact_head_bf16_pass_on_the_reordered_weight() -> None:
-    """The bf16 first pass multiplies by the weight reordered once at load (oneDNN's layout): the same
-    bf16 products as ``F.linear`` on the plain bf16 weight, which is then not kept; a traced step
-    gets the plain one back from ``restore_dense``."""
+    """Where oneDNN's bf16 primitives run (AVX-512 BW/VL/DQ or AVX-NE-CONVERT), the bf16 first pass
+    multiplies by the weight reordered once at load (oneDNN's layout) and the plain bf16 weight is
+    not kept; elsewhere (an AVX2-only CPU, where the reorder raises) it keeps the plain weight. Either
+    way: the same bf16 products as ``F.linear`` on the plain bf16 weight, and a traced step gets the
+    plain one back from ``restore_dense``."""
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(257, 64, generator=gen)
     with mock.patch.dict(os.environ, {"TREESERVE_EXACT_HEAD": "bf16"}):
         head = ExactHead(torch.nn.Parameter(w, requires_grad=False))
     x = torch.randn(5, 64, generator=gen)
     plain = F.linear(x.bfloat16(), w.bfloat16())
-    assert head._w16_packed is not None and "weight_bf16" not in head._buffers
+    if cpu_features().onednn_bf16:
+        assert head._w16_packed is not None and "weight_bf16" not in head._buffers
+    else:
+        assert head._w16_packed is None and torch.equal(head.weight_bf16, w.bfloat16())
     assert torch.equal(head._bf16(x), plain)
     model = torch.nn.Sequential(head)
     restore_dense(model)
     assert torch.equal(head.weight_bf16, w.bfloat16())
     with mock.patch.object(quant, "_tracing", lambda: True):
         assert torch.equal(head._bf16(x), plain)  # the traced path: F.linear on the plain weight
-    assert quant._prepack_bf16(torch.zeros(4, 64, dtype=torch.bfloat16)) is not None
+    assert (quant._prepack_bf16(torch.zeros(4, 64, dtype=torch.bfloat16)) is not None) == cpu_features().onednn_bf16

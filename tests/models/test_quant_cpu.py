@@ -7,19 +7,22 @@ import pytest
 from treeserve._cpu import auto_dtype, cpu_features, parse_cpuinfo
 
 AVX2_EPYC = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx avx2 fma f16c\n\nprocessor\t: 1\n"
-SPR = "model name\t: Intel Xeon\nflags\t: avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8\n"
+SPR = ("model name\t: Intel Xeon\nflags\t: avx2 avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16 amx_bf16 "
+       "amx_tile amx_int8\n")
 
 
 def test_avx2_only_machine_gets_float32() -> None:
     f = parse_cpuinfo(AVX2_EPYC, "AVX2")
-    assert (f.model_name, f.avx2, f.avx512, f.avx512_bf16, f.amx, f.fast_bf16) == (
-        "AMD EPYC", True, False, False, False, False)
+    assert (f.model_name, f.avx2, f.avx512, f.avx512_bf16, f.amx, f.fast_bf16, f.onednn_bf16) == (
+        "AMD EPYC", True, False, False, False, False, False)
     assert auto_dtype("cpu", f) == "float32"
 
 
 def test_amx_machines_and_cuda_get_bfloat16_avx512_bf16_alone_float32() -> None:
     f = parse_cpuinfo(SPR, "AVX512")
-    assert f.avx512 and f.avx512_vnni and f.avx512_bf16 and f.amx and f.fast_bf16
+    assert f.avx512 and f.avx512_vnni and f.avx512_bf16 and f.amx and f.fast_bf16 and f.onednn_bf16
+    assert parse_cpuinfo("flags: avx2 avx_ne_convert\n").onednn_bf16  # AVX-NE-CONVERT alone suffices
+    assert not parse_cpuinfo("flags: avx512f avx512bw avx512vl\n").onednn_bf16  # DQ missing
     assert auto_dtype("cpu", f) == "bfloat16"
     no_amx = parse_cpuinfo("flags: avx512f avx512_bf16 amx_bf16\n")  # amx without tiles: not AMX
     assert no_amx.fast_bf16 and not no_amx.amx
