@@ -26,11 +26,14 @@ def cuda_ok(device: torch.device | str | None = None) -> bool:
     return torch.cuda.is_available()
 
 
+def interpreting() -> bool:
+    """Triton kernels run under its CPU interpreter (``TRITON_INTERPRET=1``) in this process."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def triton_usable(device: torch.device | str) -> bool:
     """Triton kernels run on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``."""
-    if torch.device(device).type == "cuda":
-        return True
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return torch.device(device).type == "cuda" or interpreting()
 
 
 def flashinfer_available() -> bool:

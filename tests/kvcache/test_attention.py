@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests._devices import backend_device
 from tests.kvcache._attn_ref import PagedBatch, ancestors, make_batch, reference_attention
 from hypothesis import given
 from hypothesis import strategies as st
@@ -37,14 +38,22 @@ def paged_batches(draw: st.DrawFn, max_b: int = 4, max_qo: int = 6, max_prefix: 
     )
 
 
-def build_meta(batch: PagedBatch, slot_rows: bool = False) -> AttentionMetadata:
+def build_meta(batch: PagedBatch, slot_rows: bool = False, device: torch.device | None = None) -> AttentionMetadata:
     pages = batch.slot_rows(max(batch.kv_lens) + 3) if slot_rows else batch.page_lists
-    return AttentionMetadata.build(batch.qo_lens, batch.kv_lens, pages, batch.page_size, batch.parents)
+    return AttentionMetadata.build(batch.qo_lens, batch.kv_lens, pages, batch.page_size, batch.parents, device=device)
 
 
-def run(batch: PagedBatch, backend: str, meta: AttentionMetadata | None = None, **kw: object) -> torch.Tensor:
-    meta = build_meta(batch) if meta is None else meta
-    return paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, backend=backend, **kw)
+def run(
+    batch: PagedBatch, backend: str, meta: AttentionMetadata | None = None, slot_rows: bool = False,
+    q: torch.Tensor | None = None, **kw: object,
+) -> torch.Tensor:
+    """``paged_attention`` of ``batch`` (or of ``q`` over its caches) on the backend's test device
+    (``tests._devices``); the result comes back on the CPU."""
+    dev = backend_device(backend)
+    meta = build_meta(batch, slot_rows, dev) if meta is None else meta
+    q = batch.q if q is None else q
+    out = paged_attention(q.to(dev), batch.k_cache.to(dev), batch.v_cache.to(dev), meta, backend=backend, **kw)
+    return out.cpu()
 
 
 # ---------------------------------------------------------------- backends vs reference
@@ -63,13 +72,13 @@ def test_per_request_backend_is_batch_invariant(batch: PagedBatch, dtype: torch.
         assert torch.equal(out[start : start + qo], alone), f"request {i} changed with its batch"
         start += qo
 
-BACKENDS = ["torch", "torch_per_request", "triton"]  # triton runs under TRITON_INTERPRET=1 on CPU
+BACKENDS = ["torch", "torch_per_request", "triton"]  # triton: on CUDA where present, else the interpreter
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(batch=paged_batches(), slot_rows=st.booleans())
 def test_backend_matches_dense_reference(backend: str, batch: PagedBatch, slot_rows: bool) -> None:
-    out = run(batch, backend, build_meta(batch, slot_rows))
+    out = run(batch, backend, slot_rows=slot_rows)
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=1e-5, rtol=1e-5)
 
@@ -305,10 +314,9 @@ def test_strided_query_from_fused_qkv(backend: str, qo: list, kv: list) -> None:
     n, hq, d = batch.q.shape
     qkv = torch.randn(n, (hq + 4) * d)
     qkv[:, : hq * d] = batch.q.reshape(n, -1)
-    strided = qkv[:, : hq * d].view(n, hq, d)
+    strided = qkv.to(backend_device(backend))[:, : hq * d].view(n, hq, d)
     assert not strided.is_contiguous()
-    meta = build_meta(batch)
-    out = paged_attention(strided, batch.k_cache, batch.v_cache, meta, backend=backend)
+    out = run(batch, backend, q=strided)
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=1e-5, rtol=1e-5)
 
 

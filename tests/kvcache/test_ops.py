@@ -7,9 +7,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests._devices import backend_device
 from treeserve.kvcache import RollbackPlan, compact_tree_path, padded_path_moves, rollback_slots, store_kv
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton"]  # triton: on CUDA where present, else the interpreter
+
+
+def on(backend: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on the device a test of ``backend`` runs on (``tests._devices``)."""
+    dev = backend_device(backend)
+    return tuple(t.to(dev) for t in tensors)
 
 
 def caches(num_pages: int, page_size: int, h: int, d: int, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -42,8 +49,9 @@ def test_store_kv_matches_plain_loop(
     for i, s in enumerate(slots):  # the oracle: one token at a time, page/offset arithmetic
         want_k[s // page_size, s % page_size] = k[i]
         want_v[s // page_size, s % page_size] = v[i]
-    store_kv(kc, vc, torch.tensor(slots, dtype=index_dtype), k, v, backend=backend)
-    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    kc, vc, idx, k, v = on(backend, kc, vc, torch.tensor(slots, dtype=index_dtype), k, v)
+    store_kv(kc, vc, idx, k, v, backend=backend)
+    assert torch.equal(kc.cpu(), want_k) and torch.equal(vc.cpu(), want_v)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -51,7 +59,7 @@ def test_store_kv_bfloat16(backend: str) -> None:
     kc, vc = caches(3, 4, 2, 8, torch.bfloat16)
     k = torch.randn(3, 2, 8).bfloat16()
     v = torch.randn(3, 2, 8).bfloat16()
-    slots = torch.tensor([11, 0, 5])
+    kc, vc, slots, k, v = on(backend, kc, vc, torch.tensor([11, 0, 5]), k, v)
     store_kv(kc, vc, slots, k, v, backend=backend)
     flat_k, flat_v = kc.view(-1, 2, 8), vc.view(-1, 2, 8)
     assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
@@ -101,9 +109,10 @@ def test_compact_reads_every_source_before_writing(
         for s, t in zip(src, dst):  # oracle: copy from a snapshot of the original cache
             wk.view(-1, 2, 4)[t] = kc.view(-1, 2, 4)[s]
             wv.view(-1, 2, 4)[t] = vc.view(-1, 2, 4)[s]
-    compact_tree_path(kcs, vcs, torch.tensor(src).long(), torch.tensor(dst).long(), backend=backend)
+    kcs, vcs = list(on(backend, *kcs)), list(on(backend, *vcs))
+    compact_tree_path(kcs, vcs, *on(backend, torch.tensor(src).long(), torch.tensor(dst).long()), backend=backend)
     for (wk, wv), kc, vc in zip(want, kcs, vcs):
-        assert torch.equal(kc, wk) and torch.equal(vc, wv)
+        assert torch.equal(kc.cpu(), wk) and torch.equal(vc.cpu(), wv)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -111,7 +120,9 @@ def test_compact_shift_left_chain(backend: str) -> None:
     """The typical tree case: accepted nodes 2, 3, 5 moved to slots 1, 2, 3 of one run of slots."""
     kc, vc = caches(8, 1, 1, 4)
     orig = kc.clone()
-    compact_tree_path([kc], [vc], torch.tensor([2, 3, 5]), torch.tensor([1, 2, 3]), backend=backend)
+    kc, vc, src, dst = on(backend, kc, vc, torch.tensor([2, 3, 5]), torch.tensor([1, 2, 3]))
+    compact_tree_path([kc], [vc], src, dst, backend=backend)
+    kc = kc.cpu()
     assert torch.equal(kc[1:4], orig[[2, 3, 5]]) and torch.equal(kc[4:], orig[4:]) and torch.equal(kc[0], orig[0])
 
 

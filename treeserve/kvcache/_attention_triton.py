@@ -9,7 +9,8 @@ causal ``j <= prefix + i``; tree: for new tokens (``j >= prefix``) the request's
 cannot leak into the result.
 
 Half-precision inputs feed ``tl.dot`` directly on GPU (float32 accumulation); float32 inputs,
-and every dtype under the CPU interpreter (whose bf16 ``tl.dot`` is wrong), use float32 IEEE dots.
+and every dtype under the interpreter (``TRITON_INTERPRET=1``, whose bf16 ``tl.dot`` is wrong),
+use float32 IEEE dots.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from treeserve._utils import interpreting
 from treeserve.kvcache.metadata import AttentionMetadata
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -93,7 +95,9 @@ def _paged_attn_kernel(
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * scale
+        # torch.compile passes ``scale`` typed fp64 (a plain launch types it fp32): the product is
+        # cast back so the loop-carried softmax state keeps one type under both.
+        s = (s * scale).to(tl.float32)
         ok = n_ok[None, :]
         if CAUSAL:
             ok = ok & (offs_n[None, :] <= prefix + qi[:, None])
@@ -167,7 +171,7 @@ def paged_attention_triton(
         HEAD_DIM=d,
         CAUSAL=causal,
         HAS_TREE=has_tree,
-        DOT_F32=q.dtype == torch.float32 or not q.is_cuda,
+        DOT_F32=q.dtype == torch.float32 or interpreting(),
         BLOCK_M=block_m,
         BLOCK_N=32,
         BLOCK_D=max(16, triton.next_power_of_2(d)),

@@ -84,7 +84,9 @@ def _threshold_kernel(x_ptr, stride, n, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr
     k = tl.load(top_k_ptr + row)
     p = tl.load(top_p_ptr + row).to(tl.float64)
     min_p = tl.load(min_p_ptr + row).to(tl.float64)
-    neg_inf = float("-inf")
+    # Every threshold is float64 from the start: a Python float would type it fp32, and the compiler
+    # (not the interpreter) refuses a branch that redefines it as the fp64 row maximum.
+    neg_inf = tl.full((), float("-inf"), tl.float64)
 
     thr_k = neg_inf
     if k > 0:

@@ -1,0 +1,223 @@
+"""End-to-end GPU figures on random weights of real shapes (no checkpoint, no download).
+
+    python benches/gpu_e2e.py decode  --shape smollm2|llama3-8b [--modes eager,graph,compile]
+    python benches/gpu_e2e.py prefill --shape llama3-8b
+    python benches/gpu_e2e.py phases  --shape smollm2|llama3-8b [--batch 1]
+    (add --quick --device cpu for a smoke run of the script itself on a machine without CUDA)
+
+- ``decode``: ms per decode step and tok/s at batch 1..256, per mode (``eager``: no CUDA graph;
+  ``graph``: the captured decode graphs; ``compile``: ``torch.compile`` inside them). A step's time
+  is isolated as (generate LONG new tokens - generate SHORT) / (LONG - SHORT), so prefill cancels;
+  each figure is the roofline fraction too: every weight plus every request's KV read once at the
+  copy bandwidth measured in the same run.
+- ``prefill``: prompt tokens per second for 1 x 2048 and 16 x 512, against the bf16 matmul peak
+  measured in the same run (2 FLOPs per weight per token, attention excluded).
+- ``phases``: one decode step's wall time against the GPU time of the graph replay (CUDA events),
+  with the host phases (schedule, input load, token read, update) timed around the engine's own
+  methods.
+
+The model is ``LlamaForCausalLM`` built by ``treeserve.models.weights.build_model`` from tensors
+drawn on the device (N(0, 0.02), norms 1), in bfloat16 with the float32 LM head as loaded models have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from treeserve import LLM, SamplingParams
+from treeserve.models.config import ModelConfig
+from treeserve.models.weights import build_model, expected_hf_shapes
+
+SHAPES = {
+    "smollm2": dict(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
+                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama3-8b": dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                      intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+    "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                 vocab_size=256, tie_word_embeddings=False, rope_theta=10000.0),
+}
+
+
+def make_model(shape: str, device: str) -> torch.nn.Module:
+    cfg = ModelConfig(architecture="llama", max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1,
+                      eos_token_ids=(2,), **SHAPES[shape])  # type: ignore[arg-type]
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = expected_hf_shapes(cfg)
+
+    def get(name: str) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shapes[name], device=device, dtype=torch.bfloat16)
+        return torch.randn(shapes[name], device=device, generator=gen, dtype=torch.bfloat16) * 0.02
+
+    return build_model(cfg, get, shapes, dtype=torch.bfloat16, device=device)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    n = 1 << (30 if device == "cuda" else 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * n / best_seconds(lambda: dst.copy_(src), device)
+
+
+def matmul_peak(device: str) -> float:
+    """bf16 FLOP/s of a large square matmul."""
+    n = 8192 if device == "cuda" else 256
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2 * n**3 / best_seconds(lambda: a @ a, device)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def best_seconds(fn: Callable[[], object], device: str, reps: int = 5) -> float:
+    fn()
+    sync(device)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def engine(model: torch.nn.Module, device: str, mode: str, max_batch: int, ctx: int) -> LLM:
+    return LLM((model, None), device=device, cuda_graph=mode != "eager", compile=mode == "compile",
+               cuda_graph_max_batch=max(8, max_batch), max_running=max_batch, max_batched_tokens=max(2048, ctx),
+               kv_cache_tokens=max_batch * ctx + 64, max_model_len=ctx, page_size=16, enable_prefix_cache=False,
+               seed=0)
+
+
+def generate_seconds(llm: LLM, batch: int, prompt: int, new: int, device: str) -> float:
+    rng = random.Random(batch * 1000 + prompt)
+    vocab = llm.model.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt)] for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+    sync(device)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def roofline_bytes(model: torch.nn.Module, batch: int, ctx: int) -> int:
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * batch * ctx  # bf16 K and V
+    return weights + kv
+
+
+def decode(args: argparse.Namespace) -> None:
+    batches = (1, 2) if args.quick else (1, 4, 16, 64, 128, 256)
+    prompt, short, long_ = (8, 2, 6) if args.quick else (128, 8, 40)
+    model = make_model(args.shape, args.device)
+    bw = copy_bandwidth(args.device)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights {roofline_bytes(model, 0, 0) / 1e9:.2f} GB")
+    print(f"{'mode':8} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'roofline':>9}")
+    for mode in args.modes.split(","):
+        t0 = time.perf_counter()
+        llm = engine(model, args.device, mode, max(batches), prompt + long_ + 8)
+        generate_seconds(llm, 2, prompt, short, args.device)  # warm-up (and compile)
+        print(f"# {mode}: engine + warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+        for b in batches:
+            step = (generate_seconds(llm, b, prompt, long_, args.device)
+                    - generate_seconds(llm, b, prompt, short, args.device)) / (long_ - short)
+            ideal = roofline_bytes(model, b, prompt + (short + long_) // 2) / bw
+            print(f"{mode:8} {b:5} {step * 1e3:8.2f} {b / step:9.0f} {100 * ideal / step:8.1f}%", flush=True)
+        del llm
+
+
+def prefill(args: argparse.Namespace) -> None:
+    model = make_model(args.shape, args.device)
+    peak = matmul_peak(args.device)
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    llm = engine(model, args.device, "eager", 16, 2100)
+    print(f"bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; {params / 1e9:.2f} B matmul parameters")
+    for b, n in ((1, 64), (2, 32)) if args.quick else ((1, 2048), (16, 512)):
+        generate_seconds(llm, b, n, 1, args.device)
+        s = min(generate_seconds(llm, b, n, 1, args.device) for _ in range(3))
+        print(f"prefill {b} x {n}: {b * n / s:9.0f} tok/s, {100 * 2 * params * b * n / s / peak:5.1f}% of the peak")
+
+
+class PhaseTimer:
+    """Wraps bound methods of the engine's parts and accumulates their wall time per name."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.host: dict[str, float] = defaultdict(float)
+        self.gpu: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def wrap(self, obj: object, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*a: object, **k: object) -> object:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.host[name] += time.perf_counter() - t0
+
+        setattr(obj, attr, timed)
+
+    def wrap_replay(self) -> Callable[[], None]:
+        """Times every ``CUDAGraph.replay`` on the GPU with events; returns the undo."""
+        original = torch.cuda.CUDAGraph.replay
+
+        def replay(graph: torch.cuda.CUDAGraph) -> None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            original(graph)
+            end.record()
+            self.gpu.append((start, end))
+
+        torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
+        return lambda: setattr(torch.cuda.CUDAGraph, "replay", original)
+
+
+def phases(args: argparse.Namespace) -> None:
+    model = make_model(args.shape, args.device)
+    llm = engine(model, args.device, "graph", max(args.batch, 8), 512)
+    generate_seconds(llm, args.batch, 64, 8, args.device)  # warm-up
+    timer = PhaseTimer(args.device)
+    steps_before = llm.metrics.steps
+    timer.wrap(llm.scheduler, "schedule", "schedule")
+    timer.wrap(llm.scheduler, "update", "update (token read, stops)")
+    graph = llm.runner.decode_graph
+    if graph is not None:
+        timer.wrap(graph, "_load", "input load (_load)")
+    undo = timer.wrap_replay() if args.device == "cuda" else (lambda: None)
+    new = 8 if args.quick else 129
+    wall = generate_seconds(llm, args.batch, 64, new, args.device)
+    undo()
+    steps = llm.metrics.steps - steps_before
+    gpu = sum(s.elapsed_time(e) for s, e in timer.gpu) / 1e3 if timer.gpu else float("nan")
+    replays = max(len(timer.gpu), 1)
+    print(f"{args.shape} batch {args.batch}: {steps} steps, wall {wall / steps * 1e3:.3f} ms/step "
+          f"(prefill included), graph GPU time {gpu / replays * 1e3:.3f} ms/replay over {len(timer.gpu)} replays")
+    for name, secs in sorted(timer.host.items(), key=lambda kv: -kv[1]):
+        print(f"  host {name:28} {secs / steps * 1e3:7.3f} ms/step")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=("decode", "prefill", "phases"))
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--modes", default="graph,eager,compile")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of the script")
+    args = p.parse_args()
+    {"decode": decode, "prefill": prefill, "phases": phases}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
