@@ -81,9 +81,9 @@ SUMMARY+=("setup: ok ($(($(date +%s) - START))s)")
 
 # ---------------------------------------------------------------- 1. GPU tests
 # The gpu-marked tests and every Triton test (on CUDA tensors here; the interpreter is for CPUs).
+mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)
 run_stage gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider --hypothesis-profile=ci -rfE \
-    tests/kvcache/test_attention.py tests/kvcache/test_ops.py tests/sampling/test_sampling_triton.py \
-    tests/runner/test_graph_gpu.py
+    tests/kvcache/test_attention.py tests/kvcache/test_ops.py tests/sampling/test_sampling_triton.py "${GPU_TESTS[@]}"
 
 # ---------------------------------------------------------------- 2. kernel benchmarks
 cat >"$OUT/kernels.py" <<'EOF'

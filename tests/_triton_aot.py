@@ -242,9 +242,13 @@ def _compile(job: tuple[Launch, int]) -> Compiled:
     fn = kernel_functions((*KERNEL_MODULES, __name__))[launch.kernel]
     out = Compiled(launch.kernel, launch.case, cc)
     log = io.StringIO()
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated
     try:
         src = ASTSource(fn=fn, signature=dict(launch.signature), constexprs=dict(launch.constexprs))
-        with contextlib.redirect_stdout(log):
+        # A fresh Triton cache per job: a cached kernel skips ptxas, whose report is what is read.
+        with tempfile.TemporaryDirectory() as cache, contextlib.redirect_stdout(log):
+            os.environ["TRITON_CACHE_DIR"] = cache
             kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(launch.options))
     except Exception as e:  # noqa: BLE001 - every compile error is a finding, reported whole
         out.error = f"{type(e).__name__}: {e}".strip()
@@ -292,9 +296,7 @@ def _key(launch: Launch, cc: int) -> str:
 
 
 def compile_all(launches: list[Launch], jobs: int | None = None, cache_dir: Path | None = None) -> list[Compiled]:
-    """Compile every launch for every target in ``jobs`` worker processes, each with a fresh
-    Triton cache (a kernel in Triton's cache skips ptxas, whose report is what is read). Results
-    are kept in ``cache_dir`` (one JSON file per key, see ``_key``), so a rerun compiles only what
+    """Compile every launch for every target in ``jobs`` worker processes. Results are kept in ``cache_dir`` (one JSON file per key, see ``_key``), so a rerun compiles only what
     changed; compile errors are never cached."""
     work = [(launch, cc) for launch in launches for cc in TARGETS]
     keys = [_key(launch, cc) for launch, cc in work]
@@ -307,18 +309,14 @@ def compile_all(launches: list[Launch], jobs: int | None = None, cache_dir: Path
                     results[i] = Compiled(**{**json.loads(path.read_text()), "case": launch.case, "problems": []})
     todo = [i for i in range(len(work)) if i not in results]
     if todo:
-        with tempfile.TemporaryDirectory() as triton_cache:
-            os.environ["TRITON_CACHE_DIR"] = triton_cache
-            os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
-            os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-            with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-                for i, r in zip(todo, pool.map(_compile, [work[i] for i in todo])):
-                    results[i] = r
-                    if cache_dir is not None and not r.error:
-                        cache_dir.mkdir(parents=True, exist_ok=True)
-                        tmp = cache_dir / f"{keys[i]}.{os.getpid()}.tmp"
-                        tmp.write_text(json.dumps(asdict(r)))
-                        tmp.replace(cache_dir / f"{keys[i]}.json")
+        with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+            for i, r in zip(todo, pool.map(_compile, [work[i] for i in todo])):
+                results[i] = r
+                if cache_dir is not None and not r.error:
+                    cache_dir.mkdir(parents=True, exist_ok=True)
+                    tmp = cache_dir / f"{keys[i]}.{os.getpid()}.tmp"
+                    tmp.write_text(json.dumps(asdict(r)))
+                    tmp.replace(cache_dir / f"{keys[i]}.json")
     out = [results[i] for i in range(len(work))]
     for r in out:
         r.problems = judge(r)
@@ -370,7 +368,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("the AOT check needs compilable kernels: run it with TRITON_INTERPRET unset")
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated
     self_test()
     launches = record_launches()
     results = compile_all(launches, args.jobs, Path(args.cache) if args.cache else None)

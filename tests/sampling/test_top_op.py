@@ -96,15 +96,5 @@ def test_large_vocab_matches_torch_topk() -> None:
     assert torch.equal(values, want.values) and torch.equal(ids, want.indices)
 
 
-@pytest.mark.parametrize(
-    ("x", "k", "message"),
-    [
-        (torch.zeros(2, 5), 0, "k must be in"),
-        (torch.zeros(2, 5), 6, "k must be in"),
-        (torch.zeros(5), 1, "x must be"),
-        (torch.zeros(2, 5, dtype=torch.int32), 1, "float32 and float64"),
-    ],
-)
-def test_bad_input_is_refused(x: torch.Tensor, k: int, message: str) -> None:
-    with pytest.raises(RuntimeError, match=message):
-        torch.ops.treeserve.top_candidates(x, k, False)
+# Bad input to the raw operator: tests/test_cpp_bad_input.py (in a child process, so a crash fails
+# one test instead of killing the run).

@@ -144,9 +144,16 @@ def paged_attention_triton(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    block_m = min(64, max(16, triton.next_power_of_2(meta.max_qo_len * g)))
+    # Tiles sized so that no compiled variant spills (tests/test_triton_aot.py, ptxas for sm_80 and
+    # sm_90): float32 inputs keep at most 32 query rows per program; every tile but the plain decode
+    # one (16 rows, no tree mask; 4 warps, as measured on the H200) gets 8 warps; 64 rows of head
+    # dim 128 walk the KV 16 keys at a time.
     tree = meta.tree_mask
     has_tree = tree is not None
+    block_m = min(32 if q.dtype == torch.float32 else 64, max(16, triton.next_power_of_2(meta.max_qo_len * g)))
+    block_d = max(16, triton.next_power_of_2(d))
+    num_warps = 4 if block_m == 16 and not has_tree else 8
+    block_n = 16 if block_m * block_d >= 64 * 128 else 32
     tree_u8 = tree.view(torch.uint8) if has_tree else meta.qo_indptr
     grid = (meta.batch_size, hkv, triton.cdiv(meta.max_qo_len * g, block_m))
     _paged_attn_kernel[grid](
@@ -173,7 +180,8 @@ def paged_attention_triton(
         HAS_TREE=has_tree,
         DOT_F32=q.dtype == torch.float32 or interpreting(),
         BLOCK_M=block_m,
-        BLOCK_N=32,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
     )
     return out

@@ -16,6 +16,7 @@
 #include <limits>
 #include <vector>
 
+#include "treeserve_checks.h"
 #include "treeserve_vec.h"
 
 namespace {
@@ -355,6 +356,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "q, k_cache and v_cache must share a dtype");
   const int64_t batch = q.size(0), hq = q.size(1), dim = q.size(2);
   const int64_t page_size = k_cache.size(1), hkv = k_cache.size(2);
+  TORCH_CHECK_VALUE(hkv >= 1 && dim >= 1, "caches must have >= 1 KV head of head_dim >= 1, got ", k_cache.sizes());
   TORCH_CHECK(k_cache.size(3) == dim && hq % hkv == 0, "head_dim must match and Hq be a multiple of Hkv");
   TORCH_CHECK(kv_indptr.numel() == batch + 1 && kv_last_page_len.numel() == batch, "metadata sizes must match B");
   const auto i32 = at::kInt;
@@ -364,6 +366,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   auto qc = q.contiguous();
   auto indptr = kv_indptr.contiguous(), pages = kv_page_indices.contiguous(), last = kv_last_page_len.contiguous();
+  treeserve_checks::check_page_table(indptr, pages, last, batch, k_cache.size(0), page_size);
   auto out = at::empty_like(qc);
   const float s = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {

@@ -17,6 +17,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "treeserve_checks.h"
 #include "treeserve_vec.h"
 
 #include <algorithm>
@@ -150,28 +151,6 @@ at::Tensor swiglu_down(const Ops& op, const at::Tensor& gu, at::TensorList projs
   return project(op, act, projs, at, qtype, inter);
 }
 
-// The attention operator reads the pages it is given unchecked: check the table once per call.
-void check_pages(const at::Tensor& indptr, const at::Tensor& pages, const at::Tensor& last, int64_t batch,
-                 int64_t num_pages, int64_t page_size) {
-  for (const auto* t : {&indptr, &pages, &last})
-    TORCH_CHECK_TYPE(t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(),
-                     "kv_indptr, kv_page_indices and kv_last_page_len must be contiguous 1-D int32");
-  TORCH_CHECK_VALUE(indptr.size(0) == batch + 1 && last.size(0) == batch, "kv_indptr must be [M + 1 = ",
-                    batch + 1, "] and kv_last_page_len [M], got ", indptr.sizes(), " and ", last.sizes());
-  const int32_t* ip = indptr.data_ptr<int32_t>();
-  const int32_t* lp = last.data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(ip[0] == 0 && ip[batch] <= pages.size(0), "kv_indptr must start at 0 and end at most at ",
-                    pages.size(0), " (the page indices), got ", ip[0], " .. ", ip[batch]);
-  for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK_VALUE(ip[b + 1] > ip[b] && lp[b] >= 1 && lp[b] <= page_size, "request ", b,
-                      " must own >= 1 page and a last-page length in [1, ", page_size, "], got ", ip[b + 1] - ip[b],
-                      " pages, last ", lp[b]);
-  const int32_t* pp = pages.data_ptr<int32_t>();
-  for (int64_t i = 0; i < ip[batch]; ++i)
-    TORCH_CHECK_VALUE(pp[i] >= 0 && pp[i] < num_pages, "kv_page_indices must lie in [0, ", num_pages, "), got ",
-                      pp[i]);
-}
-
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
@@ -234,7 +213,8 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
     TORCH_CHECK_VALUE(pp[i] >= 0 && pp[i] < rope_table.size(0), "positions must lie in [0, ",
                       rope_table.size(0), "), got ", pp[i]);
   check_slots(sp, m, num_slots);
-  check_pages(kv_indptr, kv_page_indices, kv_last_page_len, m, kc0.size(0), kc0.size(1));
+  // The attention operator is reached through the dispatcher once per layer: check the table once here.
+  treeserve_checks::check_page_table(kv_indptr, kv_page_indices, kv_last_page_len, m, kc0.size(0), kc0.size(1));
 
   const Ops& op = ops();
   const int64_t q_size = num_heads * dim;
