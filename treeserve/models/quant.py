@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeserve._cpp import cpp_op_loader, load_cpp_op
+from treeserve._tuning import measured
 from treeserve.models.gguf_op import GGUFWeight, gguf_op_available
 from treeserve.models.int8_op import BLOCK as INT8_BLOCK
 from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear, int8_swiglu_linear
@@ -337,8 +338,6 @@ _tracing = torch.compiler.is_compiling
 
 _CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 _ALL_ROWS = 1 << 62  # a path that wins at the last measured row count serves every larger one
-_crossover_cache: dict[tuple[object, ...], int] = {}
-_int8_cache: dict[tuple[object, ...], bool] = {}
 
 
 def _best_seconds(fn: Callable[[], object], reps: int = 5) -> float:
@@ -360,11 +359,13 @@ def _env_rows(name: str) -> int | None:
     return int(env)
 
 
-def _crossover(key: tuple[object, ...], k: int, dtype: torch.dtype, packed: Callable[[torch.Tensor], object],
+def _crossover(kind: str, key: tuple[object, ...], k: int, dtype: torch.dtype, packed: Callable[[torch.Tensor], object],
                dense: Callable[[torch.Tensor], object]) -> int:
     """The largest row count of ``_CROSSOVER_ROWS`` up to which ``packed(x)`` is at least as fast as
-    ``dense(x)`` (``x [rows, k]``), 0 when never; memoized under ``key``."""
-    if key not in _crossover_cache:
+    ``dense(x)`` (``x [rows, k]``), 0 when never; measured once per host and ``key``
+    (``treeserve._tuning.measured``: kept on disk)."""
+
+    def measure() -> int:
         best = 0
         with torch.inference_mode():
             for rows in _CROSSOVER_ROWS:
@@ -372,15 +373,17 @@ def _crossover(key: tuple[object, ...], k: int, dtype: torch.dtype, packed: Call
                 if _best_seconds(lambda: packed(x)) > _best_seconds(lambda: dense(x)):
                     break
                 best = rows
-        _crossover_cache[key] = best
-    return _crossover_cache[key]
+        return best
+
+    return measured(kind, (*key, k, dtype), int, measure)
 
 
 def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     """The largest row count (of 1, 2, 4 ... 128) up to which the packed path of ``layers`` (run one
     after another, all of one K, as a decode step reads them: the weights do not stay in cache)
     is at least as fast as the large-batch one (``large_forward``) on this machine, 0 when never;
-    measured once per process per set of shapes, dtypes and thread count. ``TREESERVE_PACKED_MAX_ROWS`` (an int >= 0)
+    measured once per host per set of shapes, dtypes and thread count (kept on disk: ``treeserve._tuning``).
+    ``TREESERVE_PACKED_MAX_ROWS`` (an int >= 0)
     overrides the measurement."""
     env = _env_rows("TREESERVE_PACKED_MAX_ROWS")
     if env is not None:
@@ -388,16 +391,13 @@ def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     group = [layers] if isinstance(layers, PackedLinear) else list(layers)
     if not group or len({m.in_features for m in group}) != 1:
         raise ValueError(f"layers must be a non-empty set of one in_features, got {[m.in_features for m in group]}")
-    key = (
-        tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight_dtype, m.act_dtype, m.int8 is not None)
-              for m in group),
-        torch.get_num_threads(),
-    )
+    key = tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight_dtype, m.act_dtype, m.int8 is not None)
+                for m in group)
 
     def run(fn: Callable[[PackedLinear, torch.Tensor], object]) -> Callable[[torch.Tensor], None]:
         return lambda x: [fn(m, x) for m in group] and None
 
-    return _crossover(key, group[0].in_features, group[0].weight_dtype,
+    return _crossover("packed-rows", key, group[0].in_features, group[0].weight_dtype,
                       run(lambda m, x: m.packed_forward(x)), run(lambda m, x: m.large_forward(x)))
 
 
@@ -406,7 +406,8 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
     them) an int8 copy of its weight (``Int8Weight``: rotated, per-channel 8-bit codes, row-wise
     7-bit activations, ``int8_op``; K a multiple of 64) for its batches above ``packed_max_rows``,
     when the int8 GEMM is available and, at ``rows`` rows, faster than ``F.linear`` on the dense
-    weights on this machine (measured once per process per set of shapes and thread count). ``TREESERVE_INT8`` = ``0`` /
+    weights on this machine (measured once per host per set of shapes and thread count, kept on disk:
+    ``treeserve._tuning``). ``TREESERVE_INT8`` = ``0`` /
     ``1`` overrides the measurement (``1`` still needs the operator). Returns whether it did."""
     group = list(layers)
     env = os.environ.get("TREESERVE_INT8")
@@ -416,17 +417,20 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
         return False
     if len({m.in_features for m in group}) != 1:
         raise ValueError(f"layers must share one in_features, got {[m.in_features for m in group]}")
-    weights = [Int8Weight.from_dense(m.weight) for m in group]
-    if env is None:
-        key = (tuple((m.out_features, m.in_features, m.weight_dtype) for m in group), rows, torch.get_num_threads())
-        if key not in _int8_cache:
-            with torch.inference_mode():
-                x = torch.randn(rows, group[0].in_features, dtype=group[0].weight_dtype)
-                dense = _best_seconds(lambda: [F.linear(x, m.weight) for m in group])
-                xf = x.float()
-                _int8_cache[key] = _best_seconds(lambda: [int8_linear(xf, w) for w in weights]) < dense
-        if not _int8_cache[key]:
-            return False
+    built: list[Int8Weight] = []  # the measurement's weights, kept for the layers
+
+    def measure() -> bool:
+        built.extend(Int8Weight.from_dense(m.weight) for m in group)
+        with torch.inference_mode():
+            x = torch.randn(rows, group[0].in_features, dtype=group[0].weight_dtype)
+            dense = _best_seconds(lambda: [F.linear(x, m.weight) for m in group])
+            xf = x.float()
+            return _best_seconds(lambda: [int8_linear(xf, w) for w in built]) < dense
+
+    key = (tuple((m.out_features, m.in_features, m.weight_dtype) for m in group), rows)
+    if env is None and not measured("int8", key, bool, measure):
+        return False
+    weights = built or [Int8Weight.from_dense(m.weight) for m in group]
     for m, w in zip(group, weights):
         m.int8 = w
     return True
@@ -521,13 +525,13 @@ class ExactHead(nn.Module):
         env = _env_rows("TREESERVE_HEAD_PACKED_MAX_ROWS")
         if env is not None:
             return env
-        key = ("head", *self.weight.shape, self.qtype, self.bf16_max_rows, torch.get_num_threads())
-        return _crossover(key, self.weight.shape[1], torch.float32, self._packed,
+        key = (*self.weight.shape, self.qtype, self.bf16_max_rows)
+        return _crossover("head-packed-rows", key, self.weight.shape[1], torch.float32, self._packed,
                           lambda x: self._bf16(x) if x.shape[0] <= self.bf16_max_rows else F.linear(x, self.weight))
 
     def _bf16_rows(self) -> int:
         """Rows up to which the bf16 first pass (``_bf16``) beats the float32 head on this machine
-        (measured once per process per shape and thread count over 1 ... 128 rows; winning at 128
+        (measured once per host per shape and thread count over 1 ... 128 rows, kept on disk; winning at 128
         counts for every size). Native bf16 dot products (AVX-512 BF16, AMX) win at every size, an
         AVX2 CPU at a few rows at most, and CPU contention moves it.
         ``TREESERVE_EXACT_HEAD=bf16|f32`` overrides."""
@@ -536,8 +540,8 @@ class ExactHead(nn.Module):
             if env not in ("bf16", "f32"):
                 raise ValueError(f"TREESERVE_EXACT_HEAD must be 'bf16' or 'f32', got {env!r}")
             return _ALL_ROWS if env == "bf16" else 0
-        key = ("head-bf16", *self.weight.shape, self._w16_packed is not None, torch.get_num_threads())
-        rows = _crossover(key, self.weight.shape[1], torch.float32, lambda x: self._bf16(x).float(),
+        key = (*self.weight.shape, self._w16_packed is not None)
+        rows = _crossover("head-bf16-rows", key, self.weight.shape[1], torch.float32, lambda x: self._bf16(x).float(),
                           lambda x: F.linear(x, self.weight))
         return _ALL_ROWS if rows == _CROSSOVER_ROWS[-1] else rows
 
