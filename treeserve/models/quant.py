@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -57,6 +57,7 @@ __all__ = [
     "ExactHead",
     "GGUFWeight",
     "Int4Planes",
+    "PACKABLE",
     "PackedLinear",
     "check_quantization",
     "measure_crossover",
@@ -217,20 +218,25 @@ class PackedLinear(nn.Module):
     def __init__(
         self,
         codes: Int4Planes | GGUFWeight,
-        weight: torch.Tensor,
+        weight: torch.Tensor | None,
         bias: torch.Tensor | None,
         act_dtype: torch.dtype = torch.bfloat16,
         packed_max_rows: int = 0,
+        weight_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         n, k = codes.shape
-        if tuple(weight.shape) != (n, k):
+        if weight is None:  # built from the codes alone: ``dense_weight()`` makes it when asked
+            if not isinstance(codes, GGUFWeight) or weight_dtype is None:
+                raise ValueError("weight may be None only for GGUFWeight codes with a weight_dtype")
+        elif tuple(weight.shape) != (n, k):
             raise ValueError(f"weight must have the codes' shape {(n, k)}, got {tuple(weight.shape)}")
         self.in_features, self.out_features = k, n
         self.act_dtype = act_dtype
-        self.weight_dtype = weight.dtype
+        self.weight_dtype = weight.dtype if weight is not None else weight_dtype
         self.packed_max_rows = packed_max_rows
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        if weight is not None:
+            self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         self.int8: Int8Weight | None = None  # set by ``use_int8`` where the int8 GEMM pays
         self.qtype = codes.qtype if isinstance(codes, GGUFWeight) else None
@@ -260,8 +266,12 @@ class PackedLinear(nn.Module):
 
     def large_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The product for batches above ``packed_max_rows`` (``x [M, K]``): the int8 GEMM when
-        ``int8`` is set (and Dynamo is not tracing), else ``F.linear`` on the dense weight."""
+        ``int8`` is set (and Dynamo is not tracing), else ``F.linear`` on the dense weight
+        (``RuntimeError`` when it is not held: see ``dense_weight``)."""
         if self.int8 is None or _tracing():
+            if not self.has_dense:
+                raise RuntimeError(f"PackedLinear {self.out_features}x{self.in_features} holds no dense weight "
+                                   "(built from its codes alone); call dense_weight() or restore_dense() first")
             return F.linear(x, self.weight, self.bias)
         y = int8_linear(x.float(), self.int8).to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -291,11 +301,17 @@ class PackedLinear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """The dense weight ``[N, K]`` in the model dtype, rebuilt from the codes (and kept as
-        ``weight`` again) when it was dropped."""
+        ``weight`` again) when it was dropped or never built."""
         if not self.has_dense:
-            codes = GGUFWeight(self.qtype, self.raw, self.in_features)  # type: ignore[arg-type]
-            self.weight = nn.Parameter(codes.dequantize().to(self.weight_dtype), requires_grad=False)
+            self.weight = nn.Parameter(self.dequantized(), requires_grad=False)
         return self.weight
+
+    def dequantized(self) -> torch.Tensor:
+        """The dense weight ``[N, K]`` in the model dtype: ``weight`` when held, else made from the
+        codes for the caller alone (not kept)."""
+        if self.has_dense:
+            return self.weight
+        return GGUFWeight(self.qtype, self.raw, self.in_features).dequantize(self.weight_dtype)  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K] -> [..., N]``, routed by its number of rows (leading dimensions flattened)."""
@@ -354,8 +370,10 @@ def _env_rows(name: str) -> int | None:
     env = os.environ.get(name)
     if env is None:
         return None
+    if env == "all":
+        return _ALL_ROWS
     if not env.isdigit():
-        raise ValueError(f"{name} must be an int >= 0, got {env!r}")
+        raise ValueError(f"{name} must be an int >= 0 or 'all', got {env!r}")
     return int(env)
 
 
@@ -378,12 +396,28 @@ def _crossover(kind: str, key: tuple[object, ...], k: int, dtype: torch.dtype, p
     return measured(kind, (*key, k, dtype), int, measure)
 
 
+_MEASURE_BYTES = 1 << 30
+
+
+def _measured_part(group: list[PackedLinear]) -> list[PackedLinear]:
+    """The first layers of ``group`` whose dense float32 weights total at most 1 GiB (at least one):
+    what a measurement times. More than a last-level cache, so the weights are read from memory as
+    in a step, and a measurement of a large model needs neither all its dense weights at once nor
+    minutes."""
+    total = 0
+    for i, m in enumerate(group):
+        total += 4 * m.in_features * m.out_features
+        if total > _MEASURE_BYTES:
+            return group[: max(i, 1)]
+    return group
+
+
 def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     """The largest row count (of 1, 2, 4 ... 128) up to which the packed path of ``layers`` (run one
     after another, all of one K, as a decode step reads them: the weights do not stay in cache)
     is at least as fast as the large-batch one (``large_forward``) on this machine, 0 when never;
     measured once per host per set of shapes, dtypes and thread count (kept on disk: ``treeserve._tuning``).
-    ``TREESERVE_PACKED_MAX_ROWS`` (an int >= 0)
+    ``TREESERVE_PACKED_MAX_ROWS`` (an int >= 0, or ``all``: every batch, see ``pack_model``)
     overrides the measurement."""
     env = _env_rows("TREESERVE_PACKED_MAX_ROWS")
     if env is not None:
@@ -391,6 +425,7 @@ def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     group = [layers] if isinstance(layers, PackedLinear) else list(layers)
     if not group or len({m.in_features for m in group}) != 1:
         raise ValueError(f"layers must be a non-empty set of one in_features, got {[m.in_features for m in group]}")
+    group = _measured_part(group)
     key = tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight_dtype, m.act_dtype, m.int8 is not None)
                 for m in group)
 
@@ -417,20 +452,22 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
         return False
     if len({m.in_features for m in group}) != 1:
         raise ValueError(f"layers must share one in_features, got {[m.in_features for m in group]}")
-    built: list[Int8Weight] = []  # the measurement's weights, kept for the layers
+    timed = _measured_part(group)
+    built: list[Int8Weight] = []  # the measurement's weights, kept for their layers
 
     def measure() -> bool:
-        built.extend(Int8Weight.from_dense(m.weight) for m in group)
+        dense = [m.dequantized() for m in timed]
+        built.extend(Int8Weight.from_dense(w) for w in dense)
         with torch.inference_mode():
             x = torch.randn(rows, group[0].in_features, dtype=group[0].weight_dtype)
-            dense = _best_seconds(lambda: [F.linear(x, m.weight) for m in group])
+            dense_s = _best_seconds(lambda: [F.linear(x, w) for w in dense])
             xf = x.float()
-            return _best_seconds(lambda: [int8_linear(xf, w) for w in built]) < dense
+            return _best_seconds(lambda: [int8_linear(xf, w) for w in built]) < dense_s
 
-    key = (tuple((m.out_features, m.in_features, m.weight_dtype) for m in group), rows)
+    key = (tuple((m.out_features, m.in_features, m.weight_dtype) for m in timed), rows)
     if env is None and not measured("int8", key, bool, measure):
         return False
-    weights = built or [Int8Weight.from_dense(m.weight) for m in group]
+    weights = built + [Int8Weight.from_dense(m.dequantized()) for m in group[len(built):]]
     for m, w in zip(group, weights):
         m.int8 = w
     return True
@@ -446,6 +483,9 @@ def _rescore_op_available() -> bool:
     re-scoring in two passes per row) is built; otherwise the torch ops below serve."""
     source = Path(__file__).with_name("csrc") / "exact_head.cpp"
     return load_cpp_op(source, "exact_head_rescore", "C++ exact-head re-scoring", _rescore_fake) is None
+
+
+_NORM_ROWS = 8192
 
 
 class ExactHead(nn.Module):
@@ -478,7 +518,8 @@ class ExactHead(nn.Module):
             raise ValueError(f"packed must have weight's shape {tuple(weight.shape)}, got {packed.shape}")
         self.weight = weight  # shared with a tied embedding
         self.max_candidates = max_candidates
-        self.register_buffer("row_norms", weight.detach().double().norm(dim=1).float(), persistent=False)
+        norms = [rows.double().norm(dim=1) for rows in weight.detach().split(_NORM_ROWS)]  # float64 a chunk at a time
+        self.register_buffer("row_norms", torch.cat(norms).float(), persistent=False)
         k = weight.shape[1]
         self.bound_factor = 2.0**-8 + 2.0**-9 + 2.0**-16 + 2 * (k + 2) * 2.0**-24
         self.packed_bound_factor = 2 * (k + 2) * 2.0**-24
@@ -602,7 +643,8 @@ class ExactHead(nn.Module):
 
 
 QUANTIZATIONS = ("auto", "int4", "int8", None)
-_PACKABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+PACKABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+"""The decoder projections ``pack_model`` packs (names inside a layer)."""
 
 
 def check_quantization(quantization: object) -> None:
@@ -617,6 +659,7 @@ def pack_model(
     quantization: str | None,
     act_dtype: torch.dtype = torch.bfloat16,
     head_codes: GGUFWeight | None = None,
+    unloaded: Collection[str] = (),
 ) -> nn.Module:
     """Swap ``model``'s decoder projections for ``PackedLinear`` and its head for ``ExactHead``, in place.
 
@@ -628,6 +671,13 @@ def pack_model(
     ``ExactHead`` first pass for small batches. The packed/dense crossover is measured once per
     input width over all packed projections of that width (``measure_crossover``). CPU models
     only: others are returned as is.
+
+    ``unloaded``: projections (names as for ``planes_for``) whose dense weight the loader never
+    filled (uninitialised, untouched): their codes must be ``GGUFWeight``; they get a dense weight,
+    dequantized from the codes one projection at a time, only where their large batches need one
+    (no int8 copy), so a model loads without a dense copy of all its projections.
+    ``TREESERVE_PACKED_MAX_ROWS=all``: the packed path serves every batch size, so no int8 copy is
+    made and ``unloaded`` projections never hold a dense weight (the codes alone stay resident).
     """
     check_quantization(quantization)
     if quantization is None or model.device.type != "cpu":
@@ -635,7 +685,7 @@ def pack_model(
     quantizer = {"int4": quantize_int4, "int8": quantize_int8}.get(quantization)
     packed: dict[int, list[PackedLinear]] = {}
     for i, layer in enumerate(model.layers):
-        for sub in _PACKABLE:
+        for sub in PACKABLE:
             name = f"layers.{i}.{sub}"
             dense = layer.get_submodule(sub)
             codes, weight = planes_for(name), dense.weight  # shipped codes: the loader dequantized them
@@ -644,12 +694,18 @@ def pack_model(
                 weight = codes.dequantize().to(dense.weight.dtype)
             if codes is None:
                 continue
-            new = PackedLinear(codes, weight, dense.bias, act_dtype)
+            new = PackedLinear(codes, None if name in unloaded else weight, dense.bias, act_dtype,
+                               weight_dtype=weight.dtype)
             parent, _, attr = sub.rpartition(".")
             setattr(layer.get_submodule(parent), attr, new)
             packed.setdefault(new.in_features, []).append(new)
+    packed_everywhere = _env_rows("TREESERVE_PACKED_MAX_ROWS") == _ALL_ROWS  # no large-batch path
     for group in packed.values():
-        use_int8(group)  # before the crossover, which races the packed path against the large one
+        if not packed_everywhere:
+            use_int8(group)  # before the crossover, which races the packed path against the large one
+            for m in group:
+                if m.int8 is None:  # the large batches' F.linear reads it
+                    m.dense_weight()
         rows = measure_crossover(group)
         for m in group:
             m.packed_max_rows = rows
