@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from treeserve.models.config import ModelConfig
-from treeserve.models.gguf_file import GGUFTensor, read_gguf
+from treeserve.models.gguf_file import GGUFTensor, read_gguf, release_pages
 from treeserve.models.llama import LlamaForCausalLM
 from treeserve.models.parallel import TPShard, check_shard_quantization
 from treeserve.models.gguf_op import BLOCK_BYTES, GGUFWeight, gguf_op_available
@@ -213,9 +213,19 @@ def load_gguf_model(
             planes = planes.permute_rows(lambda a, h=heads: unpermute_qk(a, h))
         return planes
 
+    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+
     def get(hf: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """``hf`` dequantized (a copy); its pages of the file leave the resident set unless the
+        head's first pass reads them as codes."""
+        w = _get(hf, rows)
+        if not (use_op and hf == head_name):
+            release_pages(by_hf[hf])
+        return w
+
+    def _get(hf: str, rows: tuple[int, int] | None) -> torch.Tensor:
         if use_op and rows is None and file_shape(hf) == shapes.get(hf):
-            codes = codes_of(hf)  # quantized loads: torch's float32 dequantization, bitwise gguf's
+            codes = codes_of(hf)  # quantized loads: float32 blocks a chunk at a time, bitwise gguf's
             if isinstance(codes, GGUFWeight):
                 return codes.dequantize()
         w = _dequantize(by_hf[hf], rows)
@@ -256,9 +266,12 @@ def load_gguf_model(
                     found = planes_for(name)
                     if isinstance(found, GGUFWeight):
                         codes[name] = found
+                        copied = [hf for hf in sources[name + ".weight"] if len(sources[name + ".weight"]) > 1
+                                  or heads_of(hf) is not None]  # fused or unpermuted: the codes are a copy
+                        for hf in copied:
+                            release_pages(by_hf[hf])
     model = build_model(config, get, by_hf, dtype=dtype, device=device, shard=shard, get_slice=get_slice,
                         skip={name + ".weight" for name in codes})
-    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     head = codes_of(head_name) if use_op and head_name in by_hf else None
     return pack_model(model, lambda name: codes[name] if name in codes else planes_for(name), quantization,
                       head_codes=head if isinstance(head, GGUFWeight) else None, unloaded=codes.keys())
