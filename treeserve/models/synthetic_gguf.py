@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from treeserve.models.tokenizer import _byte_alphabet
 
-__all__ = ["SPECS", "SyntheticSpec", "synthetic_tensor_shapes", "write_synthetic_gguf"]
+__all__ = ["SPECS", "SyntheticSpec", "add_metadata", "synthetic_tensor_shapes", "write_synthetic_gguf"]
 
 _WEIGHT_STD = 0.02
 # Spread of each block's |q| (uniform random codes): Q4_0 ``q - 8``, Q4_1 ``q``, Q8_0 ``q`` (int8).
@@ -102,6 +102,28 @@ def _tensor(name: str, shape: tuple[int, ...], qtype: str, rng: np.random.Genera
     return _random_blocks(rng, qtype, shape)  # type: ignore[arg-type]
 
 
+def add_metadata(w: GGUFWriter, spec: SyntheticSpec, rms_norm_eps: float, tokens: list[str], merges: list[str],
+                 token_types: list[int], bos: int, eos: int) -> None:
+    """Add the metadata ``gguf_config`` and ``Tokenizer.from_gguf_metadata`` read (model shape, RoPE
+    base, norm epsilon, a byte-level BPE vocabulary, BOS / EOS) to ``w``, as llama.cpp's converter names it."""
+    w.add_block_count(spec.num_layers)
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(spec.hidden_size)
+    w.add_feed_forward_length(spec.intermediate_size)
+    w.add_head_count(spec.num_heads)
+    w.add_head_count_kv(spec.num_kv_heads)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(rms_norm_eps)
+    w.add_vocab_size(spec.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(token_types)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+
+
 def write_synthetic_gguf(path: str | Path, spec: str | SyntheticSpec = "llama-3.2-1b", qtype: str = "Q4_0",
                          seed: int = 0, num_layers: int | None = None) -> Path:
     """Write the synthetic GGUF file of ``spec`` (a name of ``SPECS`` or a ``SyntheticSpec``) to ``path``.
@@ -122,22 +144,8 @@ def write_synthetic_gguf(path: str | Path, spec: str | SyntheticSpec = "llama-3.
     path = Path(path)
     w = GGUFWriter(str(path), spec.architecture)
     w.add_name(f"synthetic-{spec.architecture}-{qtype}-seed{seed}")
-    w.add_block_count(spec.num_layers)
-    w.add_context_length(spec.context_length)
-    w.add_embedding_length(spec.hidden_size)
-    w.add_feed_forward_length(spec.intermediate_size)
-    w.add_head_count(spec.num_heads)
-    w.add_head_count_kv(spec.num_kv_heads)
-    w.add_rope_freq_base(spec.rope_theta)
-    w.add_layer_norm_rms_eps(1e-5 if spec.architecture == "llama" else 1e-6)
-    w.add_vocab_size(spec.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(_vocabulary(spec.vocab_size))
-    w.add_token_merges(["a b"])
-    w.add_token_types([1] * spec.vocab_size)
-    w.add_bos_token_id(spec.vocab_size - 2)
-    w.add_eos_token_id(spec.vocab_size - 1)
+    add_metadata(w, spec, 1e-5 if spec.architecture == "llama" else 1e-6, _vocabulary(spec.vocab_size), ["a b"],
+                 [1] * spec.vocab_size, bos=spec.vocab_size - 2, eos=spec.vocab_size - 1)
     shapes = synthetic_tensor_shapes(spec)
     raw = GGMLQuantizationType[qtype]
     block, type_size = GGML_QUANT_SIZES[raw]
