@@ -1,8 +1,8 @@
 """Load a Llama-family GGUF file: configuration, dequantized weights and tokenizer metadata.
 
 The header is parsed by :mod:`treeserve.models.gguf_file` (0.1 s instead of ``gguf.GGUFReader``'s
-4-6 s for a 49k-token vocabulary). Weights are dequantized with ``gguf.quants.dequantize`` (vectorized numpy) and handed to
-``build_model`` under HF names. llama.cpp stores the Q/K projections of ``llama`` models
+4-6 s for a 49k-token vocabulary). Weights are dequantized with ``gguf.quants.dequantize`` (vectorized numpy; a
+chunk of rows at a time for quantized loads) and handed to ``build_model`` under HF names. llama.cpp stores the Q/K projections of ``llama`` models
 permuted for its interleaved RoPE; they are permuted back here to the rotate-half layout.
 """
 
@@ -168,6 +168,10 @@ def load_gguf_model(
 
     With ``quantization`` (see ``treeserve.models.quant.pack_model``) the decoder projections
     whose tensors are all Q4_0 / Q4_1 / Q8_0 also keep the file's codes, packed, for decode steps.
+    Where the C++ GGUF operator multiplies them (CPU), those projections are built from the codes
+    alone, one at a time (``pack_model(unloaded=...)``): no dense copy of them is ever made beyond
+    what their large batches keep, and the file's pages of every tensor that was copied or
+    dequantized leave the resident set (``release_pages``).
     ``shard``: build that tensor-parallel rank's shard (dense only); row slices (QKV, gate|up,
     vocab) are read and dequantized alone, column slices (o_proj, down_proj) from the whole tensor.
     """
