@@ -6,6 +6,7 @@
 - ``@pytest.mark.gpu`` tests skip cleanly when CUDA is absent.
 - ``TREESERVE_DEBUG_CHECKS=1``: the value checks that read device data on the host (slot ranges,
   page indices, allocator double frees) run in tests; production steps skip them.
+- ``TREESERVE_CACHE_DIR``: a temporary folder per session (load-time measurements), removed at exit.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ def _cuda_present() -> bool:
 
 
 os.environ.setdefault("TREESERVE_DEBUG_CHECKS", "1")
+
+# Load-time measurements (treeserve._tuning) go to a per-session folder, whatever the developer's
+# environment says: the suite never reads (or removes) a real cache.
+import atexit, shutil, tempfile  # noqa: E401, E402
+
+os.environ["TREESERVE_CACHE_DIR"] = _session_cache = tempfile.mkdtemp(prefix="treeserve-test-cache-")
+atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
 
 if not _cuda_present():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -13,6 +13,7 @@ from gguf.quants import quantize
 
 from treeserve.models import LlamaForCausalLM
 from treeserve.runner import PagedSequence
+from treeserve.models.synthetic_gguf import SyntheticSpec, add_metadata
 from treeserve.models.weights import hf_state_dict
 
 
@@ -90,22 +91,11 @@ def write_gguf(
     cfg = model.config
     arch = architecture or ("qwen2" if cfg.architecture == "qwen2" else "llama")
     w = GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tiny_vocab(cfg.vocab_size))
-    w.add_token_merges(["a b"])
-    w.add_token_types([3] * 4 + [1] * (cfg.vocab_size - 4))
-    w.add_bos_token_id(cfg.bos_token_id or 1)
-    w.add_eos_token_id(cfg.eos_token_ids[0] if cfg.eos_token_ids else 2)
+    spec = SyntheticSpec(arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size,
+                         cfg.vocab_size, cfg.tie_word_embeddings, cfg.attention_bias, cfg.rope_theta,
+                         cfg.max_position_embeddings)
+    add_metadata(w, spec, cfg.rms_norm_eps, tiny_vocab(cfg.vocab_size), ["a b"], [3] * 4 + [1] * (cfg.vocab_size - 4),
+                 bos=cfg.bos_token_id or 1, eos=cfg.eos_token_ids[0] if cfg.eos_token_ids else 2)
     for hf, t in hf_state_dict(model).items():
         name = _gguf_name(hf)
         if name in drop:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["GGUFTensor", "read_gguf"]
+__all__ = ["GGUFTensor", "read_gguf", "release_pages"]
 
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
@@ -155,3 +155,17 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
             data = raw.reshape(*np_shape[:-1], np_shape[-1] // block * type_size) if np_shape else raw
         tensors[name] = GGUFTensor(name, ggml_type, dims, n_elements, n_bytes, begin, data)
     return metadata, tensors
+
+
+def release_pages(t: GGUFTensor) -> None:
+    """Drop ``t``'s pages of the mapped file from this process's resident set (``MADV_DONTNEED`` on
+    the pages it spans): for a tensor a loader has copied or dequantized and will not read again.
+    The data stays valid (a later read faults it in from the page cache or the file); the pages
+    stay in the OS page cache, which the kernel may reclaim. A no-op where ``madvise`` is missing."""
+    owner: object = t.data
+    while isinstance(owner, (np.ndarray, memoryview)):
+        owner = owner.base if isinstance(owner, np.ndarray) else owner.obj
+    if not isinstance(owner, mmap.mmap) or not hasattr(owner, "madvise") or t.n_bytes == 0:
+        return
+    start = t.data_offset - t.data_offset % mmap.PAGESIZE
+    owner.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)

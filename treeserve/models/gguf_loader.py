@@ -1,8 +1,8 @@
 """Load a Llama-family GGUF file: configuration, dequantized weights and tokenizer metadata.
 
 The header is parsed by :mod:`treeserve.models.gguf_file` (0.1 s instead of ``gguf.GGUFReader``'s
-4-6 s for a 49k-token vocabulary). Weights are dequantized with ``gguf.quants.dequantize`` (vectorized numpy) and handed to
-``build_model`` under HF names. llama.cpp stores the Q/K projections of ``llama`` models
+4-6 s for a 49k-token vocabulary). Weights are dequantized with ``gguf.quants.dequantize`` (vectorized numpy; a
+chunk of rows at a time for quantized loads) and handed to ``build_model`` under HF names. llama.cpp stores the Q/K projections of ``llama`` models
 permuted for its interleaved RoPE; they are permuted back here to the rotate-half layout.
 """
 
@@ -17,12 +17,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from treeserve.models.config import ModelConfig
-from treeserve.models.gguf_file import GGUFTensor, read_gguf
+from treeserve.models.gguf_file import GGUFTensor, read_gguf, release_pages
 from treeserve.models.llama import LlamaForCausalLM
 from treeserve.models.parallel import TPShard, check_shard_quantization
 from treeserve.models.gguf_op import BLOCK_BYTES, GGUFWeight, gguf_op_available
-from treeserve.models.quant import Int4Planes, pack_model, planes_from_gguf
-from treeserve.models.weights import build_model, fused_names
+from treeserve.models.quant import PACKABLE, Int4Planes, pack_model, planes_from_gguf
+from treeserve.models.weights import build_model, expected_hf_shapes, fused_names
 
 __all__ = ["GGUFContents", "gguf_config", "load_gguf_model", "open_gguf", "unpermute_qk"]
 
@@ -168,6 +168,10 @@ def load_gguf_model(
 
     With ``quantization`` (see ``treeserve.models.quant.pack_model``) the decoder projections
     whose tensors are all Q4_0 / Q4_1 / Q8_0 also keep the file's codes, packed, for decode steps.
+    Where the C++ GGUF operator multiplies them (CPU), those projections are built from the codes
+    alone, one at a time (``pack_model(unloaded=...)``): no dense copy of them is ever made beyond
+    what their large batches keep, and the file's pages of every tensor that was copied or
+    dequantized leave the resident set (``release_pages``).
     ``shard``: build that tensor-parallel rank's shard (dense only); row slices (QKV, gate|up,
     vocab) are read and dequantized alone, column slices (o_proj, down_proj) from the whole tensor.
     """
@@ -181,48 +185,70 @@ def load_gguf_model(
         "self_attn.k_proj": config.num_kv_heads,
     }
 
-    def get(hf: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        w = _dequantize(by_hf[hf], rows)
-        full_rows = int(by_hf[hf].shape[-1])
-        if config.architecture == "llama":
-            for proj, heads in permute_heads.items():
-                # A wrong row count is left for build_model to report with the tensor's name;
-                # a head-aligned row slice is unpermuted head by head like the whole tensor.
-                if f".{proj}." in hf and full_rows == heads * config.head_dim:
-                    w = unpermute_qk(w, w.shape[0] // config.head_dim)
-        # F32 tensors come back as read-only views of the mapped file: copy those.
-        return torch.from_numpy(w if w.flags.writeable else w.copy())
-
-    def get_slice(hf: str, dim: int, start: int, stop: int) -> tuple[torch.Tensor, tuple[int, ...]]:
-        full = tuple(int(d) for d in reversed(by_hf[hf].shape))
-        if dim == 0 and full[0] >= stop:
-            return get(hf, (start, stop)), full
-        return get(hf), full  # build_model narrows it
-
-    model = build_model(config, get, by_hf, dtype=dtype, device=device, shard=shard, get_slice=get_slice)
-    sources = dict(fused_names(config))
-
     use_op = quantization is not None and gguf_op_available()
+    shapes = expected_hf_shapes(config)
+
+    def file_shape(hf: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(by_hf[hf].shape))  # GGUF lists the fastest-varying dim first
+
+    def heads_of(hf: str) -> int | None:
+        """The head count whose llama.cpp row permutation ``hf`` carries, or None."""
+        if config.architecture != "llama":
+            return None
+        return next((h for proj, h in permute_heads.items() if f".{proj}." in hf), None)
 
     def codes_of(hf: str) -> Int4Planes | GGUFWeight | None:
-        """One tensor's shipped codes: its blocks as they are for the C++ operator, else int4
-        planes for torch's kernel; None for another type."""
+        """One tensor's shipped codes (rows unpermuted): its blocks as they are for the C++ operator,
+        else int4 planes for torch's kernel; None for another type."""
         t = by_hf[hf]
         qtype = GGMLQuantizationType(t.tensor_type).name
         if qtype not in BLOCK_BYTES:
             return None
-        shape = tuple(int(d) for d in reversed(t.shape))
+        shape = file_shape(hf)
         raw = np.asarray(t.data).view(np.ndarray)
-        heads = next((h for proj, h in permute_heads.items() if f".{proj}." in hf), None)
+        heads = heads_of(hf)
         if use_op:
             rows = raw.view(np.uint8).reshape(shape[0], -1)
-            if config.architecture == "llama" and heads is not None:
+            if heads is not None:
                 rows = unpermute_qk(rows, heads)
             return GGUFWeight.from_bytes(qtype, np.ascontiguousarray(rows), shape)
         planes = planes_from_gguf(qtype, raw, shape)
-        if config.architecture == "llama" and heads is not None:
+        if heads is not None:
             planes = planes.permute_rows(lambda a, h=heads: unpermute_qk(a, h))
         return planes
+
+    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+
+    def get(hf: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """``hf`` dequantized (a copy); its pages of the file leave the resident set unless the
+        head's first pass reads them as codes."""
+        w = _get(hf, rows)
+        if not (use_op and hf == head_name):
+            release_pages(by_hf[hf])
+        return w
+
+    def _get(hf: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        if use_op and rows is None and file_shape(hf) == shapes.get(hf):
+            codes = codes_of(hf)  # quantized loads: float32 blocks a chunk at a time, bitwise gguf's
+            if isinstance(codes, GGUFWeight):
+                return codes.dequantize()
+        w = _dequantize(by_hf[hf], rows)
+        full_rows = int(by_hf[hf].shape[-1])
+        heads = heads_of(hf)
+        # A wrong row count is left for build_model to report with the tensor's name;
+        # a head-aligned row slice is unpermuted head by head like the whole tensor.
+        if heads is not None and full_rows == heads * config.head_dim:
+            w = unpermute_qk(w, w.shape[0] // config.head_dim)
+        # F32 tensors come back as read-only views of the mapped file: copy those.
+        return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    def get_slice(hf: str, dim: int, start: int, stop: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+        full = file_shape(hf)
+        if dim == 0 and full[0] >= stop:
+            return get(hf, (start, stop)), full
+        return get(hf), full  # build_model narrows it
+
+    sources = dict(fused_names(config))
 
     def planes_for(name: str) -> Int4Planes | GGUFWeight | None:
         parts = [codes_of(hf) for hf in sources[name + ".weight"]]
@@ -232,6 +258,24 @@ def load_gguf_model(
             return GGUFWeight.cat_rows(parts) if len({p.qtype for p in parts}) == 1 else None
         return Int4Planes.cat_rows(parts)
 
-    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    head = codes_of(head_name) if use_op and quantization is not None and head_name in by_hf else None
-    return pack_model(model, planes_for, quantization, head_codes=head if isinstance(head, GGUFWeight) else None)
+    # Projections whose codes the C++ operator multiplies are built from the codes alone, one at a
+    # time (``pack_model``): their dense weights are never loaded (a tensor of the wrong shape is
+    # loaded, for build_model to report).
+    codes: dict[str, GGUFWeight] = {}
+    if use_op and torch.device(device).type == "cpu":
+        for i in range(config.num_layers):
+            for sub in PACKABLE:
+                name = f"layers.{i}.{sub}"
+                if all(hf in by_hf and file_shape(hf) == shapes[hf] for hf in sources[name + ".weight"]):
+                    found = planes_for(name)
+                    if isinstance(found, GGUFWeight):
+                        codes[name] = found
+                        copied = [hf for hf in sources[name + ".weight"] if len(sources[name + ".weight"]) > 1
+                                  or heads_of(hf) is not None]  # fused or unpermuted: the codes are a copy
+                        for hf in copied:
+                            release_pages(by_hf[hf])
+    model = build_model(config, get, by_hf, dtype=dtype, device=device, shard=shard, get_slice=get_slice,
+                        skip={name + ".weight" for name in codes})
+    head = codes_of(head_name) if use_op and head_name in by_hf else None
+    return pack_model(model, lambda name: codes[name] if name in codes else planes_for(name), quantization,
+                      head_codes=head if isinstance(head, GGUFWeight) else None, unloaded=codes.keys())

@@ -27,6 +27,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from treeserve._cpp import cpp_op_loader, load_cpp_op
 
@@ -71,18 +73,17 @@ class GGUFWeight(NamedTuple):
         return self.raw.shape[0], self.in_features
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight ``[N, K]`` in ``dtype``, computed in float64 (exact for f16 scales)."""
+        """The weight ``[N, K]`` in ``dtype``: float32 blocks from ``gguf.quants`` (llama.cpp's
+        arithmetic), then cast; rows go in chunks of ~4M weights, so the temporaries stay a few
+        tens of MB whatever the size."""
         n, k = self.shape
-        blocks = self.raw.reshape(n, k // GROUP, BLOCK_BYTES[self.qtype])
-        d = blocks[..., :2].contiguous().view(torch.float16).double()  # [n, nb, 1]
-        if self.qtype == "Q8_0":
-            w = blocks[..., 2:].contiguous().view(torch.int8).double() * d
-        else:
-            qs = blocks[..., -16:]
-            q = torch.cat([qs & 15, qs >> 4], -1).double()
-            off = blocks[..., 2:4].contiguous().view(torch.float16).double() if self.qtype == "Q4_1" else -8 * d
-            w = q * d + off
-        return w.reshape(n, k).to(dtype)
+        out = torch.empty(n, k, dtype=dtype)
+        raw, qtype = self.raw.numpy(), GGMLQuantizationType[self.qtype]
+        step = max(1, _CHUNK_WEIGHTS // k)
+        for start in range(0, n, step):
+            rows = dequantize(raw[start : start + step], qtype).reshape(-1, k)
+            out[start : start + step] = torch.from_numpy(rows)
+        return out
 
     def permute_rows(self, perm: torch.Tensor) -> GGUFWeight:
         """The weight with its rows reordered (``perm``: new row i is old row ``perm[i]``)."""
@@ -94,6 +95,9 @@ class GGUFWeight(NamedTuple):
         if len({(p.qtype, p.in_features) for p in parts}) != 1:
             raise ValueError(f"parts must share qtype and K, got {[(p.qtype, p.in_features) for p in parts]}")
         return GGUFWeight(parts[0].qtype, torch.cat([p.raw for p in parts]), parts[0].in_features)
+
+
+_CHUNK_WEIGHTS = 1 << 22
 
 
 def _fake(x, w, qtype, k):  # type: ignore[no-untyped-def]

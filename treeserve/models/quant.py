@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeserve._cpp import cpp_op_loader, load_cpp_op
+from treeserve._tuning import measured
 from treeserve.models.gguf_op import GGUFWeight, gguf_op_available
 from treeserve.models.int8_op import BLOCK as INT8_BLOCK
 from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear, int8_swiglu_linear
@@ -56,6 +57,7 @@ __all__ = [
     "ExactHead",
     "GGUFWeight",
     "Int4Planes",
+    "PACKABLE",
     "PackedLinear",
     "check_quantization",
     "measure_crossover",
@@ -216,20 +218,25 @@ class PackedLinear(nn.Module):
     def __init__(
         self,
         codes: Int4Planes | GGUFWeight,
-        weight: torch.Tensor,
+        weight: torch.Tensor | None,
         bias: torch.Tensor | None,
         act_dtype: torch.dtype = torch.bfloat16,
         packed_max_rows: int = 0,
+        weight_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         n, k = codes.shape
-        if tuple(weight.shape) != (n, k):
+        if weight is None:  # built from the codes alone: ``dense_weight()`` makes it when asked
+            if not isinstance(codes, GGUFWeight) or weight_dtype is None:
+                raise ValueError("weight may be None only for GGUFWeight codes with a weight_dtype")
+        elif tuple(weight.shape) != (n, k):
             raise ValueError(f"weight must have the codes' shape {(n, k)}, got {tuple(weight.shape)}")
         self.in_features, self.out_features = k, n
         self.act_dtype = act_dtype
-        self.weight_dtype = weight.dtype
+        self.weight_dtype = weight.dtype if weight is not None else weight_dtype
         self.packed_max_rows = packed_max_rows
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        if weight is not None:
+            self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         self.int8: Int8Weight | None = None  # set by ``use_int8`` where the int8 GEMM pays
         self.qtype = codes.qtype if isinstance(codes, GGUFWeight) else None
@@ -259,8 +266,12 @@ class PackedLinear(nn.Module):
 
     def large_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The product for batches above ``packed_max_rows`` (``x [M, K]``): the int8 GEMM when
-        ``int8`` is set (and Dynamo is not tracing), else ``F.linear`` on the dense weight."""
+        ``int8`` is set (and Dynamo is not tracing), else ``F.linear`` on the dense weight
+        (``RuntimeError`` when it is not held: see ``dense_weight``)."""
         if self.int8 is None or _tracing():
+            if not self.has_dense:
+                raise RuntimeError(f"PackedLinear {self.out_features}x{self.in_features} holds no dense weight "
+                                   "(built from its codes alone); call dense_weight() or restore_dense() first")
             return F.linear(x, self.weight, self.bias)
         y = int8_linear(x.float(), self.int8).to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -290,11 +301,17 @@ class PackedLinear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """The dense weight ``[N, K]`` in the model dtype, rebuilt from the codes (and kept as
-        ``weight`` again) when it was dropped."""
+        ``weight`` again) when it was dropped or never built."""
         if not self.has_dense:
-            codes = GGUFWeight(self.qtype, self.raw, self.in_features)  # type: ignore[arg-type]
-            self.weight = nn.Parameter(codes.dequantize().to(self.weight_dtype), requires_grad=False)
+            self.weight = nn.Parameter(self.dequantized(), requires_grad=False)
         return self.weight
+
+    def dequantized(self) -> torch.Tensor:
+        """The dense weight ``[N, K]`` in the model dtype: ``weight`` when held, else made from the
+        codes for the caller alone (not kept)."""
+        if self.has_dense:
+            return self.weight
+        return GGUFWeight(self.qtype, self.raw, self.in_features).dequantize(self.weight_dtype)  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K] -> [..., N]``, routed by its number of rows (leading dimensions flattened)."""
@@ -337,8 +354,6 @@ _tracing = torch.compiler.is_compiling
 
 _CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 _ALL_ROWS = 1 << 62  # a path that wins at the last measured row count serves every larger one
-_crossover_cache: dict[tuple[object, ...], int] = {}
-_int8_cache: dict[tuple[object, ...], bool] = {}
 
 
 def _best_seconds(fn: Callable[[], object], reps: int = 5) -> float:
@@ -355,16 +370,20 @@ def _env_rows(name: str) -> int | None:
     env = os.environ.get(name)
     if env is None:
         return None
+    if env == "all":
+        return _ALL_ROWS
     if not env.isdigit():
-        raise ValueError(f"{name} must be an int >= 0, got {env!r}")
+        raise ValueError(f"{name} must be an int >= 0 or 'all', got {env!r}")
     return int(env)
 
 
-def _crossover(key: tuple[object, ...], k: int, dtype: torch.dtype, packed: Callable[[torch.Tensor], object],
+def _crossover(kind: str, key: tuple[object, ...], k: int, dtype: torch.dtype, packed: Callable[[torch.Tensor], object],
                dense: Callable[[torch.Tensor], object]) -> int:
     """The largest row count of ``_CROSSOVER_ROWS`` up to which ``packed(x)`` is at least as fast as
-    ``dense(x)`` (``x [rows, k]``), 0 when never; memoized under ``key``."""
-    if key not in _crossover_cache:
+    ``dense(x)`` (``x [rows, k]``), 0 when never; measured once per host and ``key``
+    (``treeserve._tuning.measured``: kept on disk)."""
+
+    def measure() -> int:
         best = 0
         with torch.inference_mode():
             for rows in _CROSSOVER_ROWS:
@@ -372,15 +391,33 @@ def _crossover(key: tuple[object, ...], k: int, dtype: torch.dtype, packed: Call
                 if _best_seconds(lambda: packed(x)) > _best_seconds(lambda: dense(x)):
                     break
                 best = rows
-        _crossover_cache[key] = best
-    return _crossover_cache[key]
+        return best
+
+    return measured(kind, (*key, k, dtype), int, measure)
+
+
+_MEASURE_BYTES = 1 << 30
+
+
+def _measured_part(group: list[PackedLinear]) -> list[PackedLinear]:
+    """The first layers of ``group`` whose dense float32 weights total at most 1 GiB (at least one):
+    what a measurement times. More than a last-level cache, so the weights are read from memory as
+    in a step, and a measurement of a large model needs neither all its dense weights at once nor
+    minutes."""
+    total = 0
+    for i, m in enumerate(group):
+        total += 4 * m.in_features * m.out_features
+        if total > _MEASURE_BYTES:
+            return group[: max(i, 1)]
+    return group
 
 
 def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     """The largest row count (of 1, 2, 4 ... 128) up to which the packed path of ``layers`` (run one
     after another, all of one K, as a decode step reads them: the weights do not stay in cache)
     is at least as fast as the large-batch one (``large_forward``) on this machine, 0 when never;
-    measured once per process per set of shapes, dtypes and thread count. ``TREESERVE_PACKED_MAX_ROWS`` (an int >= 0)
+    measured once per host per set of shapes, dtypes and thread count (kept on disk: ``treeserve._tuning``).
+    ``TREESERVE_PACKED_MAX_ROWS`` (an int >= 0, or ``all``: every batch, see ``pack_model``)
     overrides the measurement."""
     env = _env_rows("TREESERVE_PACKED_MAX_ROWS")
     if env is not None:
@@ -388,16 +425,14 @@ def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     group = [layers] if isinstance(layers, PackedLinear) else list(layers)
     if not group or len({m.in_features for m in group}) != 1:
         raise ValueError(f"layers must be a non-empty set of one in_features, got {[m.in_features for m in group]}")
-    key = (
-        tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight_dtype, m.act_dtype, m.int8 is not None)
-              for m in group),
-        torch.get_num_threads(),
-    )
+    group = _measured_part(group)
+    key = tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight_dtype, m.act_dtype, m.int8 is not None)
+                for m in group)
 
     def run(fn: Callable[[PackedLinear, torch.Tensor], object]) -> Callable[[torch.Tensor], None]:
         return lambda x: [fn(m, x) for m in group] and None
 
-    return _crossover(key, group[0].in_features, group[0].weight_dtype,
+    return _crossover("packed-rows", key, group[0].in_features, group[0].weight_dtype,
                       run(lambda m, x: m.packed_forward(x)), run(lambda m, x: m.large_forward(x)))
 
 
@@ -406,7 +441,8 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
     them) an int8 copy of its weight (``Int8Weight``: rotated, per-channel 8-bit codes, row-wise
     7-bit activations, ``int8_op``; K a multiple of 64) for its batches above ``packed_max_rows``,
     when the int8 GEMM is available and, at ``rows`` rows, faster than ``F.linear`` on the dense
-    weights on this machine (measured once per process per set of shapes and thread count). ``TREESERVE_INT8`` = ``0`` /
+    weights on this machine (measured once per host per set of shapes and thread count, kept on disk:
+    ``treeserve._tuning``). ``TREESERVE_INT8`` = ``0`` /
     ``1`` overrides the measurement (``1`` still needs the operator). Returns whether it did."""
     group = list(layers)
     env = os.environ.get("TREESERVE_INT8")
@@ -416,17 +452,22 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
         return False
     if len({m.in_features for m in group}) != 1:
         raise ValueError(f"layers must share one in_features, got {[m.in_features for m in group]}")
-    weights = [Int8Weight.from_dense(m.weight) for m in group]
-    if env is None:
-        key = (tuple((m.out_features, m.in_features, m.weight_dtype) for m in group), rows, torch.get_num_threads())
-        if key not in _int8_cache:
-            with torch.inference_mode():
-                x = torch.randn(rows, group[0].in_features, dtype=group[0].weight_dtype)
-                dense = _best_seconds(lambda: [F.linear(x, m.weight) for m in group])
-                xf = x.float()
-                _int8_cache[key] = _best_seconds(lambda: [int8_linear(xf, w) for w in weights]) < dense
-        if not _int8_cache[key]:
-            return False
+    timed = _measured_part(group)
+    built: list[Int8Weight] = []  # the measurement's weights, kept for their layers
+
+    def measure() -> bool:
+        dense = [m.dequantized() for m in timed]
+        built.extend(Int8Weight.from_dense(w) for w in dense)
+        with torch.inference_mode():
+            x = torch.randn(rows, group[0].in_features, dtype=group[0].weight_dtype)
+            dense_s = _best_seconds(lambda: [F.linear(x, w) for w in dense])
+            xf = x.float()
+            return _best_seconds(lambda: [int8_linear(xf, w) for w in built]) < dense_s
+
+    key = (tuple((m.out_features, m.in_features, m.weight_dtype) for m in timed), rows)
+    if env is None and not measured("int8", key, bool, measure):
+        return False
+    weights = built + [Int8Weight.from_dense(m.dequantized()) for m in group[len(built):]]
     for m, w in zip(group, weights):
         m.int8 = w
     return True
@@ -442,6 +483,9 @@ def _rescore_op_available() -> bool:
     re-scoring in two passes per row) is built; otherwise the torch ops below serve."""
     source = Path(__file__).with_name("csrc") / "exact_head.cpp"
     return load_cpp_op(source, "exact_head_rescore", "C++ exact-head re-scoring", _rescore_fake) is None
+
+
+_NORM_ROWS = 8192
 
 
 class ExactHead(nn.Module):
@@ -474,7 +518,8 @@ class ExactHead(nn.Module):
             raise ValueError(f"packed must have weight's shape {tuple(weight.shape)}, got {packed.shape}")
         self.weight = weight  # shared with a tied embedding
         self.max_candidates = max_candidates
-        self.register_buffer("row_norms", weight.detach().double().norm(dim=1).float(), persistent=False)
+        norms = [rows.double().norm(dim=1) for rows in weight.detach().split(_NORM_ROWS)]  # float64 a chunk at a time
+        self.register_buffer("row_norms", torch.cat(norms).float(), persistent=False)
         k = weight.shape[1]
         self.bound_factor = 2.0**-8 + 2.0**-9 + 2.0**-16 + 2 * (k + 2) * 2.0**-24
         self.packed_bound_factor = 2 * (k + 2) * 2.0**-24
@@ -521,13 +566,13 @@ class ExactHead(nn.Module):
         env = _env_rows("TREESERVE_HEAD_PACKED_MAX_ROWS")
         if env is not None:
             return env
-        key = ("head", *self.weight.shape, self.qtype, self.bf16_max_rows, torch.get_num_threads())
-        return _crossover(key, self.weight.shape[1], torch.float32, self._packed,
+        key = (*self.weight.shape, self.qtype, self.bf16_max_rows)
+        return _crossover("head-packed-rows", key, self.weight.shape[1], torch.float32, self._packed,
                           lambda x: self._bf16(x) if x.shape[0] <= self.bf16_max_rows else F.linear(x, self.weight))
 
     def _bf16_rows(self) -> int:
         """Rows up to which the bf16 first pass (``_bf16``) beats the float32 head on this machine
-        (measured once per process per shape and thread count over 1 ... 128 rows; winning at 128
+        (measured once per host per shape and thread count over 1 ... 128 rows, kept on disk; winning at 128
         counts for every size). Native bf16 dot products (AVX-512 BF16, AMX) win at every size, an
         AVX2 CPU at a few rows at most, and CPU contention moves it.
         ``TREESERVE_EXACT_HEAD=bf16|f32`` overrides."""
@@ -536,8 +581,8 @@ class ExactHead(nn.Module):
             if env not in ("bf16", "f32"):
                 raise ValueError(f"TREESERVE_EXACT_HEAD must be 'bf16' or 'f32', got {env!r}")
             return _ALL_ROWS if env == "bf16" else 0
-        key = ("head-bf16", *self.weight.shape, self._w16_packed is not None, torch.get_num_threads())
-        rows = _crossover(key, self.weight.shape[1], torch.float32, lambda x: self._bf16(x).float(),
+        key = (*self.weight.shape, self._w16_packed is not None)
+        rows = _crossover("head-bf16-rows", key, self.weight.shape[1], torch.float32, lambda x: self._bf16(x).float(),
                           lambda x: F.linear(x, self.weight))
         return _ALL_ROWS if rows == _CROSSOVER_ROWS[-1] else rows
 
@@ -598,7 +643,8 @@ class ExactHead(nn.Module):
 
 
 QUANTIZATIONS = ("auto", "int4", "int8", None)
-_PACKABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+PACKABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+"""The decoder projections ``pack_model`` packs (names inside a layer)."""
 
 
 def check_quantization(quantization: object) -> None:
@@ -613,6 +659,7 @@ def pack_model(
     quantization: str | None,
     act_dtype: torch.dtype = torch.bfloat16,
     head_codes: GGUFWeight | None = None,
+    unloaded: Collection[str] = (),
 ) -> nn.Module:
     """Swap ``model``'s decoder projections for ``PackedLinear`` and its head for ``ExactHead``, in place.
 
@@ -624,6 +671,13 @@ def pack_model(
     ``ExactHead`` first pass for small batches. The packed/dense crossover is measured once per
     input width over all packed projections of that width (``measure_crossover``). CPU models
     only: others are returned as is.
+
+    ``unloaded``: projections (names as for ``planes_for``) whose dense weight the loader never
+    filled (uninitialised, untouched): their codes must be ``GGUFWeight``; they get a dense weight,
+    dequantized from the codes one projection at a time, only where their large batches need one
+    (no int8 copy), so a model loads without a dense copy of all its projections.
+    ``TREESERVE_PACKED_MAX_ROWS=all``: the packed path serves every batch size, so no int8 copy is
+    made and ``unloaded`` projections never hold a dense weight (the codes alone stay resident).
     """
     check_quantization(quantization)
     if quantization is None or model.device.type != "cpu":
@@ -631,7 +685,7 @@ def pack_model(
     quantizer = {"int4": quantize_int4, "int8": quantize_int8}.get(quantization)
     packed: dict[int, list[PackedLinear]] = {}
     for i, layer in enumerate(model.layers):
-        for sub in _PACKABLE:
+        for sub in PACKABLE:
             name = f"layers.{i}.{sub}"
             dense = layer.get_submodule(sub)
             codes, weight = planes_for(name), dense.weight  # shipped codes: the loader dequantized them
@@ -640,12 +694,18 @@ def pack_model(
                 weight = codes.dequantize().to(dense.weight.dtype)
             if codes is None:
                 continue
-            new = PackedLinear(codes, weight, dense.bias, act_dtype)
+            new = PackedLinear(codes, None if name in unloaded else weight, dense.bias, act_dtype,
+                               weight_dtype=weight.dtype)
             parent, _, attr = sub.rpartition(".")
             setattr(layer.get_submodule(parent), attr, new)
             packed.setdefault(new.in_features, []).append(new)
+    packed_everywhere = _env_rows("TREESERVE_PACKED_MAX_ROWS") == _ALL_ROWS  # no large-batch path
     for group in packed.values():
-        use_int8(group)  # before the crossover, which races the packed path against the large one
+        if not packed_everywhere:
+            use_int8(group)  # before the crossover, which races the packed path against the large one
+            for m in group:
+                if m.int8 is None:  # the large batches' F.linear reads it
+                    m.dense_weight()
         rows = measure_crossover(group)
         for m in group:
             m.packed_max_rows = rows

@@ -7,7 +7,7 @@ random initialisation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 
@@ -86,6 +86,7 @@ def build_model(
     device: torch.device | str = "cpu",
     shard: TPShard | None = None,
     get_slice: SliceGetter | None = None,
+    skip: Collection[str] = (),
 ) -> LlamaForCausalLM:
     """Materialise a model from HF-named tensors.
 
@@ -96,6 +97,10 @@ def build_model(
 
     With ``shard``, builds that tensor-parallel rank's shard (``TPShard.build``) and loads only
     its slices: through ``get_slice`` when given, else by narrowing ``get(name)``.
+
+    ``skip``: parameters (our names, e.g. ``"layers.0.mlp.down_proj.weight"``) left uninitialised
+    and never read from the checkpoint (never touched, so never resident): the caller replaces their
+    modules (``pack_model`` building projections from a file's codes) and checks their tensors.
     """
     have = set(available)
     shapes = expected_hf_shapes(config)
@@ -123,10 +128,12 @@ def build_model(
     target = model.state_dict()
     state = {}
     for ours, hf in fused_names(config):
+        if ours in skip:
+            continue
         parts = [fetch(n) for n in hf]
         fused = parts[0] if len(parts) == 1 else torch.cat(parts)
         state[ours] = fused.to(device=device, dtype=target[ours].dtype)
-    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    model.load_state_dict(state, strict=not (config.tie_word_embeddings or skip), assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval().requires_grad_(False)

@@ -1,0 +1,153 @@
+"""Real-size models on CPU (issue 33): a synthetic GGUF of a real architecture, loaded and decoded.
+
+Writes ``treeserve.models.synthetic_gguf`` (default: Llama-3-8B shapes in Q4_0, ~4.3 GiB) to a
+temporary file, then, each in a fresh process (so resident memory is that load's alone):
+
+- ``LLM(path)`` with a new, empty measurement cache (cold: every load-time measurement taken) and
+  again with that cache (warm), for each configuration:
+  - ``default``: what ``LLM()`` does (packed codes for small batches, the int8 tier for large
+    ones where it measures faster, float32 embedding and head);
+  - ``lean``: ``TREESERVE_PACKED_MAX_ROWS=all`` (the GGUF operator serves every batch: no int8
+    copy, no dense weight), the least memory;
+- resident memory after ``LLM()`` (``VmRSS``: anonymous + the mapped file's pages) and the peak
+  (``VmHWM``) against the file size;
+- with the warm cache: single-stream greedy decode tok/s and a batch of 16 x 64 tokens (token-id
+  prompts of 8; the rates include the prompt steps).
+
+llama-cpp-python on the same file in the same run when it is installed (``--peer``). The file is
+deleted at the end unless ``--keep``. Run under ``flock /work/bench.lock`` where others benchmark.
+
+    python benches/bench_real_size.py [--spec llama-3-8b] [--qtype Q4_0] [--configs lean,default]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT_LEN = 8
+
+
+def _status_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child(path: str, threads: int, single_tokens: int, batch: int, batch_tokens: int) -> dict[str, float]:
+    """One fresh process: load, memory, decode speed unless ``single_tokens`` is 0 (one JSON line)."""
+    import torch
+
+    from treeserve import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    t = time.perf_counter()
+    llm = LLM(path, num_threads=threads, kv_cache_tokens=batch * (PROMPT_LEN + batch_tokens) + 256,
+              max_model_len=PROMPT_LEN + max(single_tokens, batch_tokens) + 8)
+    out: dict[str, float] = {"load_s": time.perf_counter() - t, "rss_mb": _status_mb("VmRSS"),
+                             "anon_mb": _status_mb("RssAnon"), "file_mb": _status_mb("RssFile"),
+                             "peak_mb": _status_mb("VmHWM")}
+    if not single_tokens:
+        return out
+    vocab = llm.tokenizer.vocab_size
+    prompt = [[(7 * i + 13 * j) % (vocab - 300) + 257 for j in range(PROMPT_LEN)] for i in range(batch)]
+
+    def tok_s(prompts: list[list[int]], tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
+        t = time.perf_counter()
+        res = llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(r.outputs[0].token_ids) for r in res) / (time.perf_counter() - t)
+
+    tok_s(prompt[:1], 4)  # warm-up
+    out["single_tok_s"] = tok_s(prompt[:1], single_tokens)
+    out[f"batch{batch}_tok_s"] = tok_s(prompt, batch_tokens)
+    return out
+
+
+def peer(path: str, threads: int, single_tokens: int) -> dict[str, float]:
+    """llama-cpp-python on the same file: load time, resident memory, single-stream tok/s."""
+    from llama_cpp import Llama
+
+    t = time.perf_counter()
+    llm = Llama(path, n_threads=threads, n_ctx=PROMPT_LEN + single_tokens + 8, verbose=False)
+    out = {"load_s": time.perf_counter() - t, "rss_mb": _status_mb("VmRSS"), "peak_mb": _status_mb("VmHWM")}
+    prompt = [(13 * j) % 100000 + 257 for j in range(PROMPT_LEN)]
+    t = time.perf_counter()
+    for n, _ in enumerate(llm.generate(prompt, top_k=1), 1):  # endless: stop after single_tokens
+        if n == single_tokens:
+            break
+    out["single_tok_s"] = single_tokens / (time.perf_counter() - t)
+    return out
+
+
+def run_child(args: argparse.Namespace, path: Path, env: dict[str, str], which: str, decode: bool) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--child", which, "--path", str(path), "--threads", str(args.threads),
+           "--single-tokens", str(args.single_tokens if decode else 0), "--batch", str(args.batch),
+           "--batch-tokens", str(args.batch_tokens)]
+    done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, check=False)
+    if done.returncode:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+CONFIGS = {"default": {}, "lean": {"TREESERVE_PACKED_MAX_ROWS": "all"}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spec", default="llama-3-8b")
+    ap.add_argument("--qtype", default="Q4_0")
+    ap.add_argument("--configs", default="lean,default")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--single-tokens", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch-tokens", type=int, default=64)
+    ap.add_argument("--path", default=None, help="the GGUF file (written when missing)")
+    ap.add_argument("--keep", action="store_true", help="keep the written file")
+    ap.add_argument("--peer", action="store_true", help="also llama-cpp-python on the same file")
+    ap.add_argument("--child", choices=("treeserve", "llama.cpp"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child == "treeserve":
+        print(json.dumps(child(args.path, args.threads, args.single_tokens, args.batch, args.batch_tokens)))
+        return
+    if args.child == "llama.cpp":
+        print(json.dumps(peer(args.path, args.threads, args.single_tokens)))
+        return
+
+    from treeserve._cpu import cpu_features
+    from treeserve.models.synthetic_gguf import write_synthetic_gguf
+
+    path = Path(args.path or Path(tempfile.gettempdir()) / f"treeserve-{args.spec}-{args.qtype}.gguf")
+    written = not path.exists()
+    try:
+        if written:
+            t = time.perf_counter()
+            write_synthetic_gguf(path, args.spec, args.qtype, seed=0)
+            print(f"wrote {path} in {time.perf_counter() - t:.1f} s")
+        size_mb = path.stat().st_size / 2**20
+        print(f"{args.spec} {args.qtype}: {size_mb:.0f} MiB; CPU {cpu_features().model_name} "
+              f"({cpu_features().torch_capability}), {args.threads} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+        for config in args.configs.split(","):
+            with tempfile.TemporaryDirectory(prefix="treeserve-bench-cache-") as cache:
+                env = {**CONFIGS[config], "TREESERVE_CACHE_DIR": cache}
+                for start in ("cold", "warm"):
+                    r = run_child(args, path, env, "treeserve", decode=start == "warm")
+                    extra = f" (rss {r['rss_mb'] / size_mb:.2f}x file, peak {r['peak_mb'] / size_mb:.2f}x)" if "rss_mb" in r else ""
+                    print(f"  {config:8s} {start}: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()})}{extra}")
+        if args.peer:
+            r = run_child(args, path, {}, "llama.cpp", decode=True)
+            print(f"  llama.cpp: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()})}")
+    finally:
+        if written and not args.keep:
+            path.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Measurements taken once per machine and kept on disk (like inductor's and Triton's caches).
+
+Load-time choices that are measured rather than assumed (the packed/large crossover, whether the
+int8 GEMM pays, the exact head's bf16 and packed row counts, ``treeserve.models.quant``) cost
+seconds per start. ``measured(kind, key, measure)`` runs ``measure()`` once per machine and key and
+keeps its result in one JSON file per entry under ``cache_dir()``:
+
+- directory: ``TREESERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/treeserve``, else
+  ``~/.cache/treeserve``; entries live in its ``measurements/`` folder;
+- key: ``kind``, the caller's ``key`` (shapes, dtypes, ...) and this host: CPU model and flags,
+  torch version and capability, intra-op thread count, and a hash of the C++ operators' sources
+  (a kernel change is a new key);
+- an entry is a JSON object ``{"version", "kind", "key", "value"}`` written through a temporary
+  file and ``os.replace`` (readers never see half a file); one that cannot be parsed, has another
+  ``version`` or ``key`` (a hash collision) or a value of the wrong type is measured again and
+  rewritten;
+- a directory that cannot be written costs the measurement at every start, never an error
+  (logged once).
+
+Results are also memoized in the process, so a key is read from disk at most once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from treeserve._cpp import cpu_flags
+from treeserve._cpu import cpu_features
+from treeserve._utils import log_once
+
+__all__ = ["CACHE_VERSION", "cache_dir", "clear_memo", "entry_path", "host_key", "measured"]
+
+CACHE_VERSION = 1
+"""Format version of an entry; entries of another version are measured again."""
+
+_V = TypeVar("_V", int, bool)
+_memo: dict[str, int | bool] = {}
+_SOURCES = (Path(__file__).with_name("csrc"), Path(__file__).parent / "models" / "csrc")
+
+
+def cache_dir() -> Path:
+    """``TREESERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/treeserve``, else ``~/.cache/treeserve``."""
+    env = os.environ.get("TREESERVE_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "treeserve"
+
+
+@lru_cache(maxsize=1)
+def _sources_hash() -> str:
+    digest = hashlib.sha256()
+    for folder in _SOURCES:
+        for path in sorted(folder.glob("*.[ch]*")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def host_key() -> list[str]:
+    """What makes a measurement specific to this host and process: CPU model and flags, torch
+    version and capability, intra-op threads, operator sources."""
+    feats = cpu_features()
+    flags = hashlib.sha256(cpu_flags().encode()).hexdigest()[:16]
+    return [feats.model_name, flags, torch.__version__, feats.torch_capability,
+            f"threads={torch.get_num_threads()}", _sources_hash()]
+
+
+def entry_path(kind: str, key: list[str]) -> Path:
+    """The file holding ``kind``'s entry for the full ``key`` (``host_key()`` included)."""
+    digest = hashlib.sha256(json.dumps([kind, key]).encode()).hexdigest()[:32]
+    return cache_dir() / "measurements" / f"{kind}-{digest}.json"
+
+
+def _read(path: Path, kind: str, key: list[str], value_type: type) -> int | bool | None:
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or entry.get("version") != CACHE_VERSION or entry.get("kind") != kind:
+        return None
+    value = entry.get("value")
+    if entry.get("key") != key or type(value) is not value_type:  # bool is not int here, nor int bool
+        return None
+    return value
+
+
+def _write(path: Path, kind: str, key: list[str], value: int | bool) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": CACHE_VERSION, "kind": kind, "key": key, "value": value}, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log_once(f"treeserve: measurement cache {path.parent} not writable ({exc}); measuring at every start")
+
+
+def measured(kind: str, key: tuple[object, ...], value_type: type[_V], measure: Callable[[], _V]) -> _V:
+    """``measure()``'s result for ``kind`` and ``key`` on this host: from the process memo, else
+    from the disk cache, else measured now and stored (see the module docstring).
+
+    ``kind`` is a short name (letters, digits, ``-``); ``key`` any values whose ``str`` is stable
+    (ints, strings, dtypes, tuples of them); ``value_type`` ``int`` or ``bool``, what ``measure``
+    returns (``TypeError`` naming the measurement otherwise)."""
+    if not kind or not kind.replace("-", "").isalnum():
+        raise ValueError(f"kind must be a non-empty name of letters, digits and '-', got {kind!r}")
+    if value_type not in (int, bool):
+        raise TypeError(f"value_type must be int or bool, got {value_type!r}")
+    full = [str(k) for k in key] + host_key()
+    memo_key = json.dumps([kind, full])
+    if memo_key in _memo:
+        return _memo[memo_key]  # type: ignore[return-value]
+    path = entry_path(kind, full)
+    value = _read(path, kind, full, value_type)
+    if value is None:
+        value = measure()
+        if type(value) is not value_type:
+            raise TypeError(f"measurement {kind!r} must return {value_type.__name__}, got {type(value).__name__}")
+        _write(path, kind, full, value)
+    _memo[memo_key] = value
+    return value  # type: ignore[return-value]
+
+
+def clear_memo() -> None:
+    """Forget the process memo (the disk entries stay): the next ``measured`` call reads the disk."""
+    _memo.clear()

@@ -1,0 +1,164 @@
+"""Synthetic GGUF files of real architectures: real shapes, random codes from a seed, no download.
+
+``write_synthetic_gguf(path, "llama-3-8b", "Q4_0", seed=0)`` writes what llama.cpp's converter
+would write for that architecture (the metadata ``gguf_config`` reads, a byte-level BPE vocabulary
+of the real size, every tensor under its GGUF name), with every 2-D weight in ``qtype`` (token
+embedding and output head included) and norms in F32 (ones). Codes are uniform random bytes and
+each block's f16 scale is drawn so weights have a standard deviation of about 0.02; the file is
+written tensor by tensor (peak memory about one tensor's bytes), so an 8B file (~4.3 GiB in
+Q4_0) needs no more memory than its largest tensor. Same ``(spec, qtype, seed)``: same bytes.
+
+The models are for loading, memory and speed measurements: their text is noise. Context length is
+8192 for every spec (the RoPE table is built for it); Llama 3's RoPE scaling and Qwen's sliding
+window are not written (the loader supports neither).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+from treeserve.models.tokenizer import _byte_alphabet
+
+__all__ = ["SPECS", "SyntheticSpec", "add_metadata", "synthetic_tensor_shapes", "write_synthetic_gguf"]
+
+_WEIGHT_STD = 0.02
+# Spread of each block's |q| (uniform random codes): Q4_0 ``q - 8``, Q4_1 ``q``, Q8_0 ``q`` (int8).
+_CODE_STD = {"Q4_0": 4.61, "Q4_1": 4.61, "Q8_0": 73.9}
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticSpec:
+    """The shapes of one architecture, as its GGUF metadata states them."""
+
+    architecture: str  # "llama" or "qwen2"
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_theta: float
+    context_length: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+SPECS: dict[str, SyntheticSpec] = {
+    "llama-3-8b": SyntheticSpec("llama", 32, 4096, 32, 8, 14336, 128256, False, False, 500000.0),
+    "llama-3.2-1b": SyntheticSpec("llama", 16, 2048, 32, 8, 8192, 128256, True, False, 500000.0),
+    "qwen2.5-1.5b": SyntheticSpec("qwen2", 28, 1536, 12, 2, 8960, 151936, True, True, 1000000.0),
+}
+"""Llama-3-8B, Llama-3.2-1B and Qwen2.5-1.5B shapes (from their published configs)."""
+
+
+def synthetic_tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> numpy shape (rows first), in file order."""
+    h, q, kv, i = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.vocab_size, h)}
+    for layer in range(spec.num_layers):
+        p = f"blk.{layer}."
+        shapes |= {p + "attn_norm.weight": (h,), p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h),
+                   p + "attn_v.weight": (kv, h)}
+        if spec.attention_bias:
+            shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+        shapes |= {p + "attn_output.weight": (h, q), p + "ffn_norm.weight": (h,), p + "ffn_gate.weight": (i, h),
+                   p + "ffn_up.weight": (i, h), p + "ffn_down.weight": (h, i)}
+    shapes["output_norm.weight"] = (h,)
+    if not spec.tie_word_embeddings:
+        shapes["output.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
+def _vocabulary(size: int) -> list[str]:
+    """The 256 byte-level letters (every text encodes), ``ab`` (the file's one merge, ``a b``), then
+    ``t257``, ``t258``, ... (never produced by a merge)."""
+    return list(_byte_alphabet().values()) + ["ab"] + [f"t{n}" for n in range(257, size)]
+
+
+def _random_blocks(rng: np.random.Generator, qtype: str, shape: tuple[int, int]) -> np.ndarray:
+    """``shape`` weights as ``qtype`` blocks: uniform random code bytes, f16 scales of about
+    ``_WEIGHT_STD / code std`` (x0.5..1.5), Q4_1's minimum centring the codes."""
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    n_blocks = shape[0] * shape[1] // block
+    blocks = np.frombuffer(bytearray(rng.bytes(n_blocks * type_size)), np.uint8).reshape(n_blocks, type_size)
+    d = (_WEIGHT_STD / _CODE_STD[qtype] * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
+    blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    if qtype == "Q4_1":
+        blocks[:, 2:4] = (-7.5 * d.astype(np.float32)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(shape[0], -1)
+
+
+def _tensor(name: str, shape: tuple[int, ...], qtype: str, rng: np.random.Generator) -> np.ndarray:
+    if len(shape) == 1:
+        return np.zeros(shape, np.float32) if name.endswith(".bias") else np.ones(shape, np.float32)
+    return _random_blocks(rng, qtype, shape)  # type: ignore[arg-type]
+
+
+def add_metadata(w: GGUFWriter, spec: SyntheticSpec, rms_norm_eps: float, tokens: list[str], merges: list[str],
+                 token_types: list[int], bos: int, eos: int) -> None:
+    """Add the metadata ``gguf_config`` and ``Tokenizer.from_gguf_metadata`` read (model shape, RoPE
+    base, norm epsilon, a byte-level BPE vocabulary, BOS / EOS) to ``w``, as llama.cpp's converter names it."""
+    w.add_block_count(spec.num_layers)
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(spec.hidden_size)
+    w.add_feed_forward_length(spec.intermediate_size)
+    w.add_head_count(spec.num_heads)
+    w.add_head_count_kv(spec.num_kv_heads)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(rms_norm_eps)
+    w.add_vocab_size(spec.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(token_types)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+
+
+def write_synthetic_gguf(path: str | Path, spec: str | SyntheticSpec = "llama-3.2-1b", qtype: str = "Q4_0",
+                         seed: int = 0, num_layers: int | None = None) -> Path:
+    """Write the synthetic GGUF file of ``spec`` (a name of ``SPECS`` or a ``SyntheticSpec``) to ``path``.
+
+    ``qtype``: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"`` for every 2-D weight; ``seed``: the codes;
+    ``num_layers``: keep only the first layers (a smaller file of the same widths). ``ValueError``
+    names a bad ``spec``, ``qtype`` or ``num_layers``. Returns ``path``."""
+    if isinstance(spec, str):
+        if spec not in SPECS:
+            raise ValueError(f"spec must be one of {sorted(SPECS)} or a SyntheticSpec, got {spec!r}")
+        spec = SPECS[spec]
+    if qtype not in _CODE_STD:
+        raise ValueError(f"qtype must be one of {sorted(_CODE_STD)}, got {qtype!r}")
+    if num_layers is not None:
+        if not 1 <= num_layers <= spec.num_layers:
+            raise ValueError(f"num_layers must be in [1, {spec.num_layers}], got {num_layers}")
+        spec = SyntheticSpec(**{**{f: getattr(spec, f) for f in SyntheticSpec.__slots__}, "num_layers": num_layers})
+    path = Path(path)
+    w = GGUFWriter(str(path), spec.architecture)
+    w.add_name(f"synthetic-{spec.architecture}-{qtype}-seed{seed}")
+    add_metadata(w, spec, 1e-5 if spec.architecture == "llama" else 1e-6, _vocabulary(spec.vocab_size), ["a b"],
+                 [1] * spec.vocab_size, bos=spec.vocab_size - 2, eos=spec.vocab_size - 1)
+    shapes = synthetic_tensor_shapes(spec)
+    raw = GGMLQuantizationType[qtype]
+    block, type_size = GGML_QUANT_SIZES[raw]
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+        else:
+            byte_shape = (shape[0], shape[1] // block * type_size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for index, (name, shape) in enumerate(shapes.items()):
+        w.write_tensor_data(_tensor(name, shape, qtype, np.random.default_rng([seed, index])))
+    w.close()
+    return path
