@@ -30,6 +30,7 @@ from treeserve.sampling import (
     unpack_bitmask,
     verify,
 )
+from treeserve.sampling.bitmask import unpack_bitmask_torch
 
 VOCAB = ["<eos>"] + [chr(c) for c in range(32, 127)] + ['{"', '":', '",', '": "', "true", "false", "null", "ab", "yes"]
 V = len(VOCAB) + 7  # logits wider than the tokenizer: the padding ids must never be drawn
@@ -90,8 +91,10 @@ def test_spec_errors_name_the_field(value: dict, error: type, match: str) -> Non
 
 def test_spec_key_is_canonical() -> None:
     a = StructuredOutput(json_schema={"type": "object", "properties": {"x": {"type": "integer"}}})
-    b = StructuredOutput(json_schema='{"properties": {"x": {"type": "integer"}}, "type": "object"}')
+    b = StructuredOutput(json_schema='{"type":  "object", "properties": {"x": {"type": "integer"}}}')
     assert a.key == b.key and a.kind == "json_schema"
+    c = StructuredOutput(json_schema={"type": "object", "properties": {"y": {"type": "null"}, "x": {"type": "null"}}})
+    assert c.json_schema.index('"y"') < c.json_schema.index('"x"')  # property order is the output's order
     p = SamplingParams(structured={"choice": ["x", "y"]})
     assert isinstance(p.structured, StructuredOutput) and p.structured.choice == ("x", "y")
     assert p.structured.key != StructuredOutput(choice=("y", "x")).key
@@ -108,6 +111,7 @@ def test_unpack_bitmask_matches_bits(vocab: int, rows: int, seed: int) -> None:
         words[r, t // 32] |= 1 << (t % 32)
     packed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     assert torch.equal(unpack_bitmask(packed, vocab), allowed)
+    assert torch.equal(unpack_bitmask_torch(packed, vocab), allowed)  # the path of device masks
     x = torch.randn(rows, vocab, generator=gen)
     masked = apply_token_bitmask(x, packed)
     assert torch.equal(masked[allowed], x[allowed]) and bool(torch.isneginf(masked[~allowed]).all())

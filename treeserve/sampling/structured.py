@@ -33,7 +33,9 @@ class StructuredOutput:
     - ``grammar``: an EBNF / GBNF grammar whose start rule is ``root``;
     - ``choice``: the output is one of these (non-empty) strings.
 
-    ``key`` is a canonical, hashable form of the spec (compiled grammars are cached by it).
+    ``key`` is a hashable form of the spec (compiled grammars are cached by it): a schema given
+    as a dict or as its text, with any spacing, has one key; properties in another order are
+    another schema (the generated object follows their order).
     Raises ``TypeError`` / ``ValueError`` naming ``SamplingParams.structured.<kind>``.
     """
 
@@ -90,7 +92,8 @@ class StructuredOutput:
 
 
 def _schema_text(schema: Any) -> str:
-    """A JSON schema as canonical JSON text (sorted keys), checked to be a JSON object."""
+    """A JSON schema as compact JSON text, checked to be a JSON object. Key order is kept: it is
+    the order of the generated object's properties."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -99,7 +102,7 @@ def _schema_text(schema: Any) -> str:
     if not isinstance(schema, Mapping):
         raise TypeError(f"{_FIELD}.json_schema must be a JSON object (dict or its text), got {type(schema).__name__}")
     try:
-        return json.dumps(schema, sort_keys=True, allow_nan=False)
+        return json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{_FIELD}.json_schema is not JSON-serializable: {exc}") from None
 
