@@ -72,7 +72,7 @@ def validity(llm: LLM, num: int) -> None:
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Reply with only a JSON object matching this "
                                          f"JSON schema: {json.dumps(s)}"}]) for s in schemas]  # fmt: skip
     for constrained in (False, True):
-        sps = [SamplingParams(temperature=0, max_new_tokens=256, structured={"json_schema": s} if constrained else None)
+        sps = [SamplingParams(temperature=0, max_new_tokens=192, structured={"json_schema": s} if constrained else None)
                for s in schemas]  # fmt: skip
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sps, use_tqdm=False)

@@ -1,6 +1,6 @@
 """Structured output over HTTP (in process): ``response_format`` and the ``structured_outputs``
 extension on both endpoints, streamed or not, equal to the engine's own ``generate`` with
-``SamplingParams.structured``."""
+``SamplingParams.structured`` (the engines are ``test_api``'s fixtures)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import jsonschema
 import pytest
 
 from treeserve import SamplingParams
-from treeserve.server.engine_client import AsyncLLMEngine
 from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from treeserve.sampling import StructuredOutput
 
-from ._helpers import assert_engine_drained, running, sse_events, synthetic_llm
-from .test_api import MSGS, chat_ids, post, run
+from ._helpers import assert_engine_drained, sse_events
+from .test_api import MSGS, chat_ids, engine, post, ref, run  # noqa: F401 (engine, ref: the fixtures)
 
 SCHEMA = {
     "type": "object",
@@ -26,18 +25,6 @@ SCHEMA = {
     "additionalProperties": False,
 }  # fmt: skip
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def engine():
-    eng = AsyncLLMEngine(synthetic_llm())
-    with running(eng):
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return synthetic_llm()
 
 
 def test_fields_map_onto_structured() -> None:

@@ -72,10 +72,6 @@ class GrammarState:
         """Nothing but a stop token may come next (or the grammar already accepted one)."""
         return self._matcher.is_terminated() or not bool((self._buf[0] & self._not_stop).any())
 
-    def jump_forward(self) -> str:
-        """The text every continuation starts with ("" when the next token is not forced)."""
-        return self._matcher.find_jump_forward_string()
-
 
 class GrammarCompiler:
     """Compiles ``StructuredOutput`` specs for one tokenizer and a ``vocab_size``-wide model.
