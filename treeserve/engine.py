@@ -697,7 +697,8 @@ class LLM:
         params.check_producible(self.scheduler.stop_checker.eos_token_ids)
         self.scheduler.validate_request(ids, params, self.vocab_size)
         if params.structured is not None:
-            self.grammar_compiler().new_state(params.structured)  # compiled (and cached) now, or ValueError
+            with self._lock:  # the compiler's cache is shared by every thread
+                self.grammar_compiler().new_state(params.structured)  # compiled (and cached) now, or ValueError
         return ids, params
 
     def grammar_compiler(self) -> GrammarCompiler:
