@@ -44,7 +44,7 @@ from treeserve.runner import (
     draft_pool_tokens,
     fill_drafts,
 )
-from treeserve.sampling import SamplingParams
+from treeserve.sampling import GrammarCompiler, SamplingParams
 from treeserve.scheduler import (
     FinishReason,
     Request,
@@ -400,6 +400,7 @@ class LLM:
         self._seed_gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
         self._lock = threading.RLock()
         self._tracked: dict[str, TrackedRequest] = {}  # step-API requests not fully delivered
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
         log_once(f"treeserve engine: dtype={cfg.dtype} page_size={ps} kv_tokens={cfg.kv_cache_tokens}")
 
     def close(self) -> None:
@@ -695,7 +696,20 @@ class LLM:
             raise ValueError("stop strings need a tokenizer; this engine was built without one")
         params.check_producible(self.scheduler.stop_checker.eos_token_ids)
         self.scheduler.validate_request(ids, params, self.vocab_size)
+        if params.structured is not None:
+            with self._lock:  # the compiler's cache is shared by every thread
+                self.grammar_compiler().new_state(params.structured)  # compiled (and cached) now, or ValueError
         return ids, params
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's ``GrammarCompiler`` for its tokenizer and vocabulary (built on first use;
+        ``ValueError`` for an engine without a tokenizer)."""
+        with self._lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("SamplingParams.structured needs a tokenizer; this engine was built without one")
+                self._grammars = GrammarCompiler.from_tokenizer(self.tokenizer, self.vocab_size)
+            return self._grammars
 
     def _enqueue(self, ids: list[int], params: SamplingParams) -> list[Request]:
         """Queue a prepared prompt (caller holds the lock); every sample gets its text state."""
@@ -708,6 +722,9 @@ class LLM:
 
             for req in reqs:
                 req.text_state = TextState(StreamDecoder(self.tokenizer, skip_special_tokens=True), params.stop)
+        if params.structured is not None:
+            for req in reqs:  # one matcher per sample, fed by the commit path
+                req.grammar = self.grammar_compiler().new_state(params.structured)
         return reqs
 
     def _submit(self, prompt: Prompt | Exception, params: SamplingParams | Exception) -> tuple[RequestOutput, list[Request]]:

@@ -42,6 +42,8 @@ BAD_VALUES = [
     ("logprobs", -1, ValueError, "logprobs"),
     ("logprobs", 21, ValueError, r"logprobs must be None or in \[0, 20\]"),
     ("logprobs", True, TypeError, "logprobs"),
+    ("structured", "json", TypeError, r"structured must be a StructuredOutput, a dict or None"),
+    ("structured", {"regex": "a", "choice": ["a"]}, ValueError, r"structured must set exactly one of"),
 ]
 
 

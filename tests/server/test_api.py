@@ -209,7 +209,19 @@ def test_stream_stop_string_never_leaks(stop) -> None:
 
 ERRORS = [
     ("/v1/chat/completions", {"model": "gpt-4", "messages": MSGS}, "model"),
-    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "xml"}}, "response_format.type"),
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "objekt"}}}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object"}, "strictly": True}}}, "response_format.json_schema.strictly"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a("}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"grammar": "root ::= nothing"}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": []}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"xml": "x"}}, "structured_outputs.xml"),
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"},
+                              "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ("/v1/chat/completions", {"messages": MSGS, "tools": []}, "tools"),
     ("/v1/chat/completions", {"messages": MSGS, "temperature": 3}, "temperature"),
     ("/v1/chat/completions", {"messages": MSGS, "top_p": 0}, "top_p"),

@@ -103,6 +103,34 @@ def _gauge(base: str, name: str) -> float:
 
 
 @pytest.mark.slow
+def test_live_structured_output_with_openai_client(server, client) -> None:
+    """``response_format`` (json_schema) and ``structured_outputs`` through the real client; a bad
+    schema is a ``BadRequestError`` naming the field. Runs before the test that stops the server."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "word": {"type": "string", "enum": ["tea", "milk"]}},
+              "required": ["n", "word"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "drink", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=40, n=2, seed=3, response_format=fmt)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    chunks = list(client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=40, seed=3, stream=True,
+                                                 response_format=fmt))  # fmt: skip
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), schema)
+    comp = client.completions.create(model=NAME, prompt="Pick:", max_tokens=10, seed=1,
+                                     extra_body={"structured_outputs": {"choice": ["left", "right"]}})  # fmt: skip
+    assert comp.choices[0].text in ("left", "right") and comp.choices[0].finish_reason == "stop"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=5, response_format=bad)
+    assert err.value.status_code == 400 and err.value.body["param"] == "response_format"
+    assert "objekt" in err.value.body["message"]
+    assert server[0].poll() is None  # still serving
+
+
+@pytest.mark.slow
 def test_live_server_with_openai_client(server, client) -> None:
     proc, base = server
     assert [m.id for m in client.models.list().data] == [NAME]

@@ -23,6 +23,7 @@ from treeserve.runner.inputs import (
     draft_arrays,
     requests_sampling_batch,
     step_token_ids,
+    with_grammar_masks,
 )
 from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
 from treeserve.sampling import SamplingBatch, SamplingRows, greedy_tokens, sample, verify
@@ -177,7 +178,7 @@ class ModelRunner:
             return [new(SampledToken, (t, _NAN, None, (), ())) for t in greedy_tokens(logits).tolist()]  # host sync
         positions = [s + n for s, n in zip(starts, qo)]
         gen_positions = torch.tensor(positions, dtype=torch.long, device=self.device)
-        batch = self.sampling_rows.batch(rows, [r.output_ids for r in reqs])  # admitted above
+        batch = with_grammar_masks(self.sampling_rows.batch(rows, [r.output_ids for r in reqs]), reqs)  # admitted above
         out = sample(logits, batch, gen_positions)
         return to_sampled_tokens(out, [r.params.logprobs for r in reqs])  # host sync
 

@@ -26,7 +26,7 @@ lengths from the buffers on the device) rather than FlashInfer (whose planning r
 the host), for captured and eager steps alike. Elsewhere
 (or with ``use_cuda_graph=False``) the very same buffers, padding and keys run eagerly, which is
 how CPU tests cover everything but the capture itself. Steps the buffers cannot express
-(penalties, logit bias, allowed-token lists, more stop ids than ``max_stop_token_ids``, more top
+(penalties, logit bias, allowed-token lists, grammar token masks, more stop ids than ``max_stop_token_ids``, more top
 logprobs than ``max_logprobs``, top logprobs in a verify step, draft probabilities) make
 :meth:`DecodeGraphRunner.run` return ``None``: the caller then takes its eager path.
 """
@@ -295,6 +295,7 @@ class DecodeGraphRunner:
         if (
             sbatch.has_penalties
             or sbatch.allowed is not None
+            or sbatch.token_bitmask is not None
             or sbatch.bias_ids.shape[1]
             or sbatch.ban_ids.shape[1] > self.ban_width
             or sbatch.num_logprobs > (0 if need else self.num_logprobs)  # verify reports no top logprobs

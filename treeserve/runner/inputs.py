@@ -15,14 +15,14 @@ validation of hand-made metadata lives at the API boundary, ``AttentionMetadata.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from treeserve.kvcache import AttentionMetadata, KernelBackend, KVPool
-from treeserve.sampling import SamplingBatch, SamplingRows
+from treeserve.sampling import SamplingBatch, SamplingRows, stack_bitmasks
 from treeserve.scheduler import Request, ScheduledItem
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "build_step_inputs",
     "draft_arrays",
     "requests_sampling_batch",
+    "with_grammar_masks",
     "step_token_ids",
     "tree_ancestors",
 ]
@@ -281,6 +282,16 @@ def admit_requests(rows: SamplingRows, reqs: Sequence[Request]) -> None:
 
 def requests_sampling_batch(rows: SamplingRows, reqs: Sequence[Request]) -> SamplingBatch:
     """The sampling rows of ``reqs`` for this step, gathered from the resident ``rows``
-    (admitting first the requests that need it, ``admit_requests``)."""
+    (admitting first the requests that need it, ``admit_requests``), with their grammar masks
+    (``with_grammar_masks``)."""
     admit_requests(rows, reqs)
-    return rows.batch([r.row for r in reqs], [r.output_ids for r in reqs])
+    return with_grammar_masks(rows.batch([r.row for r in reqs], [r.output_ids for r in reqs]), reqs)
+
+
+def with_grammar_masks(batch: SamplingBatch, reqs: Sequence[Request]) -> SamplingBatch:
+    """``batch`` (row i = ``reqs[i]``) with the token bitmask of its grammar-constrained rows
+    (``Request.grammar``, refilled by the commit path after each token); unchanged when none is."""
+    if all(r.grammar is None for r in reqs):
+        return batch
+    masks = [None if r.grammar is None else r.grammar.bitmask for r in reqs]
+    return replace(batch, token_bitmask=stack_bitmasks(masks, batch.vocab_size, batch.device))

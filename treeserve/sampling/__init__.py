@@ -1,5 +1,6 @@
-"""treeserve.sampling: sampling parameters, logit processing, counter-based sampling and
-lossless speculative verification (greedy / rejection, chain / tree).
+"""treeserve.sampling: sampling parameters, logit processing, counter-based sampling,
+lossless speculative verification (greedy / rejection, chain / tree) and grammar-constrained
+(structured) output: specs, xgrammar matchers, token bitmasks.
 
 Imports nothing from treeserve except ``treeserve._utils``.
 """
@@ -7,24 +8,35 @@ Imports nothing from treeserve except ``treeserve._utils``.
 from __future__ import annotations
 
 from treeserve.sampling.batch import SamplingBatch
+from treeserve.sampling.bitmask import apply_token_bitmask, bitmask_words, stack_bitmasks, unpack_bitmask
+from treeserve.sampling.grammar import GrammarCompiler, GrammarState
 from treeserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
 from treeserve.sampling.rows import SamplingRows
 from treeserve.sampling.sampler import SampleOutput, greedy_tokens, sample
+from treeserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from treeserve.sampling.verify import VerifyOutput, VerifyUniforms, verify
 
 __all__ = [
+    "GrammarCompiler",
+    "GrammarState",
     "MAX_LOGPROBS",
     "Purpose",
+    "STRUCTURED_KINDS",
     "SampleOutput",
     "SamplingBatch",
     "SamplingParams",
     "SamplingRows",
+    "StructuredOutput",
+    "apply_token_bitmask",
+    "bitmask_words",
     "greedy_tokens",
     "process_logits",
     "sample",
+    "stack_bitmasks",
     "uniform",
+    "unpack_bitmask",
     "verify",
     "VerifyOutput",
     "VerifyUniforms",

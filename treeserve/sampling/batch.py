@@ -53,6 +53,9 @@ class SamplingBatch:
     any_top_p: bool
     any_filter: bool  # some row uses top_k, top_p or min_p
     any_logprobs: bool = True  # some row asked for logprobs (``logprobs`` not None); False: not computed
+    # [R, ceil(V/32)] int32 (``sampling.bitmask``): tokens a grammar allows per row, all -1 on
+    # unconstrained rows; None when no row is constrained. Not supported by ``verify``.
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

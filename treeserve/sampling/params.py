@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from treeserve.sampling.structured import StructuredOutput
+
 MAX_LOGPROBS = 20
 """Largest number of top logprobs a request may ask for."""
 
@@ -71,6 +73,13 @@ class SamplingParams:
     - ``allowed_token_ids``: if given (non-empty), every other token is masked out.
     - ``seed``: None (the engine picks one) or an int in [0, 2**63 - 1].
     - ``logprobs``: None or 0..20, the number of top logprobs to return besides the chosen one.
+    - ``structured``: None, or a ``StructuredOutput`` (a dict of its fields is converted): the
+      output must match one JSON schema / any JSON object / regex / EBNF grammar / choice. Its
+      shape is checked here; the engine compiles it when the request is submitted (an invalid
+      schema, regex or grammar is a ``ValueError`` there). Every step masks the tokens the
+      grammar does not allow next (after ``allowed_token_ids``, before temperature), so
+      reported logprobs are those of the masked distribution; the request finishes ("stop")
+      when the grammar ends.
 
     Fields the engine acts on (sampling only provides the min-token ban): ``max_new_tokens >= 1``,
     ``0 <= min_new_tokens <= max_new_tokens`` (EOS and ``stop_token_ids`` are banned while fewer
@@ -94,6 +103,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    structured: StructuredOutput | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _check_real("temperature", self.temperature)
@@ -105,6 +115,8 @@ class SamplingParams:
         self._check_penalties()
         self._check_token_sets()
         self._check_lengths()
+        if self.structured is not None:
+            self.structured = StructuredOutput.of(self.structured)
 
     def _check_filters(self) -> None:
         top_k = _check_int("top_k", self.top_k)

@@ -7,7 +7,8 @@ Order (per row, batched, no Python loop over rows):
    generated tokens only;
 2. min-token ban: EOS (unless ``ignore_eos``) and ``stop_token_ids`` get -inf while fewer than
    ``min_new_tokens`` tokens have been generated;
-3. ``logit_bias`` (added), then ``allowed_token_ids`` (everything else -inf);
+3. ``logit_bias`` (added), then ``allowed_token_ids`` (everything else -inf), then the grammar's
+   token bitmask (``SamplingBatch.token_bitmask``: tokens it disallows -inf);
 4. temperature (greedy rows use 1);
 5. top-k, top-p, min-p as one per-row threshold on the scaled logits: a token is kept iff its
    scaled logit is >= the threshold (ties at the boundary are kept). top-k keeps the k largest;
@@ -34,6 +35,7 @@ import torch
 from treeserve.sampling._top_op import top_candidates, topk_rows
 from treeserve.sampling.backend import resolve_backend
 from treeserve.sampling.batch import SamplingBatch
+from treeserve.sampling.bitmask import apply_token_bitmask
 
 CANDIDATES = 256
 """Default bound K on the candidate set (``torch.topk``) used to find thresholds."""
@@ -78,7 +80,7 @@ def apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def scale_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Stages 1-4: penalties, min-token ban, logit bias, allowed tokens, temperature."""
+    """Stages 1-4: penalties, min-token ban, logit bias, allowed tokens, grammar mask, temperature."""
     if logits.dim() != 2 or logits.shape != (batch.num_rows, batch.vocab_size):
         raise ValueError(
             f"logits must have shape [{batch.num_rows}, {batch.vocab_size}] (rows x vocab), got {tuple(logits.shape)}"
@@ -96,6 +98,8 @@ def scale_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         x = x.scatter_add(1, batch.bias_ids, batch.bias_values.to(x.dtype))
     if batch.allowed is not None:
         x = x.masked_fill(~batch.allowed, float("-inf"))
+    if batch.token_bitmask is not None:
+        x = apply_token_bitmask(x, batch.token_bitmask)
     if not _needed(batch.temperature != 1.0):
         return x  # dividing by 1 is exact: skipping it changes no bit
     return x / batch.temperature.to(x.dtype)[:, None]

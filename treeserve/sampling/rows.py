@@ -139,7 +139,7 @@ class SamplingRows:
         self._flag_logprobs[row] = p.logprobs is not None
         self._ban_len[row] = len(ban)
         self._bias_len[row] = len(state.bias)
-        changes_logits = penalized or bool(state.bias) or p.allowed_token_ids is not None
+        changes_logits = penalized or bool(state.bias) or p.allowed_token_ids is not None or p.structured is not None
         self._flag_plain[row] = p.greedy and not changes_logits and p.logprobs is None
         self._ban_until[row] = p.min_new_tokens if ban else 0
         self._state[row] = state
@@ -159,7 +159,7 @@ class SamplingRows:
     ) -> bool:
         """Whether every one of ``rows`` (admitted; row ``i`` has generated ``num_generated[i]``
         tokens) is plain greedy this step: temperature 0, no penalty, logit bias, allowed-token
-        set, logprobs, nor a banned id still suppressed by ``min_new_tokens``. Sampling such rows
+        set, structured output, logprobs, nor a banned id still suppressed by ``min_new_tokens``. Sampling such rows
         is ``greedy_tokens`` of their logits (the same tokens as ``sample`` of their batch).
 
         ``num_generated`` may be a function returning the counts: it is called only when one of

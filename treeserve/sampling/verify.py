@@ -251,7 +251,11 @@ def verify(
     ``ValueError``/``TypeError`` for inconsistent shapes/dtypes (and, on CPU, out-of-range
     tokens, parents or counts); NaN/inf rows are reported through ``valid``, never raised.
     ``backend``: ``torch`` (CPU default) or ``triton`` (CUDA default: threshold and walk kernels).
+    A batch with a ``token_bitmask`` is refused (``ValueError``): a grammar's mask differs per
+    draft position.
     """
+    if batch.token_bitmask is not None:
+        raise ValueError("verify takes no token_bitmask: grammar-constrained requests decode without drafts")
     _check_inputs(target_logits, batch, draft_tokens, draft_parents, num_draft, positions, draft_probs)
     backend = resolve_backend(backend, target_logits.device)
     prep = prepare_tree(target_logits, batch, draft_tokens, draft_parents, num_draft, draft_probs, backend)

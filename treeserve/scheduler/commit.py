@@ -4,6 +4,10 @@ Per item: the tokens the step computed become ``num_computed_tokens`` (for a dra
 pending token plus the accepted draft nodes); a sampled row's accepted draft tokens then its
 token are appended one at a time, each checked by the :class:`StopChecker` and against
 ``max_model_len``; the first stop condition finishes the request (later tokens are dropped).
+A grammar-constrained request's matcher (``Request.grammar``) takes each committed token that
+did not stop the request (refilling its next-token mask); the request finishes with "stop" once
+nothing but a stop token may follow (that stop token is not sampled), and with "error" if the
+grammar refuses the token.
 The first committed token publishes the prompt's KV to the radix tree (so ``n``-sample siblings
 and later prompts share it); an item that asked for a draft and goes on frees the pages of its
 unused and rejected draft slots.
@@ -87,9 +91,20 @@ def _commit_one(
         if req.group is not None and req.sample_index == 0:
             req.group.prompt_cached = True
     reason = check(req)
+    if reason is None and req.grammar is not None:
+        reason = _advance_grammar(req, token)
     if reason is None and len(req.prompt_ids) + len(output) >= max_model_len:
         return FinishReason.LENGTH
     return reason
+
+
+def _advance_grammar(req: Request, token: int) -> FinishReason | None:
+    """Feed ``token`` to the request's grammar; STOP once only a stop token could follow."""
+    grammar = req.grammar
+    if not grammar.accept(token):
+        req.error = f"token {token} is not allowed by the request's grammar"
+        return FinishReason.ERROR
+    return FinishReason.STOP if grammar.ended else None
 
 
 def _commit_drafted(

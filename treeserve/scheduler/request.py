@@ -90,6 +90,9 @@ class Request:
     num_owned_pages: int = 0
     # output text (a ``scheduler.stop.TextState``: fed by the stop checker, read by the engine)
     text_state: Any = None
+    # structured output (a ``sampling.GrammarState``, set by the engine when ``params.structured``):
+    # fed every committed token by the commit path; its bitmask masks the next token
+    grammar: Any = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     _tokens: list[int] = field(default_factory=list, repr=False)
 

@@ -270,8 +270,10 @@ class Scheduler:
                 return
             req = it.req
             seq_len = req.seq_len
-            if it.start != seq_len - 1 or req.params.logprobs:
-                continue  # not a decode; verification reports no top logprobs: decode plainly
+            if it.start != seq_len - 1 or req.params.logprobs or req.params.structured is not None:
+                # not a decode; verification reports no top logprobs and takes no grammar mask
+                # (it differs per draft position): decode plainly
+                continue
             room = min(k, budget, req.params.max_new_tokens - len(req.output_ids) - 1, max_len - seq_len - 1)
             if room > 0 and self.ledger.try_reserve(req, seq_len + room):
                 items[j] = it._replace(draft_budget=room)

@@ -35,7 +35,6 @@ from treeserve.server.protocol import (
     CompletionRequest,
     ErrorResponse,
     Usage,
-    api_field_of,
     sampling_params,
 )
 
@@ -213,8 +212,10 @@ class _Server:
                            f"tokens and the prompt takes {prompt_len}, leaving {room}", param=param)  # fmt: skip
         return requested
 
-    async def submit(self, ids: list[int], params: SamplingParams, chat: bool) -> tuple[str, RequestStream]:
-        """Queue a request; its id is also the response id. Engine refusals become ``APIError``."""
+    async def submit(self, ids: list[int], params: SamplingParams, req: ChatCompletionRequest | CompletionRequest,
+                     chat: bool) -> tuple[str, RequestStream]:  # fmt: skip
+        """Queue a request; its id is also the response id. Engine refusals become ``APIError``
+        naming ``req``'s field."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
             return rid, await self.client.add_request(ids, params, rid)
@@ -224,7 +225,7 @@ class _Server:
         except EngineDeadError as exc:
             raise APIError(str(exc), status=503, type="server_error", code="engine_unavailable") from None
         except (ValueError, TypeError) as exc:
-            param = api_field_of(str(exc))
+            param = req.api_field_of(str(exc))
             raise APIError(str(exc), param="messages" if chat and param == "prompt" else param) from None
 
     async def respond(self, raw: Request, job: _Job) -> Response:
@@ -370,7 +371,7 @@ class _Server:
     async def _start(self, raw: Request, req: ChatCompletionRequest | CompletionRequest, ids: list[int],
                      params: SamplingParams, logprobs: int | None, *, echo: str, chat: bool) -> Response:  # fmt: skip
         include_usage = req.include_usage  # validated before anything is queued
-        rid, stream = await self.submit(ids, params, chat)
+        rid, stream = await self.submit(ids, params, req, chat)
         job = _Job(chat=chat, request_id=rid, model=self.model_name,
                    stream=stream, logprobs=logprobs, echo=echo, streaming=req.stream,
                    include_usage=include_usage, samples=[_Sample() for _ in range(params.n)])  # fmt: skip

@@ -1,8 +1,15 @@
 """OpenAI request/response models and the error shape.
 
 Requests are validated by pydantic with unknown fields forbidden, so an unsupported OpenAI field
-(``response_format``, ``tools``, ...) is refused naming it rather than silently ignored. Value
-ranges the engine checks (``SamplingParams``) are reported with the API's field names.
+(``tools``, ...) is refused naming it rather than silently ignored. Value ranges the engine checks
+(``SamplingParams``) are reported with the API's field names.
+
+Structured output: OpenAI's ``response_format`` (``{"type": "text" | "json_object"}`` or
+``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``) and, as
+an extension (vLLM's name and keys), ``structured_outputs`` with exactly one of ``json`` (a
+schema), ``json_object``, ``regex``, ``grammar`` (EBNF / GBNF) or ``choice``; both map to
+``SamplingParams.structured``. Giving both is a 400, as is an invalid schema / regex / grammar
+(naming whichever field carried it).
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from treeserve.sampling import MAX_LOGPROBS, SamplingParams
+from treeserve.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 __all__ = [
     "APIError",
@@ -77,6 +84,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is always honoured)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """The ``structured_outputs`` extension: exactly one of its fields (checked by the engine)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[Text] | None = None
+
+
 class _Sampling(BaseModel):
     """Fields shared by both endpoints (OpenAI's plus vLLM's extensions)."""
 
@@ -100,6 +134,36 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @property
+    def structured_field(self) -> str:
+        """The API field that carries this request's structured-output constraint."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def structured(self) -> StructuredOutput | dict[str, Any] | None:
+        """``SamplingParams.structured`` for this request (None: free text); ``APIError`` naming
+        the field when both fields are given or ``json_schema`` lacks its schema."""
+        fmt, ext = self.response_format, self.structured_outputs
+        if fmt is not None and ext is not None and fmt.type != "text":
+            raise APIError("response_format and structured_outputs are exclusive: give one", param="structured_outputs")
+        if ext is not None:
+            spec = {"json_schema": ext.json_, "json_object": ext.json_object or False, "regex": ext.regex,
+                    "grammar": ext.grammar, "choice": ext.choice}  # fmt: skip
+            return {k: v for k, v in spec.items() if v not in (None, False)}
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutput(json_object=True)
+        if fmt.json_schema is None:
+            raise APIError("response_format of type json_schema needs a json_schema object", param="response_format")
+        return {"json_schema": fmt.json_schema.json_schema}
+
+    def api_field_of(self, message: str) -> str | None:
+        """``api_field_of(message)``, with the structured-output field named as this request gave it."""
+        param = api_field_of(message)
+        return self.structured_field if param == "structured" else param
 
     @property
     def include_usage(self) -> bool:
@@ -199,8 +263,9 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None) -> Sa
         repetition_penalty=req.repetition_penalty, logit_bias=bias, seed=req.seed,
         stop=req.stop or (), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
         min_new_tokens=req.min_tokens, max_new_tokens=max_tokens, logprobs=logprobs,
+        structured=req.structured(),
     )  # fmt: skip
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
-        raise APIError(str(exc), param=api_field_of(str(exc))) from None
+        raise APIError(str(exc), param=req.api_field_of(str(exc))) from None

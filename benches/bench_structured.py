@@ -1,0 +1,148 @@
+"""Structured output (issue 31): validity over many JSON schemas, and the cost per output token
+of a grammar-constrained request vs an unconstrained one, same run.
+
+- validity: ``--schemas`` JSON schemas from a seeded generator (nested objects, enums, arrays
+  with bounds, integers and numbers with bounds, bounded strings, booleans), one greedy SmolLM2
+  generation each, constrained and free; an output counts as valid when it parses and validates.
+- overhead: batch 1 and ``--batch`` requests of ``--new`` tokens each, temperature 0 and 0.8,
+  unconstrained (``ignore_eos``) vs constrained by a schema that cannot end within ``--new``
+  tokens (so both modes produce exactly as many tokens); seconds per output token, best of
+  ``--reps`` interleaved runs; plus the two per-step parts alone (mask fill per token; stack +
+  apply of a batch mask).
+
+Run: ``python benches/bench_structured.py [--schemas 24] [--batch 64] [--new 32] [--reps 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+
+import jsonschema
+import torch
+
+from treeserve import LLM, SamplingParams
+from treeserve._cpu import cpu_features
+from treeserve.sampling import StructuredOutput, apply_token_bitmask, stack_bitmasks
+
+NAMES = ["id", "name", "price", "tags", "owner", "size", "color", "count", "valid", "meta", "items", "score"]
+LONG = {"type": "array", "minItems": 500, "items": {"type": "object", "properties": {
+    "word": {"type": "string", "maxLength": 10}, "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["word", "n"], "additionalProperties": False}}  # fmt: skip
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A JSON schema of the generator's subset (objects at the top)."""
+    kinds = ["int", "num", "str", "enum", "bool"] + (["obj", "arr"] if depth < 2 else [])
+    kind = rng.choice(kinds) if depth else "obj"
+    if kind == "int":
+        lo = rng.randint(-100, 100)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(1, 1000)}
+    if kind == "num":
+        lo = rng.choice([0, -1, 10])
+        return {"type": "number", "minimum": lo, "maximum": lo + rng.choice([1, 100, 1e4])}
+    if kind == "str":
+        return {"type": "string", "maxLength": rng.randint(3, 20)}
+    if kind == "enum":
+        return {"type": "string", "enum": rng.sample(["red", "green", "blue", "small", "large", "n/a"], rng.randint(2, 4))}
+    if kind == "bool":
+        return {"type": "boolean"}
+    if kind == "arr":
+        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": 1, "maxItems": rng.randint(1, 4)}
+    props = {n: random_schema(rng, depth + 1) for n in rng.sample(NAMES, rng.randint(2, 4))}
+    required = sorted(rng.sample(sorted(props), rng.randint(1, len(props))))
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+def valid(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def validity(llm: LLM, num: int) -> None:
+    rng = random.Random(31)
+    schemas = [random_schema(rng) for _ in range(num)]
+    tok = llm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Reply with only a JSON object matching this "
+                                         f"JSON schema: {json.dumps(s)}"}]) for s in schemas]  # fmt: skip
+    for constrained in (False, True):
+        sps = [SamplingParams(temperature=0, max_new_tokens=192, structured={"json_schema": s} if constrained else None)
+               for s in schemas]  # fmt: skip
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        ok = sum(valid(o.outputs[0].text, s) for o, s in zip(outs, schemas))
+        stops = sum(o.outputs[0].finish_reason == "stop" for o in outs)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        print(f"validity {'constrained' if constrained else 'free       '}: {ok}/{num} valid, {stops} ended by "
+              f"themselves, {tokens} tokens in {seconds:.1f} s")  # fmt: skip
+
+
+def per_token(llm: LLM, batch: int, new: int, temperature: float, constrained: bool) -> float:
+    prompts = [f"Question {i}: list words and numbers." for i in range(batch)]
+    sp = SamplingParams(temperature=temperature, seed=1, max_new_tokens=new, ignore_eos=not constrained,
+                        structured={"json_schema": LONG} if constrained else None)  # fmt: skip
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == new for o in outs), "a request ended early"
+    return seconds / (batch * new)
+
+
+def overhead(llm: LLM, batches: list[int], new: int, reps: int) -> None:
+    for batch in batches:
+        for temperature in (0.0, 0.8):
+            best = {False: float("inf"), True: float("inf")}
+            for _ in range(reps):  # interleaved: both modes see the same machine load
+                for constrained in (False, True):
+                    best[constrained] = min(best[constrained], per_token(llm, batch, new, temperature, constrained))
+            print(f"batch {batch:3d} temperature {temperature}: free {1e3 * best[False]:7.2f} ms/token, constrained "
+                  f"{1e3 * best[True]:7.2f} ms/token, overhead {100 * (best[True] / best[False] - 1):+6.1f}%")  # fmt: skip
+
+
+def parts(llm: LLM, batch: int) -> None:
+    """The constrained path's own work: a matcher's accept + mask refill, and a batch mask's stack
+    + unpack + masked_fill over the logits."""
+    compiler = llm.grammar_compiler()
+    state = compiler.new_state(StructuredOutput(json_schema=LONG))
+    text = json.dumps([{"word": "tea", "n": i} for i in range(60)])[:-2]  # LONG cannot close yet
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    t0 = time.perf_counter()
+    for t in ids:
+        assert state.accept(t)
+    fill = (time.perf_counter() - t0) / len(ids)
+    masks = [state.bitmask] * batch
+    logits = torch.randn(batch, llm.vocab_size)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        apply_token_bitmask(logits, stack_bitmasks(masks, llm.vocab_size, "cpu"))
+    apply = (time.perf_counter() - t0) / 20
+    print(f"parts: accept + mask refill {1e3 * fill:.3f} ms per token; stack + apply at batch {batch}: "
+          f"{1e3 * apply:.2f} ms per step")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--schemas", type=int, default=24)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    f = cpu_features()
+    print(f"CPU: {f.model_name} ({platform.machine()}, torch ISA {f.torch_capability}), torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}")  # fmt: skip
+    llm = LLM(max_batched_tokens=4096, enable_prefix_cache=False)
+    llm.generate(["warm-up"], SamplingParams(max_new_tokens=2, structured={"regex": "[a-z]+"}), use_tqdm=False)
+    parts(llm, args.batch)
+    overhead(llm, [1, args.batch], args.new, args.reps)
+    validity(llm, args.schemas)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Grammar-constrained decoding on xgrammar: compiled grammars per tokenizer, one matcher per sample.
+
+``GrammarCompiler`` is built once per (tokenizer, model vocabulary width): it turns a
+``StructuredOutput`` into an ``xgrammar.CompiledGrammar`` (cached by the spec's ``key``, at most
+``max_cached`` of them, least recently used evicted) and raises ``ValueError`` naming
+``SamplingParams.structured.<kind>`` when the schema / regex / grammar is invalid.
+``GrammarState`` is one sample's matcher plus the bitmask of the tokens it may take next
+(``bitmask``, host int32 ``[bitmask_words(V)]``): the scheduler's commit path feeds it every
+committed token (``accept``), which refills the mask; the runner stacks the masks of a step's
+constrained rows into ``SamplingBatch.token_bitmask``. Ids past the tokenizer's vocabulary
+(padding of the logits) and special tokens other than the stop tokens are never allowed.
+
+xgrammar is imported when the first compiler is built, so the rest of ``treeserve.sampling``
+works without it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from treeserve.sampling.bitmask import bitmask_words
+from treeserve.sampling.structured import StructuredOutput
+
+__all__ = ["GrammarCompiler", "GrammarState"]
+
+_VOCAB_TYPES = ("byte_level", "byte_fallback", "raw")
+_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed:.*?: )?")
+
+
+class GrammarState:
+    """One sample's grammar matcher and its next-token ``bitmask``.
+
+    ``accept(token)`` advances the matcher (False, state unchanged, if the grammar refuses the
+    token) and refills ``bitmask``; ``ended`` is True once nothing but a stop token may follow
+    (the grammar is complete and cannot go on, a stop token was accepted, or no token at all is
+    allowed): the request is then finished without sampling that stop token. ``not_stop`` is
+    the bitmask of every token but the stop tokens (shared, read-only). Owned by one ``Request``; not thread-safe.
+    """
+
+    __slots__ = ("_matcher", "_buf", "_not_stop", "vocab_size")
+
+    def __init__(self, compiled: Any, vocab_size: int, not_stop: torch.Tensor) -> None:
+        import xgrammar as xgr
+
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._not_stop = not_stop
+        self.vocab_size = vocab_size
+        self._buf = torch.empty(1, bitmask_words(vocab_size), dtype=torch.int32)
+        self._matcher.fill_next_token_bitmask(self._buf, 0)
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        """int32 ``[bitmask_words(vocab_size)]``: the tokens allowed next (see ``sampling.bitmask``)."""
+        return self._buf[0]
+
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; True when the grammar allowed it."""
+        if not self._matcher.accept_token(int(token)):
+            return False
+        if not self._matcher.is_terminated():
+            self._matcher.fill_next_token_bitmask(self._buf, 0)
+        return True
+
+    @property
+    def ended(self) -> bool:
+        """Nothing but a stop token may come next (or the grammar already accepted one)."""
+        return self._matcher.is_terminated() or not bool((self._buf[0] & self._not_stop).any())
+
+
+class GrammarCompiler:
+    """Compiles ``StructuredOutput`` specs for one tokenizer and a ``vocab_size``-wide model.
+
+    ``encoded_vocab[i]`` is token i's string as the tokenizer stores it (byte-level BPE:
+    ``"Ġ"``-encoded); ``""`` marks an id the grammar must never produce (special tokens,
+    padding). ``vocab_type``: ``"byte_level"`` (GPT-2 style), ``"byte_fallback"`` (``<0x0A>``
+    tokens) or ``"raw"`` (tokens are their text); ``add_prefix_space`` as xgrammar's
+    ``TokenizerInfo`` takes it.
+    """
+
+    def __init__(
+        self,
+        encoded_vocab: Sequence[str],
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        *,
+        vocab_type: str = "byte_level",
+        add_prefix_space: bool = False,
+        max_cached: int = 256,
+    ) -> None:
+        import xgrammar as xgr
+
+        if vocab_type not in _VOCAB_TYPES:
+            raise ValueError(f"vocab_type must be one of {', '.join(_VOCAB_TYPES)}, got {vocab_type!r}")
+        if not stop_token_ids:
+            raise ValueError("stop_token_ids must list at least one id (structured output needs a way to stop)")
+        bad = [t for t in stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids outside [0, {vocab_size}): {bad}")
+        self.vocab_size = vocab_size
+        self.max_cached = max_cached
+        self._info = xgr.TokenizerInfo(
+            list(encoded_vocab)[:vocab_size],
+            getattr(xgr.VocabType, vocab_type.upper()),
+            vocab_size=vocab_size,
+            stop_token_ids=list(stop_token_ids),
+            add_prefix_space=add_prefix_space,
+        )
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
+        self._not_stop = torch.full((bitmask_words(vocab_size),), -1, dtype=torch.int32)
+        for t in stop_token_ids:
+            self._not_stop[t // 32] &= ~_bit(t % 32)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, vocab_size: int, **kwargs: Any) -> GrammarCompiler:
+        """From a ``treeserve.models.Tokenizer`` (anything with ``backend``, a
+        ``tokenizers.Tokenizer``, and ``eos_token_ids``): its vocabulary with special tokens
+        blanked, padded or cut to the model's ``vocab_size``, its EOS ids as stop tokens."""
+        import xgrammar as xgr
+
+        backend = tokenizer.backend
+        encoded = [""] * vocab_size
+        for text, idx in backend.get_vocab(with_added_tokens=True).items():
+            if idx < vocab_size:
+                encoded[idx] = text
+        for idx, added in backend.get_added_tokens_decoder().items():
+            if added.special and idx < vocab_size:
+                encoded[idx] = ""
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+        return cls(
+            encoded, vocab_size, list(tokenizer.eos_token_ids),
+            vocab_type=meta["vocab_type"].name.lower(), add_prefix_space=meta["add_prefix_space"], **kwargs,
+        )  # fmt: skip
+
+    @property
+    def num_cached(self) -> int:
+        """Compiled grammars held in the cache."""
+        return len(self._cache)
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        """The ``xgrammar.CompiledGrammar`` of ``spec`` (cached); ``ValueError`` naming
+        ``SamplingParams.structured.<kind>`` and xgrammar's reason when it does not compile."""
+        key = spec.key
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            return compiled
+        try:
+            compiled = self._compile(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            reason = _CPP_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+            raise ValueError(f"SamplingParams.structured.{spec.kind} is invalid: {reason}") from None
+        self._cache[key] = compiled
+        if len(self._cache) > self.max_cached:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutput) -> Any:
+        c = self._compiler
+        kind = spec.kind
+        if kind == "json_schema":
+            return c.compile_json_schema(spec.json_schema, any_whitespace=False, strict_mode=True)
+        if kind == "json_object":  # compact JSON: free whitespace lets a small model loop on it
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return c.compile_regex(spec.regex)
+        if kind == "grammar":
+            return c.compile_grammar(spec.grammar)
+        return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+
+    def new_state(self, spec: StructuredOutput) -> GrammarState:
+        """A fresh matcher for one sample of a request constrained by ``spec``; ``ValueError``
+        when ``spec`` does not compile or admits no output token at all (e.g. only the empty
+        string, or text no token of this vocabulary can spell)."""
+        state = GrammarState(self.compile(spec), self.vocab_size, self._not_stop)
+        if state.ended:
+            raise ValueError(
+                f"SamplingParams.structured.{spec.kind} admits no output token with this tokenizer"
+            )
+        return state
+
+
+def _bit(j: int) -> int:
+    """int32 value with only bit ``j`` set (bit 31 is the sign bit)."""
+    return -(2**31) if j == 31 else 1 << j
