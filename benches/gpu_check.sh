@@ -80,10 +80,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 SUMMARY+=("setup: ok ($(($(date +%s) - START))s)")
 
 # ---------------------------------------------------------------- 1. GPU tests
-# The gpu-marked tests and every Triton test (on CUDA tensors here; the interpreter is for CPUs).
+# The gpu-marked tests, every Triton test (on CUDA tensors here; the interpreter is for CPUs) and
+# the C++ operators fed bad input in a child process (a torch 2.11 image once segfaulted there).
 mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)
 run_stage gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider --hypothesis-profile=ci -rfE \
-    tests/kvcache/test_attention.py tests/kvcache/test_ops.py tests/sampling/test_sampling_triton.py "${GPU_TESTS[@]}"
+    tests/kvcache/test_attention.py tests/kvcache/test_ops.py tests/sampling/test_sampling_triton.py "${GPU_TESTS[@]}" \
+    tests/test_cpp_bad_input.py
 
 # ---------------------------------------------------------------- 2. kernel benchmarks
 cat >"$OUT/kernels.py" <<'EOF'
