@@ -151,8 +151,7 @@ def prefill(args: argparse.Namespace) -> None:
 class PhaseTimer:
     """Wraps bound methods of the engine's parts and accumulates their wall time per name."""
 
-    def __init__(self, device: str) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.host: dict[str, float] = defaultdict(float)
         self.gpu: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -187,7 +186,7 @@ def phases(args: argparse.Namespace) -> None:
     model = make_model(args.shape, args.device)
     llm = engine(model, args.device, "graph", max(args.batch, 8), 512)
     generate_seconds(llm, args.batch, 64, 8, args.device)  # warm-up
-    timer = PhaseTimer(args.device)
+    timer = PhaseTimer()
     steps_before = llm.metrics.steps
     timer.wrap(llm.scheduler, "schedule", "schedule")
     timer.wrap(llm.scheduler, "update", "update (token read, stops)")

@@ -213,7 +213,7 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
     TORCH_CHECK_VALUE(pp[i] >= 0 && pp[i] < rope_table.size(0), "positions must lie in [0, ",
                       rope_table.size(0), "), got ", pp[i]);
   check_slots(sp, m, num_slots);
-  // The attention operator is reached through the dispatcher once per layer: check the table once here.
+  // Checked before the first layer writes any KV (paged_decode_attention checks it again per layer).
   treeserve_checks::check_page_table(kv_indptr, kv_page_indices, kv_last_page_len, m, kc0.size(0), kc0.size(1));
 
   const Ops& op = ops();
