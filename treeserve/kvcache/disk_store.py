@@ -64,16 +64,8 @@ class DiskStore:
     def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int, layout: TierLayout) -> None:
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes < 0:
             raise ValueError(f"kv_disk_bytes must be an int >= 0, got {capacity_bytes!r}")
-        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
-            raise ValueError(f"kv_disk_dir must be a directory path, got {directory!r}")
+        self.check_directory(directory)
         self.dir = Path(directory)
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f"{_TMP_PREFIX}probe-{os.getpid()}-{threading.get_ident()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise ValueError(f"kv_disk_dir {str(directory)!r} is not a writable directory: {exc}") from exc
         self.layout = layout
         self.capacity_bytes = capacity_bytes
         self._digest = layout.digest()
@@ -83,6 +75,23 @@ class DiskStore:
         self.num_bytes = 0
         self.num_errors = 0
         self._scan()
+
+    @staticmethod
+    def check_directory(directory: object) -> None:
+        """Create ``directory`` if needed and prove it writable, else ``ValueError`` naming
+        ``kv_disk_dir`` (``TypeError`` for something that is not a path)."""
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"kv_disk_dir must be a directory path (str), got {type(directory).__name__}")
+        if not str(directory):
+            raise ValueError("kv_disk_dir must be a directory path, got ''")
+        path = Path(directory)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f"{_TMP_PREFIX}probe-{os.getpid()}-{threading.get_ident()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ValueError(f"kv_disk_dir {str(directory)!r} is not a writable directory: {exc}") from exc
 
     # ------------------------------------------------------------------ lookups
     def __contains__(self, key: bytes) -> bool:

@@ -57,7 +57,8 @@ class EngineStats:
     ``kv_usage`` counts pages held by requests (running samples and prefixes they lock) as used;
     pages only kept by the prefix cache are reclaimable, so they count as free (vLLM's meaning).
     ``steps`` / ``busy_seconds``: engine steps so far and the time spent in them (schedule,
-    forward, sample, update), to tell engine time from serving overhead.
+    forward, sample, update), to tell engine time from serving overhead. ``prompt_tokens`` and
+    the ``kv_*`` counters: the engine's KV-tier hits and bytes moved (``LLM.metrics``).
     """
 
     num_running: int = 0
@@ -67,6 +68,13 @@ class EngineStats:
     kv_cached_pages: int = 0
     steps: int = 0
     busy_seconds: float = 0.0
+    prompt_tokens: int = 0
+    kv_host_hit_tokens: int = 0
+    kv_disk_hit_tokens: int = 0
+    kv_bytes_device_to_host: int = 0
+    kv_bytes_host_to_device: int = 0
+    kv_bytes_disk_to_device: int = 0
+    kv_bytes_to_disk: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -77,15 +85,22 @@ class EngineStats:
 def read_engine_stats(llm: LLM) -> EngineStats:
     """Queue and KV gauges of ``llm``; the only reader of engine internals in the server (call it
     where no step runs concurrently, i.e. on the engine thread)."""
-    sched, alloc = llm.scheduler, llm.kv.allocator
+    sched, alloc, m = llm.scheduler, llm.kv.allocator, llm.metrics
     return EngineStats(
         num_running=len(sched.running),
         num_waiting=len(sched.waiting),
         kv_total_pages=alloc.capacity,
         kv_free_pages=alloc.num_free,
         kv_cached_pages=llm.radix.evictable_tokens // llm.kv.page_size,
-        steps=llm.metrics.steps,
-        busy_seconds=llm.metrics.busy_seconds,
+        steps=m.steps,
+        busy_seconds=m.busy_seconds,
+        prompt_tokens=m.prompt_tokens,
+        kv_host_hit_tokens=m.kv_host_hit_tokens,
+        kv_disk_hit_tokens=m.kv_disk_hit_tokens,
+        kv_bytes_device_to_host=m.kv_bytes_device_to_host,
+        kv_bytes_host_to_device=m.kv_bytes_host_to_device,
+        kv_bytes_disk_to_device=m.kv_bytes_disk_to_device,
+        kv_bytes_to_disk=m.kv_bytes_to_disk,
     )
 
 
@@ -384,6 +399,8 @@ class AsyncLLMEngine(EngineClient):
             log.exception("engine loop crashed")
         finally:
             self._close_all("shutdown" if self._dead is None else "error")
+            if llm.tiers is not None:
+                llm.tiers.flush()  # released requests' write-through to the disk KV tier
 
     def _run_commands(self) -> None:
         while self._commands:
