@@ -98,6 +98,7 @@ def module_fingerprint(module: torch.nn.Module, samples: int = 256) -> str:
             h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
             flat = t.detach().reshape(-1)
             if flat.numel():
-                idx = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()), device=flat.device).long()
+                k = min(samples, flat.numel())
+                idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)
                 h.update(flat[idx].to("cpu", torch.float64).numpy().tobytes())
     return h.hexdigest()

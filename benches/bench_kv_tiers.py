@@ -1,0 +1,111 @@
+"""KV tiers (issue 29): a long shared system prompt evicted from the device pool, then asked again.
+
+Same run, same model (the default ``LLM()`` configuration's SmolLM2), one process:
+
+1. TTFT of a request whose ~4k-token system prompt left the device pool: recomputed (no tiers),
+   promoted from the host tier, promoted from the disk tier, and from the disk tier after a
+   restart (a new engine over the same directory). Eviction is ``llm.radix.evict`` of everything
+   evictable, so each case starts from the same empty device tree. The disk tier reads through
+   the OS page cache (the files were just written): a cold read adds the disk's own time.
+2. A working set of prefixes 4x the device pool, asked in shuffled rounds: throughput and prefix
+   hit rate with a host tier vs without.
+
+Run: ``flock /work/bench.lock python benches/bench_kv_tiers.py [--prefix 4000] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import tempfile
+import time
+
+from treeserve import LLM, SamplingParams
+from treeserve._cpu import cpu_features
+
+ONE = SamplingParams(temperature=0, max_new_tokens=1)
+
+
+def system_prompt(llm: LLM, n: int) -> list[int]:
+    text = " ".join(f"Rule {i}: answer politely, cite the handbook section {i % 37}, and never guess." for i in range(n))
+    return llm.tokenizer.encode(text)[:n]
+
+
+def ttft(llm: LLM, ids: list[int]) -> float:
+    t0 = time.perf_counter()
+    out = llm.generate([ids], ONE, use_tqdm=False)[0]
+    assert out.error is None
+    return time.perf_counter() - t0
+
+
+def evicted_ttft(llm: LLM, system: list[int], q: int) -> float:
+    """Serve system + question 0 (the KV is computed), evict the device tree, time system + q."""
+    ttft(llm, system + [q])
+    if llm.tiers is not None:
+        llm.tiers.flush()
+    llm.radix.evict(llm.radix.evictable_tokens)
+    assert llm.radix.total_tokens == 0
+    return ttft(llm, system + [q + 1])
+
+
+def single_prefix(pair: tuple, system: list[int], pool: int) -> None:
+    base = evicted_ttft(LLM(pair, kv_cache_tokens=pool), system, 100)
+    host = LLM(pair, kv_cache_tokens=pool, kv_host_tokens=2 * len(system))
+    t_host = evicted_ttft(host, system, 200)
+    with tempfile.TemporaryDirectory(prefix="kvtier-") as d:
+        disk = LLM(pair, kv_cache_tokens=pool, kv_host_tokens=0, kv_disk_dir=d)
+        t_disk = evicted_ttft(disk, system, 300)
+        disk.close()
+        restarted = LLM(pair, kv_cache_tokens=pool, kv_host_tokens=0, kv_disk_dir=d)
+        t_restart = ttft(restarted, system + [400])
+        hits = restarted.metrics.kv_disk_hit_tokens
+        restarted.close()
+    print(f"\n{len(system)}-token system prompt evicted from the device pool, then asked again (TTFT):")
+    print(f"  recomputed                 {base:8.3f} s")
+    for name, t in (("promoted from host", t_host), ("promoted from disk", t_disk), ("disk after a restart", t_restart)):
+        print(f"  {name:<26} {t:8.3f} s   {base / t:6.1f}x")
+    print(f"  (restart: {hits} prompt tokens promoted from disk)")
+
+
+def working_set(pair: tuple, pool: int, prefix_len: int, rounds: int, seed: int = 0) -> None:
+    num_prefixes = 4 * pool // prefix_len
+    rng = random.Random(seed)
+    tok = pair[1]
+    prefixes = [tok.encode(" ".join(f"Doc {p} line {i}: the value of item {i} is {rng.randrange(999)}." for i in range(prefix_len)))[:prefix_len]
+                for p in range(num_prefixes)]  # fmt: skip
+    order = [p for _ in range(rounds) for p in rng.sample(range(num_prefixes), num_prefixes)]
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    print(f"\nworking set: {num_prefixes} prefixes x {prefix_len} tokens = 4x the {pool}-token device pool, "
+          f"{len(order)} requests one at a time, 8 new tokens each:")  # fmt: skip
+    rows = {}
+    for name, kw in (("no tiers", {}), ("host tier", {"kv_host_tokens": 2 * num_prefixes * prefix_len})):
+        llm = LLM(pair, kv_cache_tokens=pool, max_batched_tokens=prefix_len + 16, **kw)
+        t0 = time.perf_counter()
+        for i, p in enumerate(order):
+            out = llm.generate([prefixes[p] + [500 + i]], params, use_tqdm=False)[0]
+            assert out.error is None
+        seconds = time.perf_counter() - t0
+        m = llm.metrics
+        rows[name] = seconds
+        print(f"  {name:<10} {len(order) / seconds:6.2f} req/s  {m.generated_tokens / seconds:7.1f} gen tok/s  "
+              f"prefix hit rate {m.prefix_cache_hit_rate:5.1%} (host {m.kv_host_hit_rate:5.1%})  {seconds:6.1f} s")  # fmt: skip
+    print(f"  throughput with tiers / without: {rows['no tiers'] / rows['host tier']:.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--prefix", type=int, default=4000, help="system prompt tokens")
+    ap.add_argument("--quick", action="store_true", help="a 1k-token prompt and a smaller working set")
+    args = ap.parse_args()
+    f = cpu_features()
+    print(f"CPU: {f.model_name} ({platform.machine()}, torch ISA {f.torch_capability})")
+    prefix = 1000 if args.quick else args.prefix
+    base = LLM(kv_cache_tokens=512)  # the default configuration's model and tokenizer, loaded once
+    pair = (base.model, base.tokenizer)
+    single_prefix(pair, system_prompt(base, prefix), pool=prefix + 512)
+    working_set(pair, pool=512 if args.quick else 1024, prefix_len=128 if args.quick else 256, rounds=2 if args.quick else 3)
+
+
+if __name__ == "__main__":
+    main()
