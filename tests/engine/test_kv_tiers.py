@@ -11,12 +11,12 @@ import pytest
 from treeserve import LLM, SamplingParams
 from treeserve.engine import EngineConfig
 
-GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
 SYSTEM = ("You are a careful assistant for a small library. Answer questions about opening hours, "
-          "loans, late fees and the reading room. Keep answers short and polite. ") * 5  # fmt: skip
+          "loans, late fees and the reading room. Keep answers short and polite. ") * 10  # fmt: skip
 PROMPT = SYSTEM + "Question: can I borrow three books at once?"
 OTHER = ("Write a limerick about a cat who learns to play the violin at night, "
-         "annoying every neighbour on the street. ") * 6  # fmt: skip
+         "annoying every neighbour on the street. ") * 14  # fmt: skip
 
 
 @pytest.fixture(scope="module")
