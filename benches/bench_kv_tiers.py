@@ -59,7 +59,7 @@ def single_prefix(pair: tuple, system: list[int], pool: int) -> None:
         disk.close()
         restarted = LLM(pair, kv_cache_tokens=pool, kv_host_tokens=0, kv_disk_dir=d)
         t_restart = ttft(restarted, system + [400])
-        hits = restarted.metrics.kv_disk_hit_tokens
+        hits = restarted.metrics.kv_tiers.disk_hit_tokens
         restarted.close()
     print(f"\n{len(system)}-token system prompt evicted from the device pool, then asked again (TTFT):")
     print(f"  recomputed                 {base:8.3f} s")

@@ -36,6 +36,7 @@ from treeserve.kvcache import (
     RadixCache,
     ReqToTokenTable,
     TierLayout,
+    TierStats,
     default_chunk_tokens,
     module_fingerprint,
 )
@@ -295,33 +296,30 @@ class EngineMetrics:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
-    kv_host_hit_tokens: int = 0
-    kv_disk_hit_tokens: int = 0
-    kv_bytes_device_to_host: int = 0
-    kv_bytes_host_to_device: int = 0
-    kv_bytes_disk_to_device: int = 0
-    kv_bytes_to_disk: int = 0
-    kv_disk_errors: int = 0
+    kv_tiers: TierStats = field(default_factory=TierStats)  # the KV tiers' hits and bytes moved
 
     @property
     def throughput(self) -> float:
         """Generated tokens per second of engine busy time."""
         return self.generated_tokens / self.busy_seconds if self.busy_seconds else 0.0
 
+    def _of_prompts(self, tokens: int) -> float:
+        return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Fraction of prompt tokens whose KV came from the radix cache."""
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return self._of_prompts(self.cached_prompt_tokens)
 
     @property
     def kv_host_hit_rate(self) -> float:
         """Fraction of prompt tokens whose KV was promoted from the host tier."""
-        return self.kv_host_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return self._of_prompts(self.kv_tiers.host_hit_tokens)
 
     @property
     def kv_disk_hit_rate(self) -> float:
         """Fraction of prompt tokens whose KV was promoted from the disk tier."""
-        return self.kv_disk_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return self._of_prompts(self.kv_tiers.disk_hit_tokens)
 
     @property
     def mean_ttft(self) -> float:
@@ -451,6 +449,8 @@ class LLM:
             attention_backend="torch_per_request" if cfg.batch_invariant else "auto",
         )  # fmt: skip
         self.metrics = EngineMetrics()
+        if self.tiers is not None:
+            self.metrics.kv_tiers = self.tiers.stats  # live counters
         self._seed_gen = torch.Generator()
         self._seed_gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
         self._lock = threading.RLock()
@@ -694,12 +694,6 @@ class LLM:
         m.draft_tokens, m.accepted_tokens, m.verify_steps = spec.proposed, spec.accepted, spec.steps
         alloc = self.kv.allocator
         m.kv_usage = 1.0 - alloc.num_free / alloc.capacity
-        if self.tiers is not None:
-            t = self.tiers.stats
-            m.kv_host_hit_tokens, m.kv_disk_hit_tokens = t.host_hit_tokens, t.disk_hit_tokens
-            m.kv_bytes_device_to_host, m.kv_bytes_host_to_device = t.bytes_device_to_host, t.bytes_host_to_device
-            m.kv_bytes_disk_to_device, m.kv_bytes_to_disk = t.bytes_disk_to_device, t.bytes_to_disk
-            m.kv_disk_errors = self.tiers.disk_errors
 
     def _isolate(self, batch: ScheduledBatch, exc: Exception) -> list[SampledToken | None]:
         """The model step of ``batch`` raised ``exc``: rerun each item alone; items that still

@@ -43,11 +43,12 @@ def test_prefix_promoted_from_host_equals_recomputed(model_pair, recomputed) -> 
     assert llm.tiers is not None and llm.tiers.disk is None
     assert run(llm) == recomputed
     run(llm, OTHER)  # needs the pool: the first prompt's KV is demoted to host memory
-    assert llm.metrics.kv_bytes_device_to_host > 0
+    assert llm.metrics.kv_tiers.bytes_device_to_host > 0
     before = llm.metrics.cached_prompt_tokens
     assert run(llm) == recomputed
     m = llm.metrics
-    assert m.kv_host_hit_tokens >= 128 and m.kv_bytes_host_to_device > 0 and m.kv_disk_hit_tokens == 0
+    t = m.kv_tiers
+    assert t.host_hit_tokens >= 128 and t.bytes_host_to_device > 0 and t.disk_hit_tokens == 0
     assert m.cached_prompt_tokens - before >= 128
     assert 0 < m.as_dict()["kv_host_hit_rate"] < 1
 
@@ -57,14 +58,14 @@ def test_disk_tier_survives_a_restart_and_damage_means_recompute(model_pair, rec
     assert run(first) == recomputed
     first.radix.evict(first.radix.evictable_tokens)  # gone from the device; written through to disk
     assert run(first) == recomputed
-    assert first.metrics.kv_disk_hit_tokens >= 128
+    assert first.metrics.kv_tiers.disk_hit_tokens >= 128
     first.close()
     files = sorted(tmp_path.glob("*.kv"))
-    assert files and first.metrics.kv_bytes_to_disk > 0
+    assert files and first.metrics.kv_tiers.bytes_to_disk > 0
 
     restarted = LLM(model_pair, kv_cache_tokens=512, kv_disk_dir=str(tmp_path))  # a new process, same directory
     assert run(restarted) == recomputed
-    assert restarted.metrics.kv_disk_hit_tokens >= 128 and restarted.metrics.kv_disk_errors == 0
+    assert restarted.metrics.kv_tiers.disk_hit_tokens >= 128 and restarted.metrics.kv_tiers.disk_errors == 0
     restarted.close()
 
     for path in files:  # flip one byte in every entry
@@ -74,8 +75,8 @@ def test_disk_tier_survives_a_restart_and_damage_means_recompute(model_pair, rec
     damaged = LLM(model_pair, kv_cache_tokens=512, kv_disk_dir=str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="treeserve.kvcache"):
         assert run(damaged) == recomputed
-    assert "recomputing" in caplog.text and damaged.metrics.kv_disk_errors >= 1
-    assert damaged.metrics.kv_disk_hit_tokens == 0
+    assert "recomputing" in caplog.text and damaged.metrics.kv_tiers.disk_errors >= 1
+    assert damaged.metrics.kv_tiers.disk_hit_tokens == 0
     damaged.close()
 
 
@@ -85,7 +86,7 @@ def test_another_layout_never_reads_the_entries(model_pair, recomputed, tmp_path
     writer.close()
     paged = LLM(model_pair, kv_cache_tokens=512, page_size=16, kv_disk_dir=str(tmp_path))
     assert run(paged) == recomputed
-    assert paged.metrics.kv_disk_hit_tokens == 0 and paged.metrics.kv_disk_errors == 0
+    assert paged.metrics.kv_tiers.disk_hit_tokens == 0 and paged.metrics.kv_tiers.disk_errors == 0
     paged.close()
 
 

@@ -55,6 +55,7 @@ class TierStats:
     bytes_disk_to_device: int = 0
     bytes_to_disk: int = 0
     disk_writes_dropped: int = 0
+    disk_errors: int = 0  # entries found missing, truncated, corrupt or foreign (each recomputed)
 
 
 class Fetched(NamedTuple):
@@ -148,11 +149,6 @@ class KVTiers:
         self._writer = _DiskWriter(self.disk, self.stats) if self.disk is not None else None
         self._side = torch.cuda.Stream(pool.device) if self._cuda else None
         self._token_bytes = layout.chunk_bytes // layout.chunk_tokens
-
-    @property
-    def disk_errors(self) -> int:
-        """Disk entries found missing, truncated, corrupt or foreign (each recomputed)."""
-        return self.disk.num_errors if self.disk is not None else 0
 
     def keys(self, tokens: tuple[int, ...], num_chunks: int) -> list[bytes]:
         """Chained keys of the first ``num_chunks`` chunks of ``tokens``."""
@@ -284,6 +280,7 @@ class KVTiers:
             return None
         kv = self.disk.read(key, tokens)
         if kv is None:
+            self.stats.disk_errors = self.disk.num_errors
             return None
         chunk = HostChunk(tokens, kv.pin_memory() if self._cuda else kv)
         self._to_host(key, chunk)

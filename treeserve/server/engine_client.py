@@ -22,10 +22,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from treeserve.engine import LLM
+from treeserve.kvcache import TierStats
 from treeserve.output import SampleDelta
 from treeserve.sampling import SamplingParams
 
@@ -58,7 +59,7 @@ class EngineStats:
     pages only kept by the prefix cache are reclaimable, so they count as free (vLLM's meaning).
     ``steps`` / ``busy_seconds``: engine steps so far and the time spent in them (schedule,
     forward, sample, update), to tell engine time from serving overhead. ``prompt_tokens`` and
-    the ``kv_*`` counters: the engine's KV-tier hits and bytes moved (``LLM.metrics``).
+    ``kv_tiers``: the engine's prompt tokens and KV-tier hits and bytes moved (``LLM.metrics``).
     """
 
     num_running: int = 0
@@ -69,12 +70,7 @@ class EngineStats:
     steps: int = 0
     busy_seconds: float = 0.0
     prompt_tokens: int = 0
-    kv_host_hit_tokens: int = 0
-    kv_disk_hit_tokens: int = 0
-    kv_bytes_device_to_host: int = 0
-    kv_bytes_host_to_device: int = 0
-    kv_bytes_disk_to_device: int = 0
-    kv_bytes_to_disk: int = 0
+    kv_tiers: TierStats = field(default_factory=TierStats)
 
     @property
     def kv_usage(self) -> float:
@@ -95,12 +91,7 @@ def read_engine_stats(llm: LLM) -> EngineStats:
         steps=m.steps,
         busy_seconds=m.busy_seconds,
         prompt_tokens=m.prompt_tokens,
-        kv_host_hit_tokens=m.kv_host_hit_tokens,
-        kv_disk_hit_tokens=m.kv_disk_hit_tokens,
-        kv_bytes_device_to_host=m.kv_bytes_device_to_host,
-        kv_bytes_host_to_device=m.kv_bytes_host_to_device,
-        kv_bytes_disk_to_device=m.kv_bytes_disk_to_device,
-        kv_bytes_to_disk=m.kv_bytes_to_disk,
+        kv_tiers=replace(m.kv_tiers),  # a snapshot: the engine keeps counting
     )
 
 

@@ -62,13 +62,14 @@ def _tier_metrics(s: EngineStats, labels: list[str]) -> Iterator[GaugeMetricFami
                              labels=["model_name", "tier"])  # fmt: skip
     hits = CounterMetricFamily("treeserve:kv_tier_hit_tokens", "Tokens promoted from a lower KV tier.",
                                labels=["model_name", "tier"])  # fmt: skip
-    for tier, n in (("host", s.kv_host_hit_tokens), ("disk", s.kv_disk_hit_tokens)):
+    t = s.kv_tiers
+    for tier, n in (("host", t.host_hit_tokens), ("disk", t.disk_hit_tokens)):
         rate.add_metric(labels + [tier], n / s.prompt_tokens if s.prompt_tokens else 0.0)
         hits.add_metric(labels + [tier], float(n))
     moved = CounterMetricFamily("treeserve:kv_tier_bytes", "KV bytes moved between tiers.",
                                 labels=["model_name", "direction"])  # fmt: skip
-    for direction, n in (("device_to_host", s.kv_bytes_device_to_host), ("host_to_device", s.kv_bytes_host_to_device),
-                         ("disk_to_device", s.kv_bytes_disk_to_device), ("to_disk", s.kv_bytes_to_disk)):  # fmt: skip
+    for direction, n in (("device_to_host", t.bytes_device_to_host), ("host_to_device", t.bytes_host_to_device),
+                         ("disk_to_device", t.bytes_disk_to_device), ("to_disk", t.bytes_to_disk)):  # fmt: skip
         moved.add_metric(labels + [direction], float(n))
     yield from (rate, hits, moved)
 
