@@ -13,10 +13,10 @@ from treeserve.engine import EngineConfig
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
 SYSTEM = ("You are a careful assistant for a small library. Answer questions about opening hours, "
-          "loans, late fees and the reading room. Keep answers short and polite. ") * 10  # fmt: skip
+          "loans, late fees and the reading room. Keep answers short and polite. ") * 5  # fmt: skip
 PROMPT = SYSTEM + "Question: can I borrow three books at once?"
 OTHER = ("Write a limerick about a cat who learns to play the violin at night, "
-         "annoying every neighbour on the street. ") * 14  # fmt: skip
+         "annoying every neighbour on the street. ") * 8  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def run(llm: LLM, prompt: str = PROMPT) -> list[int]:
 
 
 def test_prefix_promoted_from_host_equals_recomputed(model_pair, recomputed) -> None:  # noqa: ANN001
-    llm = LLM(model_pair, kv_cache_tokens=512, kv_host_tokens=4096)
+    llm = LLM(model_pair, kv_cache_tokens=256, kv_host_tokens=4096)
     assert llm.tiers is not None and llm.tiers.disk is None
     assert run(llm) == recomputed
     run(llm, OTHER)  # needs the pool: the first prompt's KV is demoted to host memory
@@ -54,7 +54,7 @@ def test_prefix_promoted_from_host_equals_recomputed(model_pair, recomputed) -> 
 
 
 def test_disk_tier_survives_a_restart_and_damage_means_recompute(model_pair, recomputed, tmp_path, caplog) -> None:  # noqa: ANN001
-    first = LLM(model_pair, kv_cache_tokens=512, kv_host_tokens=0, kv_disk_dir=str(tmp_path))
+    first = LLM(model_pair, kv_cache_tokens=256, kv_host_tokens=0, kv_disk_dir=str(tmp_path))
     assert run(first) == recomputed
     first.radix.evict(first.radix.evictable_tokens)  # gone from the device; written through to disk
     assert run(first) == recomputed
@@ -63,7 +63,7 @@ def test_disk_tier_survives_a_restart_and_damage_means_recompute(model_pair, rec
     files = sorted(tmp_path.glob("*.kv"))
     assert files and first.metrics.kv_tiers.bytes_to_disk > 0
 
-    restarted = LLM(model_pair, kv_cache_tokens=512, kv_disk_dir=str(tmp_path))  # a new process, same directory
+    restarted = LLM(model_pair, kv_cache_tokens=256, kv_disk_dir=str(tmp_path))  # a new process, same directory
     assert run(restarted) == recomputed
     assert restarted.metrics.kv_tiers.disk_hit_tokens >= 128 and restarted.metrics.kv_tiers.disk_errors == 0
     restarted.close()
@@ -72,7 +72,7 @@ def test_disk_tier_survives_a_restart_and_damage_means_recompute(model_pair, rec
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(data)
-    damaged = LLM(model_pair, kv_cache_tokens=512, kv_disk_dir=str(tmp_path))
+    damaged = LLM(model_pair, kv_cache_tokens=256, kv_disk_dir=str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="treeserve.kvcache"):
         assert run(damaged) == recomputed
     assert "recomputing" in caplog.text and damaged.metrics.kv_tiers.disk_errors >= 1
@@ -81,10 +81,10 @@ def test_disk_tier_survives_a_restart_and_damage_means_recompute(model_pair, rec
 
 
 def test_another_layout_never_reads_the_entries(model_pair, recomputed, tmp_path) -> None:  # noqa: ANN001
-    writer = LLM(model_pair, kv_cache_tokens=512, kv_disk_dir=str(tmp_path))
+    writer = LLM(model_pair, kv_cache_tokens=256, kv_disk_dir=str(tmp_path))
     run(writer)
     writer.close()
-    paged = LLM(model_pair, kv_cache_tokens=512, page_size=16, kv_disk_dir=str(tmp_path))
+    paged = LLM(model_pair, kv_cache_tokens=256, page_size=16, kv_disk_dir=str(tmp_path))
     assert run(paged) == recomputed
     assert paged.metrics.kv_tiers.disk_hit_tokens == 0 and paged.metrics.kv_tiers.disk_errors == 0
     paged.close()
