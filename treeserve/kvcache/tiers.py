@@ -220,6 +220,7 @@ class KVTiers:
         pos = start
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))  # the pages' previous readers
+            slots.record_stream(self._side)
         with torch.cuda.stream(self._side) if self._side is not None else nullcontext():
             for j, chunk in enumerate(fetched.chunks):
                 base = (fetched.first_chunk + j) * c
