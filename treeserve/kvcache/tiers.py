@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -147,6 +148,8 @@ class KVTiers:
         self.stats = TierStats()
         self._seed = layout.digest()
         self._writer = _DiskWriter(self.disk, self.stats) if self.disk is not None else None
+        # Queued writes land even when the engine is never closed (at exit, or when collected).
+        self._closer = weakref.finalize(self, self._writer.close) if self._writer is not None else None
         self._side = torch.cuda.Stream(pool.device) if self._cuda else None
         self._token_bytes = layout.chunk_bytes // layout.chunk_tokens
 
@@ -254,9 +257,9 @@ class KVTiers:
             self._writer.flush()
 
     def close(self) -> None:
-        """Finish queued disk writes and stop the writer thread (idempotent)."""
-        if self._writer is not None:
-            self._writer.close()
+        """Finish queued disk writes and stop the writer thread (idempotent; also run at exit)."""
+        if self._closer is not None:
+            self._closer()
             self._writer = None
 
     def check_invariants(self) -> None:
