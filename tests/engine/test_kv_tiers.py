@@ -115,3 +115,16 @@ def test_unwritable_disk_dir(tmp_path) -> None:
 def test_host_tier_default_is_off_on_cpu() -> None:
     assert EngineConfig().host_tokens() == 0
     assert EngineConfig(kv_host_tokens=100).host_tokens() == 100
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["chat"], ["serve"]])
+def test_cli_flags_reach_the_engine(command: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from treeserve import cli
+
+    seen: dict = {}
+    monkeypatch.setattr(cli, "LLM", lambda model, **kw: seen.update(kw))
+    flags = ["--kv-host-tokens", "4096", "--kv-disk-dir", str(tmp_path), "--kv-disk-bytes", "1000000"]
+    cli._make_llm(cli.build_parser().parse_args([*command, *flags]))
+    assert (seen["kv_host_tokens"], seen["kv_disk_dir"], seen["kv_disk_bytes"]) == (4096, str(tmp_path), 1000000)
+    cli._make_llm(cli.build_parser().parse_args(command))
+    assert (seen["kv_host_tokens"], seen["kv_disk_dir"]) == (None, None)  # defaults: EngineConfig decides
