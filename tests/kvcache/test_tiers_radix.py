@@ -81,3 +81,16 @@ def test_a_tree_without_tiers_never_hashes(monkeypatch) -> None:
     cache.release_request(list(range(9)), slots, None)
     cache.evict(9)
     assert cache.prefetch(list(range(9))) and cache.match_prefix(list(range(9))).length == 0
+
+
+def test_bandwidth_bench_runs() -> None:
+    """``benches/bench_kv_tiers.py --bandwidth`` (the GPU session's promotion check) runs on CPU."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benches" / "bench_kv_tiers.py"
+    spec = importlib.util.spec_from_file_location("bench_kv_tiers", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    promote, copy = bench.promotion_bandwidth("cpu", tokens=128, reps=1)
+    assert promote > 0 and copy > 0
