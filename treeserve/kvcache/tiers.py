@@ -47,7 +47,14 @@ _MAX_PENDING_BYTES = 1 << 30  # queued disk writes beyond this are dropped (the 
 
 @dataclass(slots=True)
 class TierStats:
-    """Counters since the tiers were built: tokens promoted per source tier and bytes moved."""
+    """Counters since the tiers were built.
+
+    ``host_hit_tokens`` / ``disk_hit_tokens``: tokens promoted into the device pool from that
+    tier. ``bytes_*``: KV bytes copied device -> host (demotions), host -> device and disk ->
+    device (promotions), and written to disk. ``disk_writes_dropped``: chunks not written because
+    the writer was 1 GiB behind. ``disk_errors``: entries found missing, truncated, corrupt or
+    foreign (each recomputed).
+    """
 
     host_hit_tokens: int = 0
     disk_hit_tokens: int = 0
@@ -56,7 +63,7 @@ class TierStats:
     bytes_disk_to_device: int = 0
     bytes_to_disk: int = 0
     disk_writes_dropped: int = 0
-    disk_errors: int = 0  # entries found missing, truncated, corrupt or foreign (each recomputed)
+    disk_errors: int = 0
 
 
 class Fetched(NamedTuple):
