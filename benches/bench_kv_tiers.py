@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=4000, help="system prompt tokens")
     ap.add_argument("--quick", action="store_true", help="a 1k-token prompt and a smaller working set")
     ap.add_argument("--bandwidth", action="store_true", help="only the promotion bandwidth")
+    ap.add_argument("--working-set-only", action="store_true", help="skip the single-prefix TTFT part")
     args = ap.parse_args()
     f = cpu_features()
     print(f"CPU: {f.model_name} ({platform.machine()}, torch ISA {f.torch_capability})")
@@ -149,7 +150,8 @@ def main() -> None:
     prefix = 1000 if args.quick else args.prefix
     base = LLM(kv_cache_tokens=512)  # the default configuration's model and tokenizer, loaded once
     pair = (base.model, base.tokenizer)
-    single_prefix(pair, system_prompt(base, prefix), pool=prefix + 512)
+    if not args.working_set_only:
+        single_prefix(pair, system_prompt(base, prefix), pool=prefix + 512)
     working_set(pair, pool=512 if args.quick else 1024, prefix_len=128 if args.quick else 256, rounds=2 if args.quick else 3)
 
 
