@@ -13,7 +13,7 @@ from treeserve.sampling.grammar import GrammarCompiler, GrammarState
 from treeserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
-from treeserve.sampling.rows import SamplingRows
+from treeserve.sampling.rows import HostRows, SamplingRows
 from treeserve.sampling.sampler import SampleOutput, greedy_tokens, sample
 from treeserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from treeserve.sampling.verify import VerifyOutput, VerifyUniforms, verify
@@ -27,6 +27,7 @@ __all__ = [
     "SampleOutput",
     "SamplingBatch",
     "SamplingParams",
+    "HostRows",
     "SamplingRows",
     "StructuredOutput",
     "apply_token_bitmask",
