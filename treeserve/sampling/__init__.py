@@ -8,7 +8,7 @@ Imports nothing from treeserve except ``treeserve._utils``.
 from __future__ import annotations
 
 from treeserve.sampling.batch import SamplingBatch
-from treeserve.sampling.bitmask import apply_token_bitmask, bitmask_words, stack_bitmasks, unpack_bitmask
+from treeserve.sampling.bitmask import apply_token_bitmask, apply_token_bitmask_, bitmask_words, stack_bitmasks, unpack_bitmask
 from treeserve.sampling.grammar import GrammarCompiler, GrammarState
 from treeserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from treeserve.sampling.processing import process_logits
@@ -31,6 +31,7 @@ __all__ = [
     "SamplingRows",
     "StructuredOutput",
     "apply_token_bitmask",
+    "apply_token_bitmask_",
     "bitmask_words",
     "greedy_tokens",
     "process_logits",
