@@ -67,7 +67,7 @@ from treeserve.sampling import (
 )
 from treeserve.scheduler import Request, SampledToken, ScheduledBatch, ScheduledItem
 
-__all__ = ["DecodeGraphRunner", "decode_buckets"]
+__all__ = ["DecodeGraphRunner", "DecodeLaunch", "decode_buckets"]
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:
@@ -88,6 +88,23 @@ class _Graph:
 
     graph: torch.cuda.CUDAGraph
     output: SampleOutput | VerifyOutput
+
+
+@dataclass(slots=True)
+class DecodeLaunch:
+    """A decode step launched by :meth:`DecodeGraphRunner.launch`: its ``batch`` and its
+    outputs' host copies, complete once ``event`` has (None: already complete)."""
+
+    batch: ScheduledBatch
+    host: SampleOutput
+    event: torch.cuda.Event | None
+    num_logprobs: list[int | None]
+
+    def tokens(self) -> list[SampledToken]:
+        """One sampled token per item of ``batch`` (waits for the step on CUDA)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return to_sampled_tokens(self.host, self.num_logprobs)
 
 
 class DecodeGraphRunner:
@@ -169,7 +186,7 @@ class DecodeGraphRunner:
         drafts = [("draft_tokens", i64, size * k), ("draft_parents", i64, size * k), ("num_draft", i64, size)]
         return [
             ("input_ids", i64, t), ("positions", i64, t), ("out_slots", i64, t),
-            ("gen_positions", i64, size), ("seeds", i64, size), ("top_k", i64, size),
+            ("gen_positions", i64, size), ("prev_row", i64, size), ("seeds", i64, size), ("top_k", i64, size),
             ("min_tokens_left", i64, size), ("ban_ids", i64, size * self.ban_width),
             ("temperature", f64, size), ("top_p", f64, size), ("min_p", f64, size),
             *(drafts if k else []),
@@ -190,6 +207,21 @@ class DecodeGraphRunner:
         self._mask_indptr = {k: steps * (1 + k) ** 2 for k in self.node_buckets}
         self._ones = torch.ones(bmax, dtype=torch.float64, device=dev)
         self._zeros = torch.zeros(bmax, dtype=torch.float64, device=dev)
+        # The tokens the last decode step sampled, on the device: a step launched before they are
+        # read takes its pending tokens from here (``prev_row``).
+        self.last_tokens = torch.zeros(bmax, dtype=torch.int64, device=dev)
+        # Host copies of two launched steps' outputs (pinned on CUDA), used in turn.
+        pin, nl = dev.type == "cuda", self.num_logprobs
+
+        def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        self._host_out = [
+            SampleOutput(host(bmax, dtype=torch.int64), host(bmax, dtype=torch.float32),
+                         host(bmax, nl, dtype=torch.int64), host(bmax, nl, dtype=torch.float32))
+            for _ in range(2)
+        ]  # fmt: skip
+        self._host_turn = 0
 
     def _meta(self, size: int, k: int) -> AttentionMetadata:
         """Fresh metadata over the buffers of key ``(size, k)`` (fresh: backends memoize in it)."""
@@ -289,6 +321,46 @@ class DecodeGraphRunner:
         drafts of at most ``max_draft_nodes`` nodes and without probabilities), or a row's
         sampling needs per-step shapes.
         """
+        key = self._key(batch)
+        if key is None:
+            return None
+        if key[1]:
+            out = self._launch(batch, key, None)
+            self.num_verify_steps += 1
+            return verified_tokens(out, len(batch.items))
+        return self.launch(batch).tokens()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, follows: DecodeLaunch | None = None) -> DecodeLaunch | None:
+        """Launch a decode ``batch`` (no drafts) and return before its tokens are read.
+
+        An item whose pending token is not committed yet (``start == req.seq_len``) takes it
+        on the device from ``follows``, the decode step launched just before this one, which
+        sampled it (``ValueError`` when ``follows`` does not hold the request). Its sampling
+        counts that token as generated. ``None`` as for :meth:`run`, or for a verify step.
+        On CUDA the outputs are copied to pinned host memory behind an event, so the host can
+        prepare and launch the next step while this one runs; on CPU the step has run when
+        this returns.
+        """
+        key = self._key(batch, follows)
+        if key is None or key[1]:
+            return None
+        out = self._launch(batch, key, follows)
+        n = len(batch.items)
+        host = self._host_out[self._host_turn]
+        self._host_turn ^= 1
+        for dst, src in zip(host, out):
+            dst[:n].copy_(src[:n], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        logprobs = [it.req.params.logprobs for it in batch.items]
+        return DecodeLaunch(batch, SampleOutput(*(t[:n] for t in host)), event, logprobs)
+
+    def _key(self, batch: ScheduledBatch, follows: DecodeLaunch | None = None) -> tuple[int, int] | None:
+        """The graph key of ``batch`` (admitting its requests' sampling rows), or None when the
+        static path cannot serve it."""
         items = batch.items
         if not 1 <= len(items) <= self.max_batch:
             return None
@@ -298,7 +370,7 @@ class DecodeGraphRunner:
             if not it.sample or it.num_scheduled_tokens != 1 + nodes or (nodes and it.draft.probs is not None):
                 return None
             need = max(need, nodes)
-        if need > self.node_buckets[-1]:
+        if need > self.node_buckets[-1] or (need and follows is not None):
             return None
         reqs = [it.req for it in items]
         admit_requests(self.sampling_rows, reqs)
@@ -308,30 +380,35 @@ class DecodeGraphRunner:
             rows, self.ban_width, max_logprobs
         ):
             return None
-        size = self.bucket_for(len(items))
-        k = next(b for b in self.node_buckets if b >= need)
-        self._load(items, size, k)
-        graph = self.graphs.get((size, k))
+        return self.bucket_for(len(items)), next(b for b in self.node_buckets if b >= need)
+
+    def _launch(
+        self, batch: ScheduledBatch, key: tuple[int, int], follows: DecodeLaunch | None
+    ) -> SampleOutput | VerifyOutput:
+        size, k = key
+        self._load(batch.items, size, k, follows)
+        graph = self.graphs.get(key)
         if graph is not None:
             graph.graph.replay()
             out = graph.output
         else:
             out = self._compute(size, k)
         self.num_steps += 1
-        if isinstance(out, VerifyOutput):
-            self.num_verify_steps += 1
-            return verified_tokens(out, len(items))
-        return to_sampled_tokens(out, [r.params.logprobs for r in reqs])
+        return out
 
     # ------------------------------------------------------------------ internals
     def _compute(self, size: int, k: int) -> SampleOutput | VerifyOutput:
         """Forward, then sampling (``k == 0``) or verification and KV compaction, on the buffers."""
         t, buf, sbatch = size * (1 + k), self._layouts[size, k].device, self._sampling_batch(size, k)
-        logits = self.forward(
-            buf["input_ids"], buf["positions"], self.kv, buf["out_slots"], self._meta(size, k), self.logits_indices[:t]
-        )
+        ids = buf["input_ids"]
+        if not k:  # pending tokens still on the device: the previous decode step's
+            prev = buf["prev_row"]
+            ids = torch.where(prev >= 0, self.last_tokens[prev.clamp(min=0)], ids)
+        logits = self.forward(ids, buf["positions"], self.kv, buf["out_slots"], self._meta(size, k), self.logits_indices[:t])
         if not k:
-            return sample(logits, sbatch, buf["gen_positions"])
+            out = sample(logits, sbatch, buf["gen_positions"])
+            self.last_tokens[:size].copy_(out.tokens)
+            return out
         out = verify(
             logits,
             sbatch,
@@ -344,20 +421,32 @@ class DecodeGraphRunner:
         compact_tree_path(self.kv.k_caches, self.kv.v_caches, src, dst, backend=self.compact)
         return out
 
-    def _load(self, items: Sequence[ScheduledItem], size: int, k: int) -> None:
+    def _load(self, items: Sequence[ScheduledItem], size: int, k: int, follows: DecodeLaunch | None = None) -> None:
         """Write one step into the host staging of key ``(size, k)`` and send it in one copy;
         rows past ``len(items)`` (all of them when ``items`` is empty) become padding requests,
-        nodes past a draft padding nodes (indices as :func:`step_index` gives every step's)."""
+        nodes past a draft padding nodes (indices as :func:`step_index` gives every step's).
+        A pending token not committed yet is read on the device from row ``prev_row`` of the
+        step ``follows`` launched (see :meth:`launch`)."""
         n, q = len(items), 1 + k
         drafts = draft_arrays(items, self.table.max_context_len, k)
         reqs = [it.req for it in items]
+        prev_row = np.full(size, -1, dtype=np.int64)
+        pending = np.zeros(size, dtype=np.int64)
+        in_flight = None if follows is None else {id(it.req): j for j, it in enumerate(follows.batch.items)}
+        for i, it in enumerate(items):
+            ids = it.req.all_ids
+            if it.start < len(ids):
+                pending[i] = ids[it.start]
+            elif in_flight is not None and id(it.req) in in_flight:
+                prev_row[i] = in_flight[id(it.req)]
+            else:
+                raise ValueError(f"request {it.req.rid}: its pending token {it.start} is neither committed nor in flight")
 
         def padded(values: np.ndarray, pad_value: int) -> np.ndarray:
             return np.concatenate([values, np.full((size - n, *values.shape[1:]), pad_value, dtype=values.dtype)])
 
         rows = padded(np.fromiter((r.row for r in reqs), np.int64, n), 0)
         starts = padded(np.fromiter((it.start for it in items), np.int64, n), 0)
-        pending = padded(np.fromiter((it.req.all_ids[it.start] for it in items), np.int64, n), 0)
         num_draft = padded(drafts.num_draft.numpy(), 0)
         tokens, parents = padded(drafts.tokens.numpy(), 0), padded(drafts.parents.numpy(), -1)
         qo = np.full(size, q, dtype=np.int64)
@@ -377,19 +466,22 @@ class DecodeGraphRunner:
         h["kv_indptr"][:] = idx.kv_indptr
         h["kv_last_page_len"][:] = idx.last_page_len
         h["gen_positions"][:] = starts + 1
+        h["prev_row"][:] = prev_row
         if k:
             h["tree_mask"][:] = idx.tree_mask
             h["draft_tokens"][:] = tokens.reshape(-1)
             h["draft_parents"][:] = parents.reshape(-1)
             h["num_draft"][:] = num_draft
-        self._stage_sampling(h, reqs, rows[:n], size)
+        self._stage_sampling(h, reqs, rows[:n], size, prev_row[:n] >= 0)
         layout.send(tail=num_pages)
 
-    def _stage_sampling(self, h: dict[str, np.ndarray], reqs: Sequence[Request], rows: np.ndarray, size: int) -> None:
-        """The sampling rows of ``reqs`` (gathered on the host), then padding rows (greedy, no
-        filter, no ban, seed 0)."""
+    def _stage_sampling(
+        self, h: dict[str, np.ndarray], reqs: Sequence[Request], rows: np.ndarray, size: int, in_flight: np.ndarray
+    ) -> None:
+        """The sampling rows of ``reqs`` (gathered on the host; a token ``in_flight`` counts as
+        generated), then padding rows (greedy, no filter, no ban, seed 0)."""
         n = len(reqs)
-        generated = np.fromiter((len(r.output_ids) for r in reqs), np.int64, n)
+        generated = np.fromiter((len(r.output_ids) for r in reqs), np.int64, n) + in_flight
         values = self.sampling_rows.host_rows(rows, generated, self.ban_width)
         for name, pad_value in (
             ("temperature", 1.0),
