@@ -36,6 +36,7 @@ from treeserve.output import SampleDelta, TrackedRequest
 from treeserve.runner import (
     CausalLM,
     DecodeGraphRunner,
+    DecodeLaunch,
     DraftModelDrafter,
     Drafter,
     ModelRunner,
@@ -48,6 +49,7 @@ from treeserve.sampling import GrammarCompiler, SamplingParams
 from treeserve.scheduler import (
     FinishReason,
     Request,
+    RequestState,
     SampledToken,
     ScheduledBatch,
     Scheduler,
@@ -79,6 +81,11 @@ class EngineConfig:
     ``cuda_graph``: serve decode steps from static, bucket-padded buffers captured as CUDA graphs
     (``None`` = on when ``device`` is CUDA; ``True`` on CPU runs the same static path eagerly).
     ``cuda_graph_max_batch``: the largest decode batch served that way.
+    ``overlap``: with those static decode steps, launch the next decode step before reading
+    the tokens of the one running, so the host's scheduling and input staging overlap the
+    device's step (tokens are committed one step late; ``None`` = on with CUDA graphs,
+    ``True`` on CPU with ``cuda_graph=True`` runs the same loop synchronously, which is how CI
+    tests it; :meth:`LLM._step`).
     ``compile``: ``torch.compile`` the model forward of those decode steps.
     ``speculative``: ``"ngram"`` (prompt lookup over the request's own tokens),
     ``"draft:<model>"`` (a smaller model sharing the tokenizer, loaded like ``model``; or
@@ -110,6 +117,7 @@ class EngineConfig:
     seed: int | None = None
     cuda_graph: bool | None = None
     cuda_graph_max_batch: int = 256
+    overlap: bool | None = None
     compile: bool = False
     speculative: str | None = None
     num_speculative_tokens: int = 4
@@ -151,6 +159,8 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
         if self.cuda_graph not in (None, True, False) or not isinstance(self.compile, bool):
             raise TypeError(f"cuda_graph must be a bool or None and compile a bool, got {self.cuda_graph!r}, {self.compile!r}")
+        if self.overlap not in (None, True, False):
+            raise TypeError(f"overlap must be a bool or None, got {self.overlap!r}")
         if not isinstance(self.batch_invariant, bool):
             raise TypeError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
         if self.batch_invariant and (self.cuda_graph or self.compile):
@@ -391,6 +401,11 @@ class LLM:
                 max_draft_nodes=cfg.num_speculative_tokens if cfg.speculative else 0,
             )  # fmt: skip
             decode_graph.capture()
+        overlap = cfg.overlap if cfg.overlap is not None else decode_graph is not None and decode_graph.use_cuda_graph
+        if overlap and decode_graph is None:
+            raise ValueError("overlap=True needs the static decode path: cuda_graph=True (or CUDA) or compile=True")
+        self._overlap = overlap and not cfg.speculative
+        self._in_flight: DecodeLaunch | None = None  # a launched decode step whose tokens are not committed
         self.runner = ModelRunner(
             self.model, self.kv, self.table, self.vocab_size, eos, cfg.device, decode_graph,
             attention_backend="torch_per_request" if cfg.batch_invariant else "auto",
@@ -589,9 +604,32 @@ class LLM:
             raise
 
     def _step(self) -> None:
-        """One ``schedule -> run -> update`` step, with faults contained (class docstring)."""
+        """One ``schedule -> run -> update`` step, with faults contained (class docstring).
+
+        With ``overlap``, a decode step the static runner serves is launched and left running:
+        the next call schedules the step after it (``Scheduler.schedule_follow_up``: the same
+        requests, each decoding the token in flight), launches it with those tokens taken on the
+        device, and only then reads and commits the first step's tokens. Stops, aborts and
+        finishes are applied at that commit; a request finished there has its in-flight token
+        discarded by the next commit. Anything else (admissions, preemption, prefill chunks,
+        speculation, grammars, rows the static path cannot serve) first commits the step in
+        flight and runs synchronously.
+        """
         t0 = time.perf_counter()
         sched = self.scheduler
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            follow = None
+            try:
+                nxt = sched.schedule_follow_up(in_flight.batch)
+                if nxt is not None:
+                    follow = self.runner.decode_graph.launch(nxt, follows=in_flight)
+            except Exception as exc:
+                self._fail([it.req for it in in_flight.batch.items], exc)
+                raise
+            self._commit(in_flight.batch, in_flight.tokens(), t0)
+            self._in_flight = follow
+            return
         try:
             batch = sched.schedule()
             if self.drafter is not None:
@@ -601,10 +639,25 @@ class LLM:
             raise
         if not batch.items:
             raise RuntimeError("scheduler has work but scheduled nothing (KV pool too small?)")
+        if self._overlap:
+            try:
+                self._in_flight = self.runner.decode_graph.launch(batch)
+            except Exception:
+                self._in_flight = None  # the synchronous path below isolates the fault
+            if self._in_flight is not None:
+                return
         try:
             sampled = self.runner.run(batch)
         except Exception as exc:
             sampled = self._isolate(batch, exc)
+        self._commit(batch, sampled, t0)
+
+    def _commit(self, batch: ScheduledBatch, sampled: list[SampledToken | None], t0: float) -> None:
+        """Commit a step's tokens (``Scheduler.update``) and account them in the metrics; the
+        tokens of requests finished meanwhile (aborted, or stopped by the previous commit) are
+        dropped."""
+        sched = self.scheduler
+        live = [it.req.state is RequestState.RUNNING for it in batch.items]
         try:
             finished = sched.update(batch, sampled)
         except Exception as exc:
@@ -614,8 +667,8 @@ class LLM:
         m = self.metrics
         m.steps += 1
         m.busy_seconds += now - t0
-        for item, s in zip(batch.items, sampled):
-            if s is not None:
+        for item, s, was_live in zip(batch.items, sampled, live):
+            if s is not None and was_live:
                 m.generated_tokens += 1 + len(s.accepted)
                 if item.req.metrics.first_token is None:
                     item.req.metrics.first_token = now

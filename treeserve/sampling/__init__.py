@@ -8,12 +8,12 @@ Imports nothing from treeserve except ``treeserve._utils``.
 from __future__ import annotations
 
 from treeserve.sampling.batch import SamplingBatch
-from treeserve.sampling.bitmask import apply_token_bitmask, bitmask_words, stack_bitmasks, unpack_bitmask
+from treeserve.sampling.bitmask import apply_token_bitmask, apply_token_bitmask_, bitmask_words, stack_bitmasks, unpack_bitmask
 from treeserve.sampling.grammar import GrammarCompiler, GrammarState
 from treeserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
-from treeserve.sampling.rows import SamplingRows
+from treeserve.sampling.rows import HostRows, SamplingRows
 from treeserve.sampling.sampler import SampleOutput, greedy_tokens, sample
 from treeserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from treeserve.sampling.verify import VerifyOutput, VerifyUniforms, verify
@@ -27,9 +27,11 @@ __all__ = [
     "SampleOutput",
     "SamplingBatch",
     "SamplingParams",
+    "HostRows",
     "SamplingRows",
     "StructuredOutput",
     "apply_token_bitmask",
+    "apply_token_bitmask_",
     "bitmask_words",
     "greedy_tokens",
     "process_logits",

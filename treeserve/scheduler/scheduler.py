@@ -214,6 +214,42 @@ class Scheduler:
             self._ask_for_drafts(batch, budget)
         return batch
 
+    def schedule_follow_up(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after ``in_flight`` (scheduled and launched, its tokens not committed
+        yet), to be launched before they are: each of its requests decodes the token it samples
+        there (item ``start`` = that token's position, ``seq_len`` until it is committed).
+
+        Only when the next step is that and nothing else: nothing waits (admissions take the
+        synchronous path), no speculation, ``in_flight`` was one sampled token per running
+        request (no draft, no grammar), and each one's next slot can be had without pausing
+        anyone (evicting unlocked radix leaves as usual). A request that ``in_flight``'s token
+        brings to ``max_new_tokens`` or ``max_model_len`` is left out; one that it stops another
+        way (EOS, a stop string) is in, and its token is discarded when committed (the commit
+        path skips finished requests). ``None`` changes nothing.
+        """
+        running = self.running
+        if self.waiting or self.config.num_speculative_tokens or len(in_flight.items) != len(running):
+            return None
+        max_len = self.config.max_model_len
+        follow: list[Request] = []
+        for it in in_flight.items:
+            req = it.req
+            if (req.state is not _RUNNING or not it.sample or it.num_scheduled_tokens != 1 or it.draft is not None
+                    or req.grammar is not None or it.start != req.seq_len - 1):  # fmt: skip
+                return None
+            if len(req.output_ids) + 1 < req.params.max_new_tokens and req.seq_len + 1 < max_len:
+                follow.append(req)
+        if not follow:
+            return None
+        ledger, ps = self.ledger, self.page_size
+        full = [r for r in follow if r.seq_len >= r.num_cached_tokens + r.num_owned_pages * ps]
+        if full:
+            if not ledger.obtain(len(full), 0):
+                return None
+            ledger.grow(full, 1)
+        new_item = tuple.__new__
+        return ScheduledBatch([new_item(ScheduledItem, (r, r.seq_len, 1, True, None, 0)) for r in follow])
+
     def _schedule_running(self, items: list[ScheduledItem], running: list[Request], budget: int) -> int:
         """Append the items of ``running`` (oldest first) while ``budget`` tokens remain, reserving
         their slots (pausing the newest requests when pages run out); return the budget left."""
