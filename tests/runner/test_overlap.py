@@ -74,6 +74,7 @@ def test_overlapped_loop_gives_the_synchronous_outputs(reqs, page_size: int) -> 
         outs[overlap] = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in res]
         outs[overlap, "lp"] = [c.logprobs for o in res for c in o.outputs]
         drained(llm)
+        assert overlap or llm.runner.decode_graph.num_follow_ups == 0
         assert llm.metrics.generated_tokens == sum(len(c[0]) for o in outs[overlap] for c in o)
     assert outs[True] == outs[False]
     # Logprobs up to float rounding: the two loops batch steps differently (mixed eager steps
@@ -103,7 +104,7 @@ def test_follow_ups_launch_before_the_tokens_they_follow_are_read(monkeypatch: p
     prompts = [[rng.randrange(3, VOCAB) for _ in range(5)] for _ in range(3)]
     llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True), use_tqdm=False)
     follows = [i for i, (kind, _) in enumerate(events) if kind == "follow"]
-    assert len(follows) >= 8, events
+    assert len(follows) >= 8 and llm.runner.decode_graph.num_follow_ups == len(follows), events
     for i in follows:  # the step launched just before is read only after its follow-up launched
         previous = next(key for kind, key in reversed(events[:i]) if kind in ("launch", "follow"))
         assert ("read", previous) in events[i + 1 :], (i, events)

@@ -120,7 +120,8 @@ class DecodeGraphRunner:
     ``max_logprobs`` bounds the top logprobs a decode request may ask for here;
     ``max_stop_token_ids`` bounds its stop ids (beyond EOS). ``keys`` lists the graph keys
     ``(batch bucket, node bucket)``; ``num_steps`` counts the steps served (``num_verify_steps``
-    of them with drafts), ``capture_seconds`` the time :meth:`capture` took.
+    of them with drafts, ``num_follow_ups`` launched before the step they follow was read),
+    ``capture_seconds`` the time :meth:`capture` took.
     """
 
     def __init__(
@@ -176,6 +177,7 @@ class DecodeGraphRunner:
         self.capture_seconds = 0.0
         self.num_steps = 0
         self.num_verify_steps = 0
+        self.num_follow_ups = 0
         self._alloc_buffers()
         self._flags = self._capture_flags()
 
@@ -346,6 +348,7 @@ class DecodeGraphRunner:
         if key is None or key[1]:
             return None
         out = self._launch(batch, key, follows)
+        self.num_follow_ups += follows is not None
         n = len(batch.items)
         host = self._host_out[self._host_turn]
         self._host_turn ^= 1
