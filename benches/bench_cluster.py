@@ -1,0 +1,145 @@
+"""Issue 30: 2 engine replicas on Ray Serve, prefix-cache-aware routing vs Ray Serve's default
+power-of-two router, vs one replica alone; same load client, same run.
+
+    flock /work/bench.lock python benches/bench_cluster.py [--quick] [--sweep]
+
+Workload (``bench_serve``'s shared-prefix dataset): 8 shared system prompts of ``--prefix-words``
+random words (1-2k tokens) x ``--users`` users each, a distinct question per request, streamed
+completions of ``--output-len`` tokens (EOS banned), ``--concurrency`` clients in flight. Each
+configuration is a fresh ``treeserve serve --replicas N`` on 127.0.0.1 (its own local Ray cluster):
+
+- ``prefix``:       2 replicas x 1 thread, PrefixAffinityRouter (default thresholds)
+- ``power-of-two``: 2 replicas x 1 thread, Ray Serve's default router
+- ``single``:       1 replica x 2 threads (the hit-rate reference, and the threads comparison)
+- ``--sweep`` adds ``prefix`` with ``--balance-abs`` 0 and 32 (the load-skew threshold).
+
+Reported per run: prefix hit rate (the servers' ``vllm:prefix_cache_hits / queries``), output
+tok/s, requests/s, TTFT mean / p99, and the targets: hit rate >= 90% of ``single``'s, throughput
+>= 1.3x ``power-of-two``'s. Prints one JSON object; not a pytest benchmark (it starts servers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from treeserve.server.bench_client import BenchConfig, run_bench
+
+BAN_EOS = {"0": -100.0, "2": -100.0}  # SmolLM2: <|endoftext|>, <|im_end|>
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _counter(base: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", httpx.get(base + "/metrics", timeout=10).text, re.M)
+    if m is None:
+        raise RuntimeError(f"{name} missing from /metrics")
+    return float(m.group(1))
+
+
+def _serve(args: argparse.Namespace, replicas: int, threads: int, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "treeserve", "serve", "--model", args.model, "--replicas", str(replicas),
+           "--threads", str(threads), "--port", str(port), "--max-running", "64", *extra]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: see {log}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server did not start: see {log}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, 2)  # Ctrl-C: the server takes its Ray cluster down
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def _run(args: argparse.Namespace, name: str, replicas: int, threads: int, extra: list[str]) -> dict:
+    proc, base = _serve(args, replicas, threads, extra, Path(args.log_dir) / f"cluster-{name}.log")
+    try:
+        warm = BenchConfig(base_url=base + "/v1", endpoint="completions", num_requests=2, concurrency=2,
+                           input_len=8, output_len=4, logit_bias=BAN_EOS)  # fmt: skip
+        asyncio.run(run_bench(warm))  # first forward of each replica, outside the measurement
+        q0, h0, p0 = (_counter(base, f"vllm:{n}") for n in ("prefix_cache_queries_total", "prefix_cache_hits_total",
+                                                           "prompt_tokens_total"))  # fmt: skip
+        cfg = BenchConfig(base_url=base + "/v1", endpoint="completions", num_requests=8 * args.users,
+                          concurrency=args.concurrency, dataset="shared-prefix", prefix_len=args.prefix_words,
+                          num_prefixes=8, input_len=16, output_len=args.output_len, logit_bias=BAN_EOS,
+                          timeout=3600)  # fmt: skip
+        rep = asyncio.run(run_bench(cfg))
+        q1, h1, p1 = (_counter(base, f"vllm:{n}") for n in ("prefix_cache_queries_total", "prefix_cache_hits_total",
+                                                           "prompt_tokens_total"))  # fmt: skip
+    finally:
+        _stop(proc)
+    row = {"name": name, "replicas": replicas, "threads": threads, "args": extra, "errors": rep.errors,
+           "hit_rate": (h1 - h0) / max(q1 - q0, 1), "mean_prompt_tokens": (p1 - p0) / max(rep.completed, 1),
+           "output_tok_s": rep.output_tok_s, "requests_s": rep.completed / rep.duration, "seconds": rep.duration,
+           "ttft_mean_s": rep.ttft["mean"], "ttft_p99_s": rep.ttft["p99"], "e2e_p99_s": rep.e2e["p99"]}  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="4 users per prompt, 16 output tokens")
+    p.add_argument("--sweep", action="store_true", help="also the prefix router at --balance-abs 0 and 32")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--prefix-words", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--log-dir", default="/tmp")
+    args = p.parse_args()
+    if args.quick:
+        args.users, args.output_len = 4, 16
+    runs = [_run(args, "prefix", 2, 1, ["--router", "prefix"]),
+            _run(args, "power-of-two", 2, 1, ["--router", "power-of-two"]),
+            _run(args, "single", 1, 2, [])]  # fmt: skip
+    if args.sweep:
+        runs += [_run(args, f"prefix-balance-abs-{b}", 2, 1, ["--router", "prefix", "--balance-abs", str(b)])
+                 for b in (0, 32)]  # fmt: skip
+    by = {r["name"]: r for r in runs}
+    summary = {
+        "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("model name")), "unknown"),  # fmt: skip
+        "load_avg": os.getloadavg(),
+        "hit_rate_vs_single": by["prefix"]["hit_rate"] / max(by["single"]["hit_rate"], 1e-9),
+        "throughput_vs_power_of_two": by["prefix"]["output_tok_s"] / by["power-of-two"]["output_tok_s"],
+        "two_replicas_vs_one_2_threads": by["prefix"]["output_tok_s"] / by["single"]["output_tok_s"],
+        "runs": runs,
+    }
+    summary["targets_met"] = {"hit_rate>=0.9x_single": summary["hit_rate_vs_single"] >= 0.9,
+                              "throughput>=1.3x_power_of_two": summary["throughput_vs_power_of_two"] >= 1.3}  # fmt: skip
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
