@@ -49,6 +49,7 @@ def _alive(pids: set[int], session: int) -> set[int]:
     return {p for p, (_, sid, state) in _procs().items() if state != "Z" and (p in pids or sid == session)}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_replicas_serve_and_ctrl_c_leaves_no_ray_process(tmp_path) -> None:
     model = _model_dir(tmp_path / "model")

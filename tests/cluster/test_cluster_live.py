@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
-import socket
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -28,25 +26,12 @@ from treeserve.cluster.launch import APP_NAME, DEPLOYMENT_NAME, deploy  # noqa: 
 from treeserve.cluster.router import replica_stats  # noqa: E402
 from treeserve.server.api import build_app  # noqa: E402
 
-from ..server.test_live import _model_dir  # noqa: E402
+from ..server._helpers import wait_until  # noqa: E402
+from ..server.test_live import _free_port, _model_dir  # noqa: E402
+from ..server.test_live import _gauge as _metric  # noqa: E402
 
 NAME = "tiny-cluster"
 NO_EOS = {"ignore_eos": True}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _replica_actors() -> list[str]:
@@ -76,7 +61,7 @@ def cluster(tmp_path_factory):
                                                log_level="warning"))  # fmt: skip
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
-        _wait(lambda: server.started, 30, "uvicorn")
+        wait_until(lambda: server.started, 30, what="uvicorn")
         yield f"http://127.0.0.1:{port}", client
     finally:
         if server is not None:
@@ -89,12 +74,6 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def oai(cluster):
     return openai.OpenAI(base_url=cluster[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _metric(base: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", httpx.get(base + "/metrics", timeout=10).text, re.M)
-    assert m is not None, name
-    return float(m.group(1))
 
 
 def test_openai_client_streaming_and_not(cluster, oai) -> None:
@@ -155,8 +134,8 @@ def test_routing_affinity_keeps_each_prefix_on_one_replica(cluster, oai) -> None
 
 def test_metrics_sum_the_replicas(cluster, oai) -> None:
     oai.completions.create(model=NAME, prompt="Count", max_tokens=3, extra_body=NO_EOS)
-    _wait(lambda: len(replica_stats(DEPLOYMENT_NAME)) == 2 and all(s.get("steps", 0) > 0 for s in
-          replica_stats(DEPLOYMENT_NAME).values()), 30, "both replicas' routing stats")  # fmt: skip
+    wait_until(lambda: len(replica_stats(DEPLOYMENT_NAME)) == 2 and all(s.get("steps", 0) > 0 for s in
+          replica_stats(DEPLOYMENT_NAME).values()), 30, what="both replicas' routing stats")  # fmt: skip
     steps = sum(s["steps"] for s in replica_stats(DEPLOYMENT_NAME).values())
     assert _metric(cluster[0], "treeserve:engine_steps_total") >= steps > 0
     assert _metric(cluster[0], "vllm:prefix_cache_queries_total") > 0
@@ -167,10 +146,11 @@ def test_disconnected_stream_is_aborted_on_its_replica(cluster) -> None:
     with httpx.stream("POST", cluster[0] + "/v1/completions", json=body, timeout=30) as r:
         next(r.iter_lines())
     # the replica's engine drains: nothing running anywhere once the abort reached it
-    _wait(lambda: _metric(cluster[0], "vllm:num_requests_running") == 0, 30, "the aborted request to leave")
+    wait_until(lambda: _metric(cluster[0], "vllm:num_requests_running") == 0, 30, what="the aborted request to leave")
     assert not cluster[1]._streams
 
 
+@pytest.mark.slow
 def test_killed_replica_mid_load(cluster, oai) -> None:
     """Kill one replica while 6 streams run: its streams end with the replica-died error (503
     event), the others finish, new requests are served meanwhile, and Ray Serve starts a new one."""
@@ -188,7 +168,7 @@ def test_killed_replica_mid_load(cluster, oai) -> None:
     assert len(before) == 2
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futs = [pool.submit(stream, i) for i in range(6)]
-        _wait(lambda: _metric(cluster[0], "vllm:num_requests_running") >= 4, 60, "the streams to run")
+        wait_until(lambda: _metric(cluster[0], "vllm:num_requests_running") >= 4, 60, what="the streams to run")
         ray.kill(ray.get_actor(before[0], namespace="serve"), no_restart=True)
         ok = oai.completions.create(model=NAME, prompt="Still there?", max_tokens=4, extra_body=NO_EOS)
         assert ok.choices[0].finish_reason == "length"
@@ -198,7 +178,7 @@ def test_killed_replica_mid_load(cluster, oai) -> None:
     assert done and all(finish == "length" for _, finish in done), results
     assert died and all("replica serving this request died" in msg and finish is None for msg, finish in died), results
     assert REPLICA_DIED.startswith("unavailable")
-    _wait(lambda: _running_replicas() == 2 and len(_replica_actors()) == 2, 180, "Ray Serve to replace the replica")
+    wait_until(lambda: _running_replicas() == 2 and len(_replica_actors()) == 2, 180, what="Ray Serve to replace the replica")
     assert set(_replica_actors()) != set(before)
     r = oai.completions.create(model=NAME, prompt="Back", max_tokens=3, extra_body=NO_EOS)
     assert r.usage.completion_tokens == 3

@@ -24,7 +24,14 @@ from ray.serve.handle import DeploymentHandle
 from treeserve.cluster.router import replica_stats
 from treeserve.cluster.wire import Accepted, Closed, EngineInfo, Refused
 from treeserve.sampling import SamplingParams
-from treeserve.server.engine_client import EngineClient, EngineDeadError, EngineStats, QueueFullError, RequestStream
+from treeserve.server.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    EngineStats,
+    QueueFullError,
+    RequestStream,
+    check_admission,
+)
 
 __all__ = ["REPLICA_DIED", "ClusterEngineClient"]
 
@@ -69,10 +76,7 @@ class ClusterEngineClient(EngineClient):
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
         if not self.is_healthy():
             raise EngineDeadError(self._dead or "the cluster client is not started")
-        if len(self._streams) >= self.max_live_requests:
-            raise QueueFullError(f"the server holds {len(self._streams)} live requests, its limit")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already live")
+        check_admission(self._streams, self.max_live_requests, request_id)
         stream = RequestStream(request_id, params.n, asyncio.get_running_loop())
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._streams[request_id] = stream
