@@ -161,7 +161,8 @@ def _serve_cluster(args: argparse.Namespace) -> int:
         return 2
     thresholds = RoutingThresholds(cache_threshold=args.cache_threshold, balance_abs=args.balance_abs,
                                    balance_rel=args.balance_rel, capacity_tokens=args.kv_cache_tokens)  # fmt: skip
-    return serve_cluster(_llm_kwargs(args), replicas=args.replicas or 1, address=args.address, threads=args.threads,
+    replicas = 1 if args.replicas is None else args.replicas  # --address alone: one replica there
+    return serve_cluster(_llm_kwargs(args), replicas=replicas, address=args.address, threads=args.threads,
                          host=args.host, port=args.port, served_model_name=args.served_model_name,
                          max_live_requests=args.max_live_requests, router=args.router, thresholds=thresholds)  # fmt: skip
 

@@ -13,6 +13,7 @@ import ray  # noqa: F401  (the "cluster" extra, which `make test` installs: no s
 from ray.exceptions import ActorDiedError  # noqa: E402
 
 from treeserve.cluster.client import REPLICA_DIED, ClusterEngineClient  # noqa: E402
+from treeserve.cluster.launch import deploy, replica_threads  # noqa: E402
 from treeserve.cluster.wire import Accepted, Closed, EngineInfo, Refused  # noqa: E402
 from treeserve.output import SampleDelta  # noqa: E402
 from treeserve.sampling import SamplingParams  # noqa: E402
@@ -148,3 +149,13 @@ def test_limits_and_shutdown() -> None:
     asyncio.run(go())
     with pytest.raises(ValueError, match="max_attempts"):
         ClusterEngineClient(_Handle(), EngineInfo("m", None, 64), max_attempts=0)  # type: ignore[arg-type]
+
+
+def test_replica_threads_share_the_cpus_and_reject_bad_counts() -> None:
+    assert [replica_threads(n, None, 16) for n in (1, 2, 3, 32)] == [16, 8, 5, 1]
+    assert replica_threads(2, 3, 2) == 3
+    for kw, field in (({"replicas": 0}, "replicas"), ({"threads": 0}, "threads"), ({"replicas": 1.5}, "replicas")):
+        with pytest.raises(ValueError, match=field):
+            replica_threads(**{"replicas": 2, "threads": None, "cpus": 4, **kw})
+    with pytest.raises(ValueError, match="router must be one of"):
+        deploy({}, replicas=1, threads=1, router="round-robin")

@@ -79,6 +79,7 @@ def serve_cluster(llm_kwargs: dict[str, Any], *, replicas: int, address: str | N
                   max_live_requests: int = 1024, router: str = "prefix", thresholds: RoutingThresholds | None = None,
                   graceful_seconds: float = 5.0) -> int:  # fmt: skip
     """Run the cluster server until SIGINT / SIGTERM; returns the exit status (0)."""
+    replica_threads(replicas, threads, 1)  # validates both before any cluster is touched
     own_cluster = address is None
     if own_cluster:
         threads = replica_threads(replicas, threads, os.cpu_count() or 1)
