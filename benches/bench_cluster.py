@@ -3,7 +3,7 @@ power-of-two router, vs one replica alone; same load client, same run.
 
     flock /work/bench.lock python benches/bench_cluster.py [--quick] [--sweep]
 
-Workload (``bench_serve``'s shared-prefix dataset): 8 shared system prompts of ``--prefix-words``
+Workload (``bench_serve``'s shared-prefix dataset): 8 shared system prompts of ``--prefix-words`` (500)
 random words (1-2k tokens) x ``--users`` users each, a distinct question per request, streamed
 completions of ``--output-len`` tokens (EOS banned), ``--concurrency`` clients in flight. Each
 configuration is a fresh ``treeserve serve --replicas N`` on 127.0.0.1 (its own local Ray cluster):
@@ -113,7 +113,7 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--prefix-words", type=int, default=1000)
+    p.add_argument("--prefix-words", type=int, default=500, help="~1.5k SmolLM2 tokens")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--log-dir", default="/tmp")
     args = p.parse_args()

@@ -74,7 +74,7 @@ class ClusterEngineClient(EngineClient):
 
     # ------------------------------------------------------------------ EngineClient
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
-        if not self.is_healthy():
+        if not self._started or self._dead is not None:
             raise EngineDeadError(self._dead or "the cluster client is not started")
         check_admission(self._streams, self.max_live_requests, request_id)
         stream = RequestStream(request_id, params.n, asyncio.get_running_loop())
@@ -102,7 +102,9 @@ class ClusterEngineClient(EngineClient):
         return EngineStats(**{f: sum(r.get(f, 0) for r in reports) for f in EngineStats.__dataclass_fields__})
 
     def is_healthy(self) -> bool:
-        return self._started and self._dead is None
+        """Started, not shut down, and at least one replica is running (``/health``: 503 while
+        every replica is down; requests then wait for Ray Serve to bring one back)."""
+        return self._started and self._dead is None and bool(replica_stats(self.deployment))
 
     def start(self) -> None:
         self._started = True
