@@ -99,12 +99,60 @@ def _run(args: argparse.Namespace, name: str, replicas: int, threads: int, extra
                                                            "prompt_tokens_total"))  # fmt: skip
     finally:
         _stop(proc)
+    routed = re.search(r"treeserve: routed (.*)", (Path(args.log_dir) / f"cluster-{name}.log").read_text())
     row = {"name": name, "replicas": replicas, "threads": threads, "args": extra, "errors": rep.errors,
            "hit_rate": (h1 - h0) / max(q1 - q0, 1), "mean_prompt_tokens": (p1 - p0) / max(rep.completed, 1),
            "output_tok_s": rep.output_tok_s, "requests_s": rep.completed / rep.duration, "seconds": rep.duration,
-           "ttft_mean_s": rep.ttft["mean"], "ttft_p99_s": rep.ttft["p99"], "e2e_p99_s": rep.e2e["p99"]}  # fmt: skip
+           "ttft_mean_s": rep.ttft["mean"], "ttft_p99_s": rep.ttft["p99"], "e2e_p99_s": rep.e2e["p99"],
+           "routed": routed.group(1) if routed else None}  # fmt: skip
     print(json.dumps(row), flush=True)
     return row
+
+
+def simulate(balance_abs: int, cache_threshold: float, *, users: int = 4, concurrency: int = 16,
+             prefix_tokens: int = 1500, question_tokens: int = 20, prefill_s: float = 1.0 / 150,
+             decode_s: float = 0.2, output_len: int = 16, noise: float = 0.5, seed: int = 0) -> dict:  # fmt: skip
+    """The router's decisions on this workload without servers or timing: 2 replicas, each a FIFO
+    server whose request takes ``prefill_s`` per uncached prompt token plus ``decode_s`` per output
+    token, times a seeded log-normal factor of sigma ``noise`` (a model of a loaded 1-thread
+    replica: without noise the loads never drift apart), ``concurrency`` closed-loop clients. A
+    replica's cache holds every prompt prefix it computed (unbounded). Returns the hit rate and
+    makespan (model seconds)."""
+    import heapq
+    import random
+
+    from treeserve.cluster import PrefixIndex, RoutingThresholds, choose_replica
+
+    t = RoutingThresholds(cache_threshold=cache_threshold, balance_abs=balance_abs)
+    index = PrefixIndex(t.block_tokens, 1 << 22)
+    prompts = [[10_000 + i % 8] * prefix_tokens + [i] * question_tokens for i in range(8 * users)]
+    cached: dict[int, set[int]] = {0: set(), 1: set()}
+    free_at, inflight = {0: 0.0, 1: 0.0}, {0: 0, 1: 0}
+    events: list[tuple[float, int, int]] = []  # (finish time, replica, client)
+    hits = total = 0
+    now, nxt = 0.0, 0
+    rng = random.Random(seed)
+    for client in range(min(concurrency, len(prompts))):
+        heapq.heappush(events, (0.0, -1, client))
+    while events:
+        now, replica, _ = heapq.heappop(events)
+        if replica >= 0:
+            inflight[replica] -= 1
+        if nxt == len(prompts):
+            continue
+        ids = prompts[nxt]
+        nxt += 1
+        r = choose_replica(ids, inflight, index, t).replica
+        index.insert(ids, r)
+        hit = prefix_tokens if ids[0] in cached[r] else 0
+        cached[r].add(ids[0])
+        hits, total = hits + hit, total + len(ids)
+        start = max(now, free_at[r])
+        free_at[r] = start + ((len(ids) - hit) * prefill_s + output_len * decode_s) * rng.lognormvariate(0.0, noise)
+        inflight[r] += 1
+        heapq.heappush(events, (free_at[r], r, 0))
+    return {"balance_abs": balance_abs, "cache_threshold": cache_threshold, "hit_rate": hits / total,
+            "makespan_s": now}  # fmt: skip
 
 
 def main() -> int:
@@ -118,7 +166,15 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--only", default=None, help="comma-separated configurations (default: the three above)")
+    p.add_argument("--simulate", action="store_true", help="only the router's decisions on a model of the load")
     args = p.parse_args()
+    if args.simulate:  # mean over 20 seeds per threshold pair
+        for ct in (0.1, 0.5, 0.9):
+            for b in (0, 2, 4, 8, 16):
+                rows = [simulate(b, ct, seed=k) for k in range(20)]
+                print(json.dumps({"balance_abs": b, "cache_threshold": ct,
+                                  **{f: sum(r[f] for r in rows) / len(rows) for f in ("hit_rate", "makespan_s")}}))  # fmt: skip
+        return 0
     if args.quick:
         args.users, args.output_len = 4, 16
     configs = {

@@ -23,7 +23,7 @@ from ray import serve  # noqa: E402
 
 from treeserve.cluster.client import REPLICA_DIED, ClusterEngineClient  # noqa: E402
 from treeserve.cluster.launch import APP_NAME, DEPLOYMENT_NAME, deploy  # noqa: E402
-from treeserve.cluster.router import replica_stats  # noqa: E402
+from treeserve.cluster.router import replica_stats, route_counts  # noqa: E402
 from treeserve.server.api import build_app  # noqa: E402
 
 from ..server._helpers import wait_until  # noqa: E402
@@ -128,8 +128,11 @@ def test_routing_affinity_keeps_each_prefix_on_one_replica(cluster, oai) -> None
                 hits += r.usage.prompt_tokens_details.cached_tokens
                 prompt += r.usage.prompt_tokens
     rate = hits / prompt
-    print(f"\naffinity: prefix hit rate {rate:.3f} over {prompt} prompt tokens (requests after the first per prefix)")
+    routes = route_counts(DEPLOYMENT_NAME)
+    print(f"\naffinity: prefix hit rate {rate:.3f} over {prompt} prompt tokens (requests after the first per prefix); "
+          f"routes {routes}")  # fmt: skip
     assert rate > 0.85
+    assert routes["prefix"] >= 9 and routes["balance"] == 0
 
 
 def test_metrics_sum_the_replicas(cluster, oai) -> None:

@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from treeserve.cluster.client import ClusterEngineClient
 from treeserve.cluster.policy import RoutingThresholds
 from treeserve.cluster.replica import EngineReplica
-from treeserve.cluster.router import PowerOfTwoRouter, PrefixAffinityRouter
+from treeserve.cluster.router import PowerOfTwoRouter, PrefixAffinityRouter, route_counts
 from treeserve.server.launch import serve_client
 
 __all__ = ["ROUTERS", "deploy", "replica_threads", "serve_cluster"]
@@ -94,7 +94,10 @@ def serve_cluster(llm_kwargs: dict[str, Any], *, replicas: int, address: str | N
                         served_model_name=served_model_name, router=router, thresholds=thresholds)  # fmt: skip
         info = handle.engine_info.remote().result()
         client = ClusterEngineClient(handle, info, max_live_requests=max_live_requests)
-        return serve_client(client, info.model_name, host=host, port=port, graceful_seconds=graceful_seconds)
+        status = serve_client(client, info.model_name, host=host, port=port, graceful_seconds=graceful_seconds)
+        log.warning("treeserve: routed %s, %d retried after a replica died", route_counts(DEPLOYMENT_NAME) or router,
+                    client.retries)  # fmt: skip
+        return status
     finally:
         # A cluster of our own goes down whole (ray.shutdown stops the processes ray.init started;
         # after Ctrl-C they may be stopping already, so no Serve-level teardown is waited for).

@@ -21,9 +21,18 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from treeserve.cluster.policy import Route, RoutingThresholds, choose_replica
 from treeserve.cluster.prefix_index import PrefixIndex
 
-__all__ = ["PowerOfTwoRouter", "PrefixAffinityRouter", "replica_stats"]
+__all__ = ["PowerOfTwoRouter", "PrefixAffinityRouter", "replica_stats", "route_counts"]
 
 _STATS: dict[str, dict[str, dict[str, Any]]] = {}  # deployment name -> replica id -> routing stats
+
+
+_ROUTES: dict[str, dict[str, int]] = {}  # deployment name -> PrefixAffinityRouter.routes
+
+
+def route_counts(deployment: str) -> dict[str, int]:
+    """How this process's prefix router has routed ``deployment``'s prompts so far, by reason
+    (``prefix`` / ``balance`` / ``spread``), and how often a replica's load was unknown."""
+    return dict(_ROUTES.get(deployment, {}))
 
 
 def replica_stats(deployment: str) -> dict[str, dict[str, Any]]:
@@ -62,23 +71,30 @@ class PrefixAffinityRouter(_PublishStats, RequestRouter):
     prompts that are not token-id lists) go to the least-loaded replica. Returns ranks
     ``[[chosen], [the others, least loaded first]]``, so a full replica falls through to the next.
 
-    Counters (for tests and the bench): ``routes`` by reason.
+    Counters (for tests and the bench): ``routes`` by reason, published to :func:`route_counts`.
     """
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.thresholds = RoutingThresholds(**kwargs)
         self.index = PrefixIndex(self.thresholds.block_tokens, self.thresholds.capacity_tokens)
-        self.routes: dict[str, int] = {"prefix": 0, "balance": 0, "spread": 0}
+        self.routes: dict[str, int] = {"prefix": 0, "balance": 0, "spread": 0, "load_unknown": 0}
+        self._last_load: dict[Hashable, int] = {}
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.index.retain(r.replica_id for r in replicas)
+        live = {r.replica_id for r in replicas}
+        self._last_load = {rid: q for rid, q in self._last_load.items() if rid in live}
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
         self.index.remove_replica(replica_id)
+        self._last_load.pop(replica_id, None)
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[Hashable, int]:
+        """Requests in flight per replica: Ray Serve's cache, else a probe, else the last value
+        seen (a probe that times out on a loaded host must not drop the replica from the choice:
+        that would send every prompt to the other replica, whatever it caches)."""
         cache = self.replica_queue_len_cache
         loads: dict[Hashable, int] = {}
         missing = []
@@ -92,6 +108,12 @@ class PrefixAffinityRouter(_PublishStats, RequestRouter):
             for r, q in await self._probe_queue_lens(missing, 0):
                 if q is not None:
                     loads[r.replica_id] = q
+        for r in replicas:
+            rid = r.replica_id
+            if rid not in loads:
+                self.routes["load_unknown"] += 1
+                loads[rid] = self._last_load.get(rid, 0)
+            self._last_load[rid] = loads[rid]
         return loads
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -101,9 +123,7 @@ class PrefixAffinityRouter(_PublishStats, RequestRouter):
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
         loads = await self._loads(candidate_replicas)
-        if not loads:  # no replica answered: let Ray Serve probe and retry
-            return [candidate_replicas]
-        by_id = {r.replica_id: r for r in candidate_replicas if r.replica_id in loads}
+        by_id = {r.replica_id: r for r in candidate_replicas}
         ids = _prompt_ids(pending_request)
         if ids is None:
             route = Route(min(loads, key=loads.__getitem__), "balance", 0)
@@ -111,6 +131,7 @@ class PrefixAffinityRouter(_PublishStats, RequestRouter):
             route = choose_replica(ids, loads, self.index, self.thresholds)
             self.index.insert(ids, route.replica)
             self.routes[route.reason] += 1
+            importlib.import_module(__name__)._ROUTES[self._deployment_id.name] = dict(self.routes)
         rest = sorted((rid for rid in by_id if rid != route.replica), key=loads.__getitem__)
         return [[by_id[route.replica]]] + ([[by_id[rid] for rid in rest]] if rest else [])
 
