@@ -12,7 +12,7 @@ import ray  # noqa: F401  (the "cluster" extra, which `make test` installs: no s
 
 from ray.exceptions import ActorDiedError  # noqa: E402
 
-from treeserve.cluster.client import REPLICA_DIED, ClusterEngineClient  # noqa: E402
+from treeserve.cluster.client import REPLICA_DIED, REPLICAS_DIED, ClusterEngineClient  # noqa: E402
 from treeserve.cluster.launch import deploy, replica_threads  # noqa: E402
 from treeserve.cluster.wire import Accepted, Closed, EngineInfo, Refused  # noqa: E402
 from treeserve.output import SampleDelta  # noqa: E402
@@ -93,6 +93,15 @@ def test_death_after_output_fails_the_request_with_a_clear_reason() -> None:
         await asyncio.sleep(0.05)  # the pump ran to the death: the output so far is pending, the stream closed
         assert [d.text for d in await s.get()] == ["ab"] and s.finished
         assert s.closed_reason == REPLICA_DIED and c.retries == 0 and len(h.calls) == 1
+
+    asyncio.run(go())
+
+
+def test_death_on_every_attempt_after_acceptance_closes_with_the_attempt_count() -> None:
+    async def go():
+        c = _client(_Handle([Accepted(), ActorDiedError()], [Accepted(), ActorDiedError()]), max_attempts=2)
+        s = await c.add_request([1], SamplingParams(), "r")
+        assert await _read(s) == ("", None) and s.closed_reason == REPLICAS_DIED.format(2) and c.retries == 1
 
     asyncio.run(go())
 

@@ -33,12 +33,13 @@ from treeserve.server.engine_client import (
     check_admission,
 )
 
-__all__ = ["REPLICA_DIED", "ClusterEngineClient"]
+__all__ = ["REPLICAS_DIED", "REPLICA_DIED", "ClusterEngineClient"]
 
 log = logging.getLogger("treeserve.cluster")
 
 # The API words it "request ended early: the server is <reason>".
 REPLICA_DIED = "unavailable (the replica serving this request died; it was not retried because output had been sent)"
+REPLICAS_DIED = "unavailable (the replica serving this request died on each of its {} attempts)"
 _REPLICA_GONE = (RayActorError, ActorUnavailableError)
 _REFUSALS: dict[str, Callable[[str], Exception]] = {
     "ValueError": ValueError, "TypeError": TypeError, "QueueFullError": QueueFullError,
@@ -147,7 +148,7 @@ class ClusterEngineClient(EngineClient):
                         log.warning("request %s lost its replica: %s", rid, type(exc).__name__)
                         if not accepted.done():
                             accepted.set_exception(EngineDeadError(f"no replica could serve the request: {exc}"))
-                        stream._close(REPLICA_DIED)
+                        stream._close(REPLICA_DIED if sent_output else REPLICAS_DIED.format(attempt))
                         return
                     self.retries += 1
                     log.warning("request %s: its replica died before any output; re-sending", rid)
