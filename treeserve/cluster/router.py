@@ -41,10 +41,10 @@ def replica_stats(deployment: str) -> dict[str, dict[str, Any]]:
     return dict(_STATS.get(deployment, {}))
 
 
-def _registry() -> dict[str, dict[str, dict[str, Any]]]:
+def _shared() -> Any:
     # Ray Serve may ship a router class by value (cloudpickle), with a copy of this module's
-    # globals: reach the process's one registry through the imported module instead.
-    return importlib.import_module(__name__)._STATS
+    # globals: reach the process's one _STATS / _ROUTES through the imported module instead.
+    return importlib.import_module(__name__)
 
 
 class _PublishStats:
@@ -54,11 +54,11 @@ class _PublishStats:
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)  # type: ignore[misc]
-        _registry()[self._deployment_id.name] = {r.replica_id.unique_id: dict(r.routing_stats) for r in replicas}
+        _shared()._STATS[self._deployment_id.name] = {r.replica_id.unique_id: dict(r.routing_stats) for r in replicas}
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)  # type: ignore[misc]
-        _registry().get(self._deployment_id.name, {}).pop(replica_id.unique_id, None)
+        _shared()._STATS.get(self._deployment_id.name, {}).pop(replica_id.unique_id, None)
 
 
 class PowerOfTwoRouter(_PublishStats, PowerOfTwoChoicesRequestRouter):
@@ -131,7 +131,7 @@ class PrefixAffinityRouter(_PublishStats, RequestRouter):
             route = choose_replica(ids, loads, self.index, self.thresholds)
             self.index.insert(ids, route.replica)
             self.routes[route.reason] += 1
-            importlib.import_module(__name__)._ROUTES[self._deployment_id.name] = dict(self.routes)
+            _shared()._ROUTES[self._deployment_id.name] = dict(self.routes)
         rest = sorted((rid for rid in by_id if rid != route.replica), key=loads.__getitem__)
         return [[by_id[route.replica]]] + ([[by_id[rid] for rid in rest]] if rest else [])
 
