@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from treeserve import bench as workloads
+from treeserve.cluster.policy import RoutingThresholds
 from treeserve.engine import LLM
 from treeserve.sampling import SamplingParams
 
@@ -37,13 +39,13 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
-def _make_llm(args: argparse.Namespace) -> LLM:
-    return LLM(
-        args.model,
+def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM``'s arguments from the engine flags, except ``num_threads`` (``--threads``)."""
+    return dict(
+        model=args.model,
         dtype=args.dtype,
         quantization=None if args.quantization == "none" else args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
-        num_threads=args.threads,
         page_size=args.page_size,
         kv_cache_tokens=args.kv_cache_tokens,
         max_batched_tokens=args.max_batched_tokens,
@@ -51,6 +53,10 @@ def _make_llm(args: argparse.Namespace) -> LLM:
         batch_invariant=args.batch_invariant,
         tensor_parallel_size=args.tensor_parallel_size,
     )
+
+
+def _make_llm(args: argparse.Namespace) -> LLM:
+    return LLM(num_threads=args.threads, **_llm_kwargs(args))
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -139,10 +145,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None or args.address is not None:
+        return _serve_cluster(args)
     from treeserve.server.launch import serve
 
     return serve(lambda: _make_llm(args), host=args.host, port=args.port, model_name=args.served_model_name,
                  max_live_requests=args.max_live_requests)  # fmt: skip
+
+
+def _serve_cluster(args: argparse.Namespace) -> int:
+    try:
+        from treeserve.cluster.launch import serve_cluster
+    except ImportError as exc:
+        print(f"treeserve serve --replicas needs Ray Serve: pip install 'treeserve[cluster]' ({exc})", file=sys.stderr)
+        return 2
+    thresholds = RoutingThresholds(cache_threshold=args.cache_threshold, balance_abs=args.balance_abs,
+                                   balance_rel=args.balance_rel, capacity_tokens=args.kv_cache_tokens)  # fmt: skip
+    replicas = 1 if args.replicas is None else args.replicas  # --address alone: one replica there
+    return serve_cluster(_llm_kwargs(args), replicas=replicas, address=args.address, threads=args.threads,
+                         host=args.host, port=args.port, served_model_name=args.served_model_name,
+                         max_live_requests=args.max_live_requests, router=args.router, thresholds=thresholds)  # fmt: skip
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -169,6 +191,15 @@ def _serve_parsers(sub: argparse._SubParsersAction, bench: argparse.ArgumentPars
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument("--max-live-requests", type=int, default=1024, help="running + waiting; more get HTTP 503")
+    c = s.add_argument_group("replicas (Ray Serve, the 'cluster' extra; README: Replicas)")
+    c.add_argument("--replicas", type=int, default=None, help="N engine replicas behind this endpoint")
+    c.add_argument("--address", default=None, help="an existing Ray cluster (e.g. auto or ray://host:10001)")
+    c.add_argument("--router", default="prefix", choices=["prefix", "power-of-two"],
+                   help="prefix-cache-aware routing, or Ray Serve's default")
+    rt = RoutingThresholds()
+    c.add_argument("--cache-threshold", type=float, default=rt.cache_threshold, help="prefix share of the prompt to follow a cache")
+    c.add_argument("--balance-abs", type=int, default=rt.balance_abs, help="loads are skewed past this many requests apart ...")
+    c.add_argument("--balance-rel", type=float, default=rt.balance_rel, help="... and this ratio: then least-loaded wins")
     s.set_defaults(func=cmd_serve)
     bs = bench.add_subparsers(dest="bench_target").add_parser("serve", help="load-test an OpenAI-compatible server")
     bs.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")

@@ -20,7 +20,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +36,7 @@ __all__ = [
     "EngineStats",
     "QueueFullError",
     "RequestStream",
+    "check_admission",
     "read_engine_stats",
 ]
 
@@ -235,6 +236,15 @@ class EngineClient(abc.ABC):
         """Stop the loop, abort every live request and close their streams (idempotent)."""
 
 
+def check_admission(live: Collection[str], max_live_requests: int, request_id: str) -> None:
+    """Raise what a new request gets from an :class:`EngineClient` holding the ``live`` request
+    ids: :class:`QueueFullError` at ``max_live_requests``, ``ValueError`` for an id already live."""
+    if len(live) >= max_live_requests:
+        raise QueueFullError(f"the server holds {len(live)} live requests, its limit")
+    if request_id in live:
+        raise ValueError(f"request_id {request_id!r} is already live")
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -311,10 +321,7 @@ class AsyncLLMEngine(EngineClient):
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
         if not self.is_healthy():
             raise EngineDeadError(self._dead or "the engine is not running")
-        if len(self._streams) >= self.max_live_requests:
-            raise QueueFullError(f"the server holds {len(self._streams)} live requests, its limit")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already live")
+        check_admission(self._streams, self.max_live_requests, request_id)
         stream = RequestStream(request_id, params.n, asyncio.get_running_loop())
         self._streams[request_id] = stream
         cmd = _Add(request_id, prompt_ids, params)
