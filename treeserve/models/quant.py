@@ -710,6 +710,7 @@ def pack_model(
         for m in group:
             m.packed_max_rows = rows
             m.drop_dense()  # eager calls no longer read it
-    if model.lm_head.weight.dtype == torch.float32:
-        model.lm_head = ExactHead(model.lm_head.weight, packed=head_codes)
+    head_weight = getattr(model.lm_head, "weight", None)  # absent: a head kept as codes (``vocab_codes``)
+    if head_weight is not None and head_weight.dtype == torch.float32:
+        model.lm_head = ExactHead(head_weight, packed=head_codes)
     return model
