@@ -134,3 +134,22 @@ def test_row_norms_from_the_codes_match_the_dequantized_rows(qtype: str) -> None
     ref = w.dequantize().double().norm(dim=1)
     got = row_norms(w).double()
     assert bool(((got - ref).abs() <= 1e-6 * ref).all())
+
+
+@requires_op
+def test_the_traced_rescoring_matches_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With few candidates per row (random logits), the static re-scoring of a traced step covers
+    the eager one's candidates: the same picks, every logit within the first pass's bound."""
+    import treeserve.models.vocab_codes as vc
+
+    v, k = 300, 128
+    w = GGUFWeight.from_bytes("Q4_0", random_blocks("Q4_0", v, k, 4), (v, k))
+    head = CodesHead(w)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
+    eager = head(x)
+    monkeypatch.setattr(vc, "_tracing", lambda: True)
+    traced = head(x)
+    assert torch.equal(traced.argmax(1), eager.argmax(1))
+    bound = head.bound_factor * x.norm(dim=1, keepdim=True) * head.row_norms
+    assert bool(((traced - eager).abs() <= 2 * bound).all())
+    assert not torch.equal(traced, eager)  # the static path re-scored entries the eager one left

@@ -21,6 +21,7 @@ from treeserve.models.gguf_file import GGUFTensor, read_gguf, release_pages
 from treeserve.models.llama import LlamaForCausalLM
 from treeserve.models.parallel import TPShard, check_shard_quantization
 from treeserve.models.gguf_op import BLOCK_BYTES, GGUFWeight, gguf_op_available
+from treeserve.models.int8_cache import source_id
 from treeserve.models.quant import PACKABLE, Int4Planes, pack_model, planes_from_gguf
 from treeserve.models.vocab_codes import CodesEmbedding, CodesHead, head_from_codes
 from treeserve.models.weights import build_model, expected_hf_shapes, fused_names
@@ -288,7 +289,8 @@ def load_gguf_model(
         model.lm_head = CodesHead(vocab.head)
     head = codes_of(head_name) if use_op and head_name in by_hf and vocab.head is None else None
     return pack_model(model, lambda name: codes[name] if name in codes else planes_for(name), quantization,
-                      head_codes=head if isinstance(head, GGUFWeight) else None, unloaded=codes.keys())
+                      head_codes=head if isinstance(head, GGUFWeight) else None, unloaded=codes.keys(),
+                      source=source_id(g.path))
 
 
 class _VocabCodes(NamedTuple):

@@ -34,6 +34,8 @@ __all__ = ["HEAD_CODES_MIN_BYTES", "CodesEmbedding", "CodesHead", "head_from_cod
 HEAD_CODES_MIN_BYTES = 1 << 29
 """A head whose float32 copy (``4 * vocab * hidden`` bytes) is larger is kept as codes (``head_from_codes``)."""
 
+_tracing = torch.compiler.is_compiling
+"""True while Dynamo traces (``CodesHead`` then re-scores with static shapes); tests patch it."""
 _RESCORE_CHUNK = 4096  # candidate entries re-scored per dequantization (bounds the temporaries)
 
 
@@ -127,6 +129,7 @@ class CodesHead(nn.Module):
         self.out_features = codes.shape[0]
         self.register_buffer("row_norms", row_norms(codes), persistent=False)
         self.bound_factor = 2 * (codes.in_features + 2) * 2.0**-24
+        self.max_candidates = 64  # per row, in a traced step (``_rescore_static``)
 
     @property
     def codes(self) -> GGUFWeight:
@@ -137,6 +140,8 @@ class CodesHead(nn.Module):
         x = x.float().contiguous()
         logits = torch.ops.treeserve.gguf_linear_exact(x, self.raw, self.qtype, self.in_features)
         bound = (self.bound_factor * x.norm(dim=1, keepdim=True)) * self.row_norms
+        if _tracing():
+            return self._rescore_static(x, logits, bound)
         threshold = (logits - bound).amax(dim=1, keepdim=True)
         rows, cols = (logits + bound >= threshold).nonzero(as_tuple=True)
         codes = self.codes
@@ -144,3 +149,12 @@ class CodesHead(nn.Module):
             r, c = rows[start : start + _RESCORE_CHUNK], cols[start : start + _RESCORE_CHUNK]
             logits[r, c] = (x[r] * codes.dequantize_rows(c)).sum(-1)
         return logits
+
+    def _rescore_static(self, x: torch.Tensor, logits: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+        """The re-scoring with static shapes, for a traced step (``torch.compile(fullgraph=True)``):
+        the ``max_candidates`` entries of highest upper bound per row are re-scored, which covers
+        every entry the bound cannot rule out unless a row has more of them (that row then keeps
+        first-pass values, within the bound, for the rest)."""
+        idx = (logits + bound).topk(min(self.max_candidates, logits.shape[1]), dim=1).indices  # [M, C]
+        exact = torch.einsum("mk,mck->mc", x, self.codes.dequantize_rows(idx))
+        return logits.scatter(1, idx, exact)
