@@ -91,9 +91,12 @@ class GGUFWeight(NamedTuple):
 
     @staticmethod
     def cat_rows(parts: list[GGUFWeight]) -> GGUFWeight:
-        """Stack weights of one qtype and K along N (a fused projection)."""
+        """Stack weights of one qtype and K along N (a fused projection); one part is returned as it
+        is (no copy: a tensor read in place from a mapped file stays the file's pages)."""
         if len({(p.qtype, p.in_features) for p in parts}) != 1:
             raise ValueError(f"parts must share qtype and K, got {[(p.qtype, p.in_features) for p in parts]}")
+        if len(parts) == 1:
+            return parts[0]
         return GGUFWeight(parts[0].qtype, torch.cat([p.raw for p in parts]), parts[0].in_features)
 
 
