@@ -14,7 +14,7 @@ from gguf.quants import dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.models.test_gguf_linear import random_blocks
+from tests.models.test_gguf_linear import check_greedy_pick, random_blocks
 from treeserve.models import load
 from treeserve.models.gguf_loader import gguf_config, open_gguf
 from treeserve.models.gguf_op import BLOCK_BYTES, GGUFWeight, dequantize_blocks, gguf_op_available
@@ -88,12 +88,8 @@ def test_codes_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: f
         x[r, element] = margin / 0.01
     dense = w.dequantize()
     head = CodesHead(w)
-    logits, ref = head(x), F.linear(x, dense)
-    best = logits.argmax(1)
-    noise = k * 2.0**-24 * (x.abs() @ dense.abs().T).amax(1)
-    assert bool((ref.gather(1, best[:, None])[:, 0] >= ref.amax(1) - noise).all())
-    if margin >= 1e-4:
-        assert torch.equal(best, ref.argmax(1))
+    logits = head(x)
+    ref, noise = check_greedy_pick(logits, x, dense, margin)
     bound = head.bound_factor * x.norm(dim=1, keepdim=True) * dense.double().norm(dim=1).float()
     assert bool(((logits - ref).abs() <= bound + noise[:, None]).all())
 
