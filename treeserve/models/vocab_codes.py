@@ -89,31 +89,34 @@ def row_norms(codes: GGUFWeight) -> torch.Tensor:
     return torch.from_numpy(out.astype(np.float32))
 
 
-def _codes_buffer(module: nn.Module, codes: GGUFWeight) -> None:
-    if not isinstance(codes, GGUFWeight):
-        raise TypeError(f"codes must be a GGUFWeight, got {type(codes).__name__}")
-    module.qtype, module.in_features = codes.qtype, codes.in_features
-    module.register_buffer("raw", codes.raw, persistent=False)
-
-
-class CodesEmbedding(nn.Module):
-    """``forward(ids [*S]) -> float32 [*S, K]``: rows of a ``[V, K]`` embedding held as GGUF blocks."""
+class _Codes(nn.Module):
+    """A module holding one ``GGUFWeight`` as its ``raw`` buffer (no copy: the file's pages when mapped)."""
 
     def __init__(self, codes: GGUFWeight) -> None:
         super().__init__()
-        _codes_buffer(self, codes)
-        self.num_embeddings = codes.shape[0]
+        if not isinstance(codes, GGUFWeight):
+            raise TypeError(f"codes must be a GGUFWeight, got {type(codes).__name__}")
+        self.qtype, self.in_features = codes.qtype, codes.in_features
+        self.register_buffer("raw", codes.raw, persistent=False)
 
     @property
     def codes(self) -> GGUFWeight:
         """The blocks as a ``GGUFWeight`` (the same storage)."""
         return GGUFWeight(self.qtype, self.raw, self.in_features)
 
+
+class CodesEmbedding(_Codes):
+    """``forward(ids [*S]) -> float32 [*S, K]``: rows of a ``[V, K]`` embedding held as GGUF blocks."""
+
+    def __init__(self, codes: GGUFWeight) -> None:
+        super().__init__(codes)
+        self.num_embeddings = codes.shape[0]
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.codes.dequantize_rows(ids)
 
 
-class CodesHead(nn.Module):
+class CodesHead(_Codes):
     """LM head ``x [M, K] -> float32 logits [M, V]`` over GGUF blocks, greedy-exact (module docstring).
 
     Requires the C++ GGUF operator (``gguf_op_available()``; ``RuntimeError`` otherwise: a loader
@@ -122,19 +125,13 @@ class CodesHead(nn.Module):
     """
 
     def __init__(self, codes: GGUFWeight) -> None:
-        super().__init__()
         if not gguf_op_available():
             raise RuntimeError("CodesHead needs the C++ GGUF operator (treeserve::gguf_linear_exact), which is not built")
-        _codes_buffer(self, codes)
+        super().__init__(codes)
         self.out_features = codes.shape[0]
         self.register_buffer("row_norms", row_norms(codes), persistent=False)
         self.bound_factor = 2 * (codes.in_features + 2) * 2.0**-24
         self.max_candidates = 64  # per row, in a traced step (``_rescore_static``)
-
-    @property
-    def codes(self) -> GGUFWeight:
-        """The blocks as a ``GGUFWeight`` (the same storage)."""
-        return GGUFWeight(self.qtype, self.raw, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
