@@ -133,7 +133,7 @@ def test_a_1b_model_loads_near_its_file_size(tmp_path: Path) -> None:
     """Llama-3.2-1B shapes in Q4_0 (0.7 GB), packed path for every batch: resident memory after the
     load is the file's codes (the tied embedding / head read as codes in
     place, ``vocab_codes``; q|k|v and gate|up copied once, fused) plus the runtime, and the peak
-    over the load and four decode steps stays within a few tensors of it (no dense copy of the model or of the head on the way)."""
+    over the load and four decode steps adds only the file pages those steps read (no dense copy of the model or of the head on the way)."""
     spec = SPECS["llama-3.2-1b"]
     path = write_synthetic_gguf(tmp_path / "1b.gguf", spec, "Q4_0", seed=0)
     env = {"TREESERVE_PACKED_MAX_ROWS": "all", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
@@ -147,4 +147,5 @@ def test_a_1b_model_loads_near_its_file_size(tmp_path: Path) -> None:
     runtime = 700 * 2**20
     assert r["finite"] and len(r["tokens"]) == 4
     assert r["rss"] < file_bytes + runtime, r
-    assert r["peak"] < r["rss"] + 256 * 2**20, r  # never a dense copy of a large tensor on the way
+    # the decode steps read the o/down and head codes' pages (0.34 GB); a float32 head would be 1.05 GB more
+    assert r["peak"] < r["rss"] + 512 * 2**20, r
