@@ -24,15 +24,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from treeserve._tuning import cache_dir, host_key
-from treeserve._utils import log_once
+from treeserve._tuning import cache_dir, host_key, write_entry
 from treeserve.models import int8_op
 from treeserve.models.int8_op import Int8Weight, round_rotated
 
@@ -80,17 +78,6 @@ def _read(path: Path, key: list[str], shape: tuple[int, int]) -> tuple[torch.Ten
     return codes, scales
 
 
-def _write(path: Path, key: list[str], codes: torch.Tensor, scales: torch.Tensor) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"version": _VERSION, "key": key, "codes": codes, "scales": scales}, f)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log_once(f"treeserve: int8 weight cache {path.parent} not writable ({exc}); building at every start")
-
-
 def int8_weight(source: str | None, name: str, shape: tuple[int, int], dense: Callable[[], torch.Tensor]) -> Int8Weight:
     """The int8 copy of projection ``name`` (``shape`` ``(N, K)``) of the file ``source``
     (``source_id``): from the disk cache, else ``round_rotated(dense())``, stored. ``source=None``:
@@ -105,5 +92,6 @@ def int8_weight(source: str | None, name: str, shape: tuple[int, int], dense: Ca
         if tuple(weight.shape) != tuple(shape):
             raise ValueError(f"dense() of {name!r} must have shape {tuple(shape)}, got {tuple(weight.shape)}")
         found = round_rotated(weight)
-        _write(path, key, *found)
+        entry = {"version": _VERSION, "key": key, "codes": found[0], "scales": found[1]}
+        write_entry(path, lambda f: torch.save(entry, f), "int8 weight cache: building at every start")
     return Int8Weight.from_codes(*found)
