@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from treeserve._tuning import cache_dir, host_key, write_entry
-from treeserve.models import int8_op
 from treeserve.models.int8_op import Int8Weight, round_rotated
 
 __all__ = ["CACHE_MAX_FILE_BYTES", "int8_weight", "source_id"]
@@ -60,7 +59,7 @@ def source_id(path: str | Path) -> str | None:
 
 @lru_cache(maxsize=1)
 def _rounding_hash() -> str:
-    return hashlib.sha256(Path(int8_op.__file__).read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(Path(__file__).with_name("int8_op.py").read_bytes()).hexdigest()[:16]
 
 
 def _read(path: Path, key: list[str], shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
