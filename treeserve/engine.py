@@ -363,7 +363,7 @@ class LLM:
         self.radix = RadixCache(self.kv.allocator, ps, disable=not cfg.enable_prefix_cache)
         self.table = ReqToTokenTable(cfg.max_running, -(-max_len // ps) * ps, device=cfg.device)
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids or [])
-        self.drafter = self._make_drafter(max_len)  # run by the engine; the scheduler only asks
+        self.drafter = self._make_drafter(max_len, eos)  # run by the engine; the scheduler only asks
         drafter = self.drafter
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -655,7 +655,7 @@ class LLM:
                 self.scheduler.abort(req)
 
     # ------------------------------------------------------------------ internals
-    def _make_drafter(self, max_len: int) -> Drafter | None:
+    def _make_drafter(self, max_len: int, eos: list[int]) -> Drafter | None:
         cfg = self.config
         if cfg.speculative is None:
             return None
@@ -674,7 +674,7 @@ class LLM:
         dtype = next(draft.parameters()).dtype
         tokens = draft_pool_tokens(cfg.max_running, max_len, cfg.num_speculative_tokens, cfg.kv_cache_tokens)
         pool = KVPool(dc.num_layers, tokens + 1, 1, dc.num_kv_heads, dc.head_dim, dtype, cfg.device)
-        return DraftModelDrafter(draft, pool, cfg.max_running, max_len, cfg.speculative_tree_width)
+        return DraftModelDrafter(draft, pool, cfg.max_running, max_len, cfg.speculative_tree_width, eos)
 
     def _account_finished(self, req: Request) -> None:
         m = self.metrics

@@ -8,6 +8,7 @@ Imports nothing from treeserve except ``treeserve._utils``.
 from __future__ import annotations
 
 from treeserve.sampling.batch import SamplingBatch
+from treeserve.sampling.draft_sampling import DraftDraw, draw_siblings
 from treeserve.sampling.bitmask import apply_token_bitmask, bitmask_words, stack_bitmasks, unpack_bitmask
 from treeserve.sampling.grammar import GrammarCompiler, GrammarState
 from treeserve.sampling.params import MAX_LOGPROBS, SamplingParams
@@ -19,6 +20,7 @@ from treeserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from treeserve.sampling.verify import VerifyOutput, VerifyUniforms, verify
 
 __all__ = [
+    "DraftDraw",
     "GrammarCompiler",
     "GrammarState",
     "MAX_LOGPROBS",
@@ -31,6 +33,7 @@ __all__ = [
     "StructuredOutput",
     "apply_token_bitmask",
     "bitmask_words",
+    "draw_siblings",
     "greedy_tokens",
     "process_logits",
     "sample",
