@@ -58,6 +58,11 @@ from treeserve.scheduler import (
 
 Prompt = str | Sequence[int]
 
+CPU_SPECULATIVE_MAX_BATCH = 8
+"""On CPU, steps with more decoding requests than this draft nothing: a batch is compute-bound
+there, and scoring rejected draft nodes costs more than the steps accepted ones save
+(``benches/bench_speculative.py``, ``benches/RESULTS.md`` issue 32)."""
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -85,7 +90,9 @@ class EngineConfig:
     ``"draft:self:<N>"``, the target's first N layers: self-speculation) or ``None``;
     ``num_speculative_tokens`` draft nodes per step at most; ``speculative_tree_width``: 1 for
     chain drafts, more for token trees (that many alternative continuations); ``ngram_min`` /
-    ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first).
+    ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first);
+    ``speculative_max_batch``: steps with more decoding requests than this draft nothing (0 = no
+    limit; None = the measured rule: :data:`CPU_SPECULATIVE_MAX_BATCH` on CPU, no limit on CUDA).
     ``batch_invariant``: every request's tokens and logprobs are bitwise the same whatever else
     runs in its batch, in any dtype: projections on fixed row tiles, attention one request at a
     time, the plain float32 LM head (``treeserve.models.invariant``); costs speed (see
@@ -116,6 +123,7 @@ class EngineConfig:
     speculative_tree_width: int = 1
     ngram_min: int = 2
     ngram_max: int = 4
+    speculative_max_batch: int | None = None
     batch_invariant: bool = False
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0
@@ -145,6 +153,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        smb = self.speculative_max_batch
+        if smb is not None and (isinstance(smb, bool) or not isinstance(smb, int) or smb < 0):
+            raise ValueError(f"speculative_max_batch must be None or an int >= 0, got {smb!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -156,6 +167,13 @@ class EngineConfig:
         if self.batch_invariant and (self.cuda_graph or self.compile):
             raise ValueError("batch_invariant=True runs the eager path: it needs cuda_graph=False/None and compile=False")
         self._check_parallel()
+
+    def draft_batch_limit(self) -> int:
+        """``speculative_max_batch`` resolved: the given value, else the measured rule for the
+        device (:data:`CPU_SPECULATIVE_MAX_BATCH` on CPU, 0 = no limit elsewhere)."""
+        if self.speculative_max_batch is not None:
+            return self.speculative_max_batch
+        return CPU_SPECULATIVE_MAX_BATCH if torch.device(self.device).type == "cpu" else 0
 
     def kv_dtype(self, model_dtype: torch.dtype, loaded: bool) -> torch.dtype:
         """The KV pool's dtype for a model of ``model_dtype`` (``loaded``: loaded by name, not
@@ -371,6 +389,7 @@ class LLM:
                 max_running=cfg.max_running,
                 max_model_len=max_len,
                 num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0,
+                speculative_max_batch=cfg.draft_batch_limit(),
             ),
             self.kv.allocator,
             self.radix,

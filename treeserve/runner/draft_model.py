@@ -35,7 +35,8 @@ class DraftModelDrafter:
     own temperature / top-k / top-p / penalties; ``sampling.draw_siblings``: siblings without
     replacement, counter-based randomness keyed by (seed, position, DRAFT, sibling)) and the
     law of each node in ``DraftTree.probs`` for verification. ``eos_token_ids`` feed the
-    ``min_new_tokens`` ban of that law.
+    ``min_new_tokens`` ban of that law. ``sample=False`` gives every request the point-mass draft
+    (the comparison ``benches/bench_speculative.py`` measures).
 
     KV: each request gets a row of the drafter's own table. Only committed tokens count as
     computed: KV written for draft tokens is rolled back by simply being recomputed (overwritten)
@@ -44,13 +45,14 @@ class DraftModelDrafter:
     """
 
     def __init__(self, model: Any, kv: KVPool, max_requests: int, max_len: int, width: int = 1,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token_ids: Sequence[int] = (), sample: bool = True) -> None:
         if kv.page_size != 1:
             raise ValueError(f"the draft KV pool must have page_size 1, got {kv.page_size}")
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width}")
         self.model, self.kv, self.width = model, kv, width
         self.eos_token_ids = list(eos_token_ids)
+        self.sample = sample  # False: every request gets the deterministic (point-mass) draft
         self.table = ReqToTokenTable(max_requests, max_len, device=kv.device)
         self._state: dict[int, _DraftState] = {}
 
@@ -109,7 +111,7 @@ class DraftModelDrafter:
     def _draw(self, logits: torch.Tensor, reqs: Sequence[DraftRequest], positions: list[int], width: int) -> _Drawn:
         """``width`` tokens per row of ``logits`` (see the class): per row its tokens and, for a
         sampling request, the law of each (None for a greedy one)."""
-        sampled = [r.params is not None and not r.params.greedy for r in reqs]
+        sampled = [self.sample and r.params is not None and not r.params.greedy for r in reqs]
         if not any(sampled):
             top = torch.topk(logits, width).indices.tolist()
             return _Drawn(top, [[None] * width for _ in reqs])
