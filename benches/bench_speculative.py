@@ -20,6 +20,7 @@ import time
 import pytest
 
 from treeserve import LLM, SamplingParams
+from treeserve.engine import CPU_SPECULATIVE_MAX_BATCH
 
 PASSAGE = (
     "The water cycle describes how water moves between the oceans, the air and the land. The sun "
@@ -81,7 +82,8 @@ def _accepted_length(before: tuple[int, int, int], after: tuple[int, int, int]) 
 @pytest.mark.parametrize("batch", [1, 4, 8, 16])
 def test_ngram_speculation_vs_none(benchmark, base: LLM, batch: int) -> None:
     forced = _spec(base, speculative="ngram", speculative_max_batch=0)
-    rule = _spec(base, speculative="ngram")  # the default rule: no drafts above CPU_SPECULATIVE_MAX_BATCH
+    # The default rule of a model loaded by name (a given module, as here, has no limit by default).
+    rule = _spec(base, speculative="ngram", speculative_max_batch=CPU_SPECULATIVE_MAX_BATCH)
     prompts = _prompts(base, batch)
     for llm in (base, forced, rule):  # warm-up
         _run(llm, prompts[:1])

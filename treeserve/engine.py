@@ -92,7 +92,8 @@ class EngineConfig:
     chain drafts, more for token trees (that many alternative continuations); ``ngram_min`` /
     ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first);
     ``speculative_max_batch``: steps with more decoding requests than this draft nothing (0 = no
-    limit; None = the measured rule: :data:`CPU_SPECULATIVE_MAX_BATCH` on CPU, no limit on CUDA).
+    limit; None = the measured rule: :data:`CPU_SPECULATIVE_MAX_BATCH` for a model loaded by name
+    on CPU, which is what it was measured on; no limit on CUDA or for a given module).
     ``batch_invariant``: every request's tokens and logprobs are bitwise the same whatever else
     runs in its batch, in any dtype: projections on fixed row tiles, attention one request at a
     time, the plain float32 LM head (``treeserve.models.invariant``); costs speed (see
@@ -168,12 +169,13 @@ class EngineConfig:
             raise ValueError("batch_invariant=True runs the eager path: it needs cuda_graph=False/None and compile=False")
         self._check_parallel()
 
-    def draft_batch_limit(self) -> int:
-        """``speculative_max_batch`` resolved: the given value, else the measured rule for the
-        device (:data:`CPU_SPECULATIVE_MAX_BATCH` on CPU, 0 = no limit elsewhere)."""
+    def draft_batch_limit(self, loaded: bool) -> int:
+        """``speculative_max_batch`` resolved (``loaded``: the model was loaded by name, not given
+        as a module): the given value, else the measured rule (:data:`CPU_SPECULATIVE_MAX_BATCH`
+        for a loaded model on CPU, 0 = no limit otherwise)."""
         if self.speculative_max_batch is not None:
             return self.speculative_max_batch
-        return CPU_SPECULATIVE_MAX_BATCH if torch.device(self.device).type == "cpu" else 0
+        return CPU_SPECULATIVE_MAX_BATCH if loaded and torch.device(self.device).type == "cpu" else 0
 
     def kv_dtype(self, model_dtype: torch.dtype, loaded: bool) -> torch.dtype:
         """The KV pool's dtype for a model of ``model_dtype`` (``loaded``: loaded by name, not
@@ -389,7 +391,7 @@ class LLM:
                 max_running=cfg.max_running,
                 max_model_len=max_len,
                 num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0,
-                speculative_max_batch=cfg.draft_batch_limit(),
+                speculative_max_batch=cfg.draft_batch_limit(loaded=isinstance(model, str)),
             ),
             self.kv.allocator,
             self.radix,
