@@ -60,8 +60,9 @@ Prompt = str | Sequence[int]
 
 CPU_SPECULATIVE_MAX_BATCH = 8
 """On CPU, steps with more decoding requests than this draft nothing: a batch is compute-bound
-there, and scoring rejected draft nodes costs more than the steps accepted ones save
-(``benches/bench_speculative.py``, ``benches/RESULTS.md`` issue 32)."""
+there, and scoring rejected draft nodes costs about what the steps accepted ones save (issue 6
+measured 1.03x at batch 16 on the 2-core EPYC; ``benches/bench_speculative.py`` measures the
+crossover, not yet re-measured with verify steps on the fused path: ``benches/RESULTS.md``)."""
 
 
 @dataclass(slots=True)
