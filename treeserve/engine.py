@@ -60,6 +60,12 @@ from treeserve.scheduler import (
 
 Prompt = str | Sequence[int]
 
+CPU_SPECULATIVE_MAX_BATCH = 8
+"""On CPU, steps with more decoding requests than this draft nothing: a batch is compute-bound
+there, and scoring rejected draft nodes costs about what the steps accepted ones save (issue 6
+measured 1.03x at batch 16 on the 2-core EPYC; ``benches/bench_speculative.py`` measures the
+crossover, not yet re-measured with verify steps on the fused path: ``benches/RESULTS.md``)."""
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -92,7 +98,10 @@ class EngineConfig:
     ``"draft:self:<N>"``, the target's first N layers: self-speculation) or ``None``;
     ``num_speculative_tokens`` draft nodes per step at most; ``speculative_tree_width``: 1 for
     chain drafts, more for token trees (that many alternative continuations); ``ngram_min`` /
-    ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first).
+    ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first);
+    ``speculative_max_batch``: steps with more decoding requests than this draft nothing (0 = no
+    limit; None = the measured rule: :data:`CPU_SPECULATIVE_MAX_BATCH` for a model loaded by name
+    on CPU, which is what it was measured on; no limit on CUDA or for a given module).
     ``batch_invariant``: every request's tokens and logprobs are bitwise the same whatever else
     runs in its batch, in any dtype: projections on fixed row tiles, attention one request at a
     time, the plain float32 LM head (``treeserve.models.invariant``); costs speed (see
@@ -124,6 +133,7 @@ class EngineConfig:
     speculative_tree_width: int = 1
     ngram_min: int = 2
     ngram_max: int = 4
+    speculative_max_batch: int | None = None
     batch_invariant: bool = False
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0
@@ -153,6 +163,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        smb = self.speculative_max_batch
+        if smb is not None and (isinstance(smb, bool) or not isinstance(smb, int) or smb < 0):
+            raise ValueError(f"speculative_max_batch must be None or an int >= 0, got {smb!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -166,6 +179,14 @@ class EngineConfig:
         if self.batch_invariant and (self.cuda_graph or self.compile):
             raise ValueError("batch_invariant=True runs the eager path: it needs cuda_graph=False/None and compile=False")
         self._check_parallel()
+
+    def draft_batch_limit(self, loaded: bool) -> int:
+        """``speculative_max_batch`` resolved (``loaded``: the model was loaded by name, not given
+        as a module): the given value, else the measured rule (:data:`CPU_SPECULATIVE_MAX_BATCH`
+        for a loaded model on CPU, 0 = no limit otherwise)."""
+        if self.speculative_max_batch is not None:
+            return self.speculative_max_batch
+        return CPU_SPECULATIVE_MAX_BATCH if loaded and torch.device(self.device).type == "cpu" else 0
 
     def kv_dtype(self, model_dtype: torch.dtype, loaded: bool) -> torch.dtype:
         """The KV pool's dtype for a model of ``model_dtype`` (``loaded``: loaded by name, not
@@ -373,7 +394,7 @@ class LLM:
         self.radix = RadixCache(self.kv.allocator, ps, disable=not cfg.enable_prefix_cache)
         self.table = ReqToTokenTable(cfg.max_running, -(-max_len // ps) * ps, device=cfg.device)
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids or [])
-        self.drafter = self._make_drafter(max_len)  # run by the engine; the scheduler only asks
+        self.drafter = self._make_drafter(max_len, eos)  # run by the engine; the scheduler only asks
         drafter = self.drafter
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -381,6 +402,7 @@ class LLM:
                 max_running=cfg.max_running,
                 max_model_len=max_len,
                 num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0,
+                speculative_max_batch=cfg.draft_batch_limit(loaded=isinstance(model, str)),
             ),
             self.kv.allocator,
             self.radix,
@@ -708,7 +730,7 @@ class LLM:
                 self.scheduler.abort(req)
 
     # ------------------------------------------------------------------ internals
-    def _make_drafter(self, max_len: int) -> Drafter | None:
+    def _make_drafter(self, max_len: int, eos: list[int]) -> Drafter | None:
         cfg = self.config
         if cfg.speculative is None:
             return None
@@ -727,7 +749,7 @@ class LLM:
         dtype = next(draft.parameters()).dtype
         tokens = draft_pool_tokens(cfg.max_running, max_len, cfg.num_speculative_tokens, cfg.kv_cache_tokens)
         pool = KVPool(dc.num_layers, tokens + 1, 1, dc.num_kv_heads, dc.head_dim, dtype, cfg.device)
-        return DraftModelDrafter(draft, pool, cfg.max_running, max_len, cfg.speculative_tree_width)
+        return DraftModelDrafter(draft, pool, cfg.max_running, max_len, cfg.speculative_tree_width, eos)
 
     def _account_finished(self, req: Request) -> None:
         m = self.metrics

@@ -23,7 +23,7 @@ import torch
 
 from treeserve.kvcache import AttentionMetadata, KernelBackend, KVPool
 from treeserve.sampling import SamplingBatch, SamplingRows, stack_bitmasks
-from treeserve.scheduler import Request, ScheduledItem
+from treeserve.scheduler import DraftTree, Request, ScheduledItem
 
 __all__ = [
     "CausalLM",
@@ -33,6 +33,7 @@ __all__ = [
     "StepInputs",
     "build_step_inputs",
     "draft_arrays",
+    "draft_laws",
     "requests_sampling_batch",
     "with_grammar_masks",
     "step_index",
@@ -303,6 +304,24 @@ def draft_arrays(items: Sequence[ScheduledItem], width: int, k: int) -> DraftArr
     node = torch.arange(k)
     slot_index = torch.where(node < num_draft[:, None], (rows * width + starts + 1)[:, None] + node, 0)
     return DraftArrays(tokens, parents, num_draft, slot_index)
+
+
+def draft_laws(drafts: Sequence[DraftTree | None], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """``verify``'s ``draft_probs [N, V]`` for these drafts (nodes in order, None or empty ones
+    skipped): each node's law from a sampled draft (``DraftTree.probs``), a one-hot row for a
+    point-mass draft's node; None when every draft is a point mass (verify's point-mass form)."""
+    if all(d is None or d.probs is None for d in drafts):
+        return None
+    rows = []
+    for d in drafts:
+        if d is None or not len(d):
+            continue
+        if d.probs is not None:
+            rows.append(d.probs.to(device=device, dtype=torch.float32))
+        else:
+            tok = torch.tensor(d.tokens, dtype=torch.long, device=device)
+            rows.append(torch.zeros(len(d), vocab_size, device=device).scatter_(1, tok[:, None], 1.0))
+    return torch.cat(rows)
 
 
 def step_token_ids(reqs: Sequence[Request], starts: Sequence[int], qo_lens: Sequence[int]) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from treeserve.sampling.batch import SamplingBatch
 from treeserve.sampling.bitmask import apply_token_bitmask, apply_token_bitmask_, bitmask_words, stack_bitmasks, unpack_bitmask
+from treeserve.sampling.draft_sampling import DraftDraw, draw_siblings
 from treeserve.sampling.grammar import GrammarCompiler, GrammarState
 from treeserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from treeserve.sampling.processing import process_logits
@@ -19,6 +20,7 @@ from treeserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from treeserve.sampling.verify import VerifyOutput, VerifyUniforms, verify
 
 __all__ = [
+    "DraftDraw",
     "GrammarCompiler",
     "GrammarState",
     "MAX_LOGPROBS",
@@ -33,6 +35,7 @@ __all__ = [
     "apply_token_bitmask",
     "apply_token_bitmask_",
     "bitmask_words",
+    "draw_siblings",
     "greedy_tokens",
     "process_logits",
     "sample",

@@ -59,7 +59,10 @@ class SchedulerConfig:
     ``lpm_window``: waiting requests ordered by longest cached prefix when the queue is at most
     this long (FCFS beyond, where matching every request each step would cost too much).
     ``num_speculative_tokens``: most draft nodes per request and step (0 = no speculation); the
-    scheduler asks for drafts through ``ScheduledItem.draft_budget``, the engine drafts. ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
+    scheduler asks for drafts through ``ScheduledItem.draft_budget``, the engine drafts;
+    ``speculative_max_batch``: a step with more decoding requests than this asks for no drafts
+    (0 = no limit): on a compute-bound batch, scoring rejected draft nodes costs more than the
+    decode steps that accepted ones save. ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
     being prefilled (and not yet cached) waits for that prefill instead of duplicating it.
     """
 
@@ -67,6 +70,7 @@ class SchedulerConfig:
     max_running: int = 64
     max_model_len: int = 2048
     num_speculative_tokens: int = 0
+    speculative_max_batch: int = 0
     lpm_window: int = 128
     min_shared_prefix: int = 32
 
@@ -75,7 +79,7 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("lpm_window", "min_shared_prefix", "num_speculative_tokens"):
+        for name in ("lpm_window", "min_shared_prefix", "num_speculative_tokens", "speculative_max_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -301,6 +305,9 @@ class Scheduler:
         k = self.config.num_speculative_tokens
         max_len = self.config.max_model_len
         items = batch.items
+        limit = self.config.speculative_max_batch
+        if limit and sum(it.start == it.req.seq_len - 1 for it in items) > limit:
+            return  # a batch-heavy step: plain decoding is faster
         for j, it in enumerate(items):
             if budget <= 0:
                 return

@@ -58,7 +58,9 @@ class EngineStats:
     ``kv_usage`` counts pages held by requests (running samples and prefixes they lock) as used;
     pages only kept by the prefix cache are reclaimable, so they count as free (vLLM's meaning).
     ``steps`` / ``busy_seconds``: engine steps so far and the time spent in them (schedule,
-    forward, sample, update), to tell engine time from serving overhead.
+    forward, sample, update), to tell engine time from serving overhead. ``draft_tokens`` /
+    ``accepted_tokens`` / ``verify_steps``: speculative decoding's proposed and accepted draft
+    tokens and its verify passes (request-steps that verified a draft).
     """
 
     num_running: int = 0
@@ -68,6 +70,9 @@ class EngineStats:
     kv_cached_pages: int = 0
     steps: int = 0
     busy_seconds: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -87,6 +92,9 @@ def read_engine_stats(llm: LLM) -> EngineStats:
         kv_cached_pages=llm.radix.evictable_tokens // llm.kv.page_size,
         steps=llm.metrics.steps,
         busy_seconds=llm.metrics.busy_seconds,
+        draft_tokens=llm.metrics.draft_tokens,
+        accepted_tokens=llm.metrics.accepted_tokens,
+        verify_steps=llm.metrics.verify_steps,
     )
 
 
