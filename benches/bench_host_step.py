@@ -3,7 +3,9 @@
 1. Null model: ``schedule -> runner.run (step inputs, a forward that only allocates the logits,
    sampling, the host read) -> update`` over running decode requests at batch 1, 64 and 256,
    greedy, vocab 256 (so sampling arithmetic is negligible): microseconds per step and per
-   request. Target: <= 5 us per request at batch 256.
+   request. Target: <= 5 us per request at batch 256. ``--static``: the same through the
+   static decode path (``DecodeGraphRunner`` run eagerly: what a CUDA-graph step does on the
+   host, its input staging included, the replay aside).
 2. SmolLM2-135M decode step through the engine's runner (bf16 and float32) at batch 1 and 64,
    against the time of the same step's GEMMs alone (every projection and the LM head as
    ``F.linear`` on ``[B, hidden]``). Target: batch 1 within 1.3x of its GEMMs.
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from treeserve.kvcache import KVPool, RadixCache, ReqToTokenTable
-from treeserve.runner import ModelRunner
+from treeserve.runner import DecodeGraphRunner, ModelRunner
 from treeserve.sampling import SamplingParams
 from treeserve.scheduler import Scheduler, SchedulerConfig, StopChecker
 
@@ -40,7 +42,8 @@ class NullModel:
         return out
 
 
-def engine_parts(model, batch: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, vocab: int):
+def engine_parts(model, batch: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, vocab: int,
+                 static: bool = False):
     max_len = 256
     kv = KVPool(num_layers, batch * max_len + 1, 1, kv_heads, head_dim, dtype, "cpu")
     table = ReqToTokenTable(batch, max_len)
@@ -51,7 +54,8 @@ def engine_parts(model, batch: int, num_layers: int, kv_heads: int, head_dim: in
         table,
         StopChecker([2], None),
     )
-    runner = ModelRunner(model, kv, table, vocab, [2], "cpu")
+    graph = DecodeGraphRunner(model, kv, table, vocab, [2], "cpu", max_batch=batch, use_cuda_graph=False) if static else None
+    runner = ModelRunner(model, kv, table, vocab, [2], "cpu", graph)
     params = SamplingParams(temperature=0.0, max_new_tokens=100_000, ignore_eos=True)
     for i in range(batch):
         sched.new_request([3 + i % 50] * 8 + [4 + i % 200], params, seed=i, vocab_size=vocab)
@@ -79,10 +83,11 @@ def median_step_seconds(sched, runner, steps: int) -> float:
     return statistics.median(times)
 
 
-def host_cost(batches: tuple[int, ...], steps: int) -> None:
-    print("null model, greedy, vocab 256: schedule + inputs + sample + update")
+def host_cost(batches: tuple[int, ...], steps: int, static: bool) -> None:
+    path = "static decode path" if static else "eager runner"
+    print(f"null model, greedy, vocab 256, {path}: schedule + inputs + sample + update")
     for b in batches:
-        sched, runner = engine_parts(NullModel(), b, 1, 1, 8, torch.float32, VOCAB)
+        sched, runner = engine_parts(NullModel(), b, 1, 1, 8, torch.float32, VOCAB, static)
         warm(sched, runner)
         s = median_step_seconds(sched, runner, steps)
         print(f"  batch {b:4d}: {s * 1e6:9.1f} us/step  {s * 1e6 / b:7.2f} us/request")
@@ -125,6 +130,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--skip-host", action="store_true")
+    ap.add_argument("--static", action="store_true", help="the host part through the static decode path")
     args = ap.parse_args()
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(threads)
@@ -133,7 +139,7 @@ def main() -> None:
     print(f"CPU: {cpu}; threads {threads}; load {os.getloadavg()}; torch {torch.__version__}")
     steps = 20 if args.quick else 60
     if not args.skip_host:
-        host_cost((1, 64, 256), steps)
+        host_cost((1, 64, 256), steps, args.static)
     if not args.skip_model:
         real_step(("bfloat16", "float32"), (1, 64), 5 if args.quick else 15)
     print(f"load after: {os.getloadavg()}")

@@ -68,6 +68,7 @@ def child(path: str, threads: int, single_tokens: int, batch: int, batch_tokens:
     tok_s(prompt[:1], 4)  # warm-up
     out["single_tok_s"] = tok_s(prompt[:1], single_tokens)
     out[f"batch{batch}_tok_s"] = tok_s(prompt, batch_tokens)
+    out["rss_after_decode_mb"] = _status_mb("VmRSS")
     return out
 
 
@@ -100,7 +101,31 @@ def run_child(args: argparse.Namespace, path: Path, env: dict[str, str], which: 
 CONFIGS = {"default": {}, "lean": {"TREESERVE_PACKED_MAX_ROWS": "all"}}
 
 
-def main() -> None:
+def table(args: argparse.Namespace, path: Path) -> dict[str, dict[str, float]]:
+    """Each configuration of ``args.configs`` loaded cold and warm (fresh processes, one new
+    measurement cache per configuration), then the peer when ``args.peer``: printed, and returned
+    by ``"<config> <start>"`` / ``"llama.cpp"``."""
+    from treeserve._cpu import cpu_features
+
+    size_mb = path.stat().st_size / 2**20
+    print(f"{path.name}: {size_mb:.0f} MiB; CPU {cpu_features().model_name} ({cpu_features().torch_capability}), "
+          f"{args.threads} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    rows: dict[str, dict[str, float]] = {}
+    for config in args.configs.split(","):
+        with tempfile.TemporaryDirectory(prefix="treeserve-bench-cache-") as cache:
+            env = {**CONFIGS[config], "TREESERVE_CACHE_DIR": cache}
+            for start in ("cold", "warm"):
+                r = rows[f"{config} {start}"] = run_child(args, path, env, "treeserve", decode=start == "warm")
+                extra = f" (rss {r['rss_mb'] / size_mb:.2f}x file, peak {r['peak_mb'] / size_mb:.2f}x)" if "rss_mb" in r else ""
+                print(f"  {config:8s} {start}: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()})}{extra}",
+                      flush=True)
+    if args.peer:
+        r = rows["llama.cpp"] = run_child(args, path, {}, "llama.cpp", decode=True)
+        print(f"  llama.cpp: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()})}")
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="llama-3-8b")
     ap.add_argument("--qtype", default="Q4_0")
@@ -113,7 +138,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the written file")
     ap.add_argument("--peer", action="store_true", help="also llama-cpp-python on the same file")
     ap.add_argument("--child", choices=("treeserve", "llama.cpp"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.child == "treeserve":
         print(json.dumps(child(args.path, args.threads, args.single_tokens, args.batch, args.batch_tokens)))
         return
@@ -121,7 +150,6 @@ def main() -> None:
         print(json.dumps(peer(args.path, args.threads, args.single_tokens)))
         return
 
-    from treeserve._cpu import cpu_features
     from treeserve.models.synthetic_gguf import write_synthetic_gguf
 
     path = Path(args.path or Path(tempfile.gettempdir()) / f"treeserve-{args.spec}-{args.qtype}.gguf")
@@ -131,22 +159,24 @@ def main() -> None:
             t = time.perf_counter()
             write_synthetic_gguf(path, args.spec, args.qtype, seed=0)
             print(f"wrote {path} in {time.perf_counter() - t:.1f} s")
-        size_mb = path.stat().st_size / 2**20
-        print(f"{args.spec} {args.qtype}: {size_mb:.0f} MiB; CPU {cpu_features().model_name} "
-              f"({cpu_features().torch_capability}), {args.threads} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-        for config in args.configs.split(","):
-            with tempfile.TemporaryDirectory(prefix="treeserve-bench-cache-") as cache:
-                env = {**CONFIGS[config], "TREESERVE_CACHE_DIR": cache}
-                for start in ("cold", "warm"):
-                    r = run_child(args, path, env, "treeserve", decode=start == "warm")
-                    extra = f" (rss {r['rss_mb'] / size_mb:.2f}x file, peak {r['peak_mb'] / size_mb:.2f}x)" if "rss_mb" in r else ""
-                    print(f"  {config:8s} {start}: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()})}{extra}")
-        if args.peer:
-            r = run_child(args, path, {}, "llama.cpp", decode=True)
-            print(f"  llama.cpp: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()})}")
+        table(args, path)
     finally:
         if written and not args.keep:
             path.unlink(missing_ok=True)
+
+
+def test_llama_3_2_1b_table(benchmark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``make bench``: the table for Llama-3.2-1B shapes in Q4_0 (0.7 GB, written here), the lean
+    configuration (the GGUF operator for every batch), 8 tokens single stream and 16 x 8 batched."""
+    from treeserve.models.synthetic_gguf import write_synthetic_gguf
+
+    path = write_synthetic_gguf(tmp_path / "llama-3.2-1b-Q4_0.gguf", "llama-3.2-1b", "Q4_0", seed=0)
+    args = parser().parse_args(["--configs", "lean", "--single-tokens", "8", "--batch-tokens", "8"])
+    rows = benchmark.pedantic(table, args=(args, path), rounds=1, iterations=1)
+    warm = rows["lean warm"]
+    assert "error" not in warm, warm
+    benchmark.extra_info.update({f"warm_{k}": v for k, v in warm.items()})
+    assert warm["single_tok_s"] > 0 and warm["rss_mb"] < 3 * path.stat().st_size / 2**20  # regression guard
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch
 
 from treeserve import LLM, SamplingParams
 from treeserve._cpu import cpu_features
-from treeserve.sampling import StructuredOutput, apply_token_bitmask, stack_bitmasks
+from treeserve.sampling import StructuredOutput, apply_token_bitmask_, stack_bitmasks
 
 NAMES = ["id", "name", "price", "tags", "owner", "size", "color", "count", "valid", "meta", "items", "score"]
 LONG = {"type": "array", "minItems": 500, "items": {"type": "object", "properties": {
@@ -108,7 +108,7 @@ def overhead(llm: LLM, batches: list[int], new: int, reps: int) -> None:
 
 def parts(llm: LLM, batch: int) -> None:
     """The constrained path's own work: a matcher's accept + mask refill, and a batch mask's stack
-    + unpack + masked_fill over the logits."""
+    + in-place apply over the logits (what the sampling path runs)."""
     compiler = llm.grammar_compiler()
     state = compiler.new_state(StructuredOutput(json_schema=LONG))
     text = json.dumps([{"word": "tea", "n": i} for i in range(60)])[:-2]  # LONG cannot close yet
@@ -121,7 +121,7 @@ def parts(llm: LLM, batch: int) -> None:
     logits = torch.randn(batch, llm.vocab_size)
     t0 = time.perf_counter()
     for _ in range(20):
-        apply_token_bitmask(logits, stack_bitmasks(masks, llm.vocab_size, "cpu"))
+        apply_token_bitmask_(logits, stack_bitmasks(masks, llm.vocab_size, "cpu"))
     apply = (time.perf_counter() - t0) / 20
     print(f"parts: accept + mask refill {1e3 * fill:.3f} ms per token; stack + apply at batch {batch}: "
           f"{1e3 * apply:.2f} ms per step")  # fmt: skip

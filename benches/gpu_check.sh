@@ -238,8 +238,8 @@ EOF
 run_stage kernels 45 "$PY" "$OUT/kernels.py" cuda
 
 # ---------------------------------------------------------------- 3. end to end, random weights of real shapes
-run_stage decode_smollm2 70 "$PY" benches/gpu_e2e.py decode --shape smollm2 --modes graph,eager,compile
-run_stage decode_8b 70 "$PY" benches/gpu_e2e.py decode --shape llama3-8b --modes graph,eager
+run_stage decode_smollm2 70 "$PY" benches/gpu_e2e.py decode --shape smollm2 --modes graph,sync,eager,compile
+run_stage decode_8b 70 "$PY" benches/gpu_e2e.py decode --shape llama3-8b --modes graph,sync,eager
 run_stage prefill_8b 25 "$PY" benches/gpu_e2e.py prefill --shape llama3-8b
 run_stage phases_smollm2 20 "$PY" benches/gpu_e2e.py phases --shape smollm2 --batch 1
 run_stage phases_8b 25 "$PY" benches/gpu_e2e.py phases --shape llama3-8b --batch 1

@@ -91,7 +91,9 @@ def best_seconds(fn: Callable[[], object], device: str, reps: int = 5) -> float:
 
 
 def engine(model: torch.nn.Module, device: str, mode: str, max_batch: int, ctx: int) -> LLM:
+    """``mode``: graph (the default: CUDA graphs with overlap), sync (graphs, no overlap), eager, compile."""
     return LLM((model, None), device=device, cuda_graph=mode != "eager", compile=mode == "compile",
+               overlap=False if mode == "sync" else None,
                cuda_graph_max_batch=max(8, max_batch), max_running=max_batch, max_batched_tokens=max(2048, ctx),
                kv_cache_tokens=max_batch * ctx + 64, max_model_len=ctx, page_size=16, enable_prefix_cache=False,
                seed=0)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from treeserve.kvcache._cpu_op import load_cpu_decode_op
+from treeserve.models._decode_op import load_decode_op
 from treeserve.models._norm_op import load_norm_op
 from treeserve.models.gguf_op import load_gguf_linear_op
 from treeserve.models.int8_op import int8_available
@@ -33,6 +34,20 @@ def attn(q=None, cache=None, indptr=None, pages=None, last=None):  # noqa: ANN00
         torch.tensor([0, 1], dtype=i32) if indptr is None else indptr,
         torch.tensor([1], dtype=i32) if pages is None else pages,
         torch.tensor([1], dtype=i32) if last is None else last, 0.3)
+
+
+def layers(pos=None, slots=None, indptr=None, pages=None, last=None, m=3):  # noqa: ANN001, ANN202
+    """A one-layer verify step of ``m`` query rows (hidden 8, one head of 8, dense projections),
+    each row its own page list (``kvcache.query_view``'s layout), with one field replaced."""
+    hidden, dim, inter = 8, 8, 16
+    weights = [z(3 * dim, hidden), z(hidden, dim), z(2 * inter, hidden), z(hidden, inter)]
+    cache = z(4, 2, 1, dim)
+    return lambda: ops.decode_layers(
+        z(m, hidden), z(16, 2, dim // 2), torch.arange(m) if pos is None else pos, [z(hidden), z(hidden)], weights,
+        ["dense"] * 4, [cache], [cache.clone()], torch.arange(2, 2 + m) if slots is None else slots,
+        torch.arange(m + 1, dtype=i32) * 2 if indptr is None else indptr,
+        torch.tensor([1, 2] * m, dtype=i32) if pages is None else pages,
+        torch.ones(m, dtype=i32) if last is None else last, 1, 1, 1e-6, 0.35)
 
 
 CASES: dict[str, tuple[Callable[[], str | None], dict[str, Callable[[], object]]]] = {
@@ -59,6 +74,17 @@ CASES: dict[str, tuple[Callable[[], str | None], dict[str, Callable[[], object]]
         "empty pages": attn(cache=z(4, 0, 1, 8)),
         "dtype mismatch": attn(q=z(1, 2, 8, dtype=torch.bfloat16)),
         "head_dim mismatch": attn(q=z(1, 2, 4)),
+    }),
+    "decode_layers": (load_decode_op, {
+        "verify row page past the cache": layers(pages=torch.tensor([1, 2, 1, 4, 1, 2], dtype=i32)),
+        "verify row negative page": layers(pages=torch.tensor([1, 2, -1, 2, 1, 2], dtype=i32)),
+        "verify row last page too long": layers(last=torch.tensor([1, 3, 1], dtype=i32)),
+        "indptr past the page list": layers(indptr=torch.tensor([0, 2, 4, 7], dtype=i32)),
+        "fewer page lists than rows": layers(indptr=torch.tensor([0, 2, 4], dtype=i32),
+                                             last=torch.ones(2, dtype=i32)),
+        "position past the rope table": layers(pos=torch.tensor([0, 1, 16])),
+        "slot past the cache": layers(slots=torch.tensor([2, 3, 8])),
+        "slot negative": layers(slots=torch.tensor([2, -1, 4])),
     }),
     "gguf_linear": (load_gguf_linear_op, {
         "unknown qtype": lambda: ops.gguf_linear(z(1, 32), z(4, 34, dtype=torch.uint8), "Q5_K", 32),

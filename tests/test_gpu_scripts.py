@@ -25,9 +25,9 @@ def run(*args: str) -> str:
 
 @pytest.mark.slow
 def test_decode_table_has_every_mode_and_batch() -> None:
-    out = run("decode", "--modes", "eager,graph")
-    rows = re.findall(r"^(eager|graph)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)%$", out, re.M)
-    assert {(m, b) for m, b, *_ in rows} == {("eager", "1"), ("eager", "2"), ("graph", "1"), ("graph", "2")}, out
+    out = run("decode", "--modes", "eager,graph,sync")
+    rows = re.findall(r"^(eager|graph|sync)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)%$", out, re.M)
+    assert {(m, b) for m, b, *_ in rows} == {(m, b) for m in ("eager", "graph", "sync") for b in ("1", "2")}, out
     assert all(float(ms) > 0 for _, _, ms, _, _ in rows)
 
 

@@ -3,7 +3,8 @@
 Three rules (docs/INTERFACES.md, "Layout"): no import cycle between treeserve modules (type-only
 imports included), no module importing a private (``_x``) module of a package it is not inside,
 and imports pointing down the layers: kvcache and sampling import no other subpackage, models
-and scheduler none above them, runner nothing from the engine or the front ends.
+and scheduler none above them, runner nothing from the engine or the front ends, nothing below
+the cluster (replicas on Ray Serve) imports it.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ ROOT = Path(__file__).resolve().parents[1] / "treeserve"
 
 # Subpackages (and top-level modules) each layer must not import; a package missing here is free.
 FORBIDDEN: dict[str, set[str]] = {
-    "kvcache": {"sampling", "models", "scheduler", "runner", "engine", "output", "server", "cli", "bench"},
-    "sampling": {"kvcache", "models", "scheduler", "runner", "engine", "output", "server", "cli", "bench"},
-    "models": {"scheduler", "runner", "engine", "output", "server", "cli", "bench"},
-    "scheduler": {"models", "runner", "engine", "server", "cli", "bench"},
-    "runner": {"engine", "output", "server", "cli", "bench"},
+    "kvcache": {"sampling", "models", "scheduler", "runner", "engine", "output", "server", "cli", "bench", "cluster"},
+    "sampling": {"kvcache", "models", "scheduler", "runner", "engine", "output", "server", "cli", "bench", "cluster"},
+    "models": {"scheduler", "runner", "engine", "output", "server", "cli", "bench", "cluster"},
+    "scheduler": {"models", "runner", "engine", "server", "cli", "bench", "cluster"},
+    "runner": {"engine", "output", "server", "cli", "bench", "cluster"},
+    "distributed": {"engine", "server", "cli", "cluster"},
+    "engine": {"server", "cli", "cluster"},
+    "server": {"cluster", "cli"},  # the replicas (cluster) sit above the server
 }
 
 

@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 import torch
 
@@ -37,7 +37,7 @@ from treeserve._cpp import cpu_flags
 from treeserve._cpu import cpu_features
 from treeserve._utils import log_once
 
-__all__ = ["CACHE_VERSION", "cache_dir", "clear_memo", "entry_path", "host_key", "measured"]
+__all__ = ["CACHE_VERSION", "cache_dir", "clear_memo", "entry_path", "host_key", "measured", "write_entry"]
 
 CACHE_VERSION = 1
 """Format version of an entry; entries of another version are measured again."""
@@ -94,15 +94,23 @@ def _read(path: Path, kind: str, key: list[str], value_type: type) -> int | bool
     return value
 
 
-def _write(path: Path, kind: str, key: list[str], value: int | bool) -> None:
+def write_entry(path: Path, write: Callable[[IO[bytes]], object], what: str) -> None:
+    """Write a cache entry at ``path`` through ``write(binary file)``, atomically (a temporary file in
+    the same folder, then ``os.replace``); a folder that cannot be written is logged once
+    (``what``: the cache's name and the consequence), never raised."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": CACHE_VERSION, "kind": kind, "key": key, "value": value}, f)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
         os.replace(tmp, path)
     except OSError as exc:
-        log_once(f"treeserve: measurement cache {path.parent} not writable ({exc}); measuring at every start")
+        log_once(f"treeserve: {what} ({path.parent} not writable: {exc})")
+
+
+def _write(path: Path, kind: str, key: list[str], value: int | bool) -> None:
+    entry = {"version": CACHE_VERSION, "kind": kind, "key": key, "value": value}
+    write_entry(path, lambda f: f.write(json.dumps(entry).encode()), "measurement cache: measuring at every start")
 
 
 def measured(kind: str, key: tuple[object, ...], value_type: type[_V], measure: Callable[[], _V]) -> _V:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from treeserve import bench as workloads
+from treeserve.cluster.policy import RoutingThresholds
 from treeserve.engine import LLM
 from treeserve.sampling import SamplingParams
 
@@ -23,6 +25,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--speculative", default=None, help="ngram, draft:<model> or draft:self:<N> (default: none)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--batch-invariant", action="store_true",
                    help="each request's output independent of its batch (slower; see README)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -41,23 +45,29 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
-def _make_llm(args: argparse.Namespace) -> LLM:
-    return LLM(
-        args.model,
+def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM``'s arguments from the engine flags, except ``num_threads`` (``--threads``)."""
+    return dict(
+        model=args.model,
         dtype=args.dtype,
         quantization=None if args.quantization == "none" else args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
-        num_threads=args.threads,
         page_size=args.page_size,
         kv_cache_tokens=args.kv_cache_tokens,
         max_batched_tokens=args.max_batched_tokens,
         max_running=args.max_running,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
         batch_invariant=args.batch_invariant,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_host_tokens=args.kv_host_tokens,
         kv_disk_dir=args.kv_disk_dir,
         kv_disk_bytes=args.kv_disk_bytes,
     )
+
+
+def _make_llm(args: argparse.Namespace) -> LLM:
+    return LLM(num_threads=args.threads, **_llm_kwargs(args))
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -142,14 +152,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"\nengine: mean TTFT {m.mean_ttft * 1e3:.0f} ms, mean TPOT {m.mean_tpot * 1e3:.1f} ms, "
         f"preemptions {m.preemptions}, steps {m.steps}"
     )
+    if args.speculative:
+        print(f"speculation ({args.speculative}): {m.accepted_tokens} of {m.draft_tokens} draft tokens accepted "
+              f"({m.acceptance_rate:.1%}), {m.mean_accepted_length:.2f} tokens per verify step")
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None or args.address is not None:
+        return _serve_cluster(args)
     from treeserve.server.launch import serve
 
     return serve(lambda: _make_llm(args), host=args.host, port=args.port, model_name=args.served_model_name,
                  max_live_requests=args.max_live_requests)  # fmt: skip
+
+
+def _serve_cluster(args: argparse.Namespace) -> int:
+    try:
+        from treeserve.cluster.launch import serve_cluster
+    except ImportError as exc:
+        print(f"treeserve serve --replicas needs Ray Serve: pip install 'treeserve[cluster]' ({exc})", file=sys.stderr)
+        return 2
+    thresholds = RoutingThresholds(cache_threshold=args.cache_threshold, balance_abs=args.balance_abs,
+                                   balance_rel=args.balance_rel, capacity_tokens=args.kv_cache_tokens)  # fmt: skip
+    replicas = 1 if args.replicas is None else args.replicas  # --address alone: one replica there
+    return serve_cluster(_llm_kwargs(args), replicas=replicas, address=args.address, threads=args.threads,
+                         host=args.host, port=args.port, served_model_name=args.served_model_name,
+                         max_live_requests=args.max_live_requests, router=args.router, thresholds=thresholds)  # fmt: skip
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -176,6 +205,15 @@ def _serve_parsers(sub: argparse._SubParsersAction, bench: argparse.ArgumentPars
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument("--max-live-requests", type=int, default=1024, help="running + waiting; more get HTTP 503")
+    c = s.add_argument_group("replicas (Ray Serve, the 'cluster' extra; README: Replicas)")
+    c.add_argument("--replicas", type=int, default=None, help="N engine replicas behind this endpoint")
+    c.add_argument("--address", default=None, help="an existing Ray cluster (e.g. auto or ray://host:10001)")
+    c.add_argument("--router", default="prefix", choices=["prefix", "power-of-two"],
+                   help="prefix-cache-aware routing, or Ray Serve's default")
+    rt = RoutingThresholds()
+    c.add_argument("--cache-threshold", type=float, default=rt.cache_threshold, help="prefix share of the prompt to follow a cache")
+    c.add_argument("--balance-abs", type=int, default=rt.balance_abs, help="loads are skewed past this many requests apart ...")
+    c.add_argument("--balance-rel", type=float, default=rt.balance_rel, help="... and this ratio: then least-loaded wins")
     s.set_defaults(func=cmd_serve)
     bs = bench.add_subparsers(dest="bench_target").add_parser("serve", help="load-test an OpenAI-compatible server")
     bs.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")

@@ -46,6 +46,7 @@ from treeserve.output import SampleDelta, TrackedRequest
 from treeserve.runner import (
     CausalLM,
     DecodeGraphRunner,
+    DecodeLaunch,
     DraftModelDrafter,
     Drafter,
     ModelRunner,
@@ -58,6 +59,7 @@ from treeserve.sampling import GrammarCompiler, SamplingParams
 from treeserve.scheduler import (
     FinishReason,
     Request,
+    RequestState,
     SampledToken,
     ScheduledBatch,
     Scheduler,
@@ -67,6 +69,12 @@ from treeserve.scheduler import (
 )
 
 Prompt = str | Sequence[int]
+
+CPU_SPECULATIVE_MAX_BATCH = 8
+"""On CPU, steps with more decoding requests than this draft nothing: a batch is compute-bound
+there, and scoring rejected draft nodes costs about what the steps accepted ones save (issue 6
+measured 1.03x at batch 16 on the 2-core EPYC; ``benches/bench_speculative.py`` measures the
+crossover, not yet re-measured with verify steps on the fused path: ``benches/RESULTS.md``)."""
 
 
 @dataclass(slots=True)
@@ -89,13 +97,21 @@ class EngineConfig:
     ``cuda_graph``: serve decode steps from static, bucket-padded buffers captured as CUDA graphs
     (``None`` = on when ``device`` is CUDA; ``True`` on CPU runs the same static path eagerly).
     ``cuda_graph_max_batch``: the largest decode batch served that way.
+    ``overlap``: with those static decode steps, launch the next decode step before reading
+    the tokens of the one running, so the host's scheduling and input staging overlap the
+    device's step (tokens are committed one step late; ``None`` = on with CUDA graphs,
+    ``True`` on CPU with ``cuda_graph=True`` runs the same loop synchronously, which is how CI
+    tests it; :meth:`LLM._step`).
     ``compile``: ``torch.compile`` the model forward of those decode steps.
     ``speculative``: ``"ngram"`` (prompt lookup over the request's own tokens),
     ``"draft:<model>"`` (a smaller model sharing the tokenizer, loaded like ``model``; or
     ``"draft:self:<N>"``, the target's first N layers: self-speculation) or ``None``;
     ``num_speculative_tokens`` draft nodes per step at most; ``speculative_tree_width``: 1 for
     chain drafts, more for token trees (that many alternative continuations); ``ngram_min`` /
-    ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first).
+    ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first);
+    ``speculative_max_batch``: steps with more decoding requests than this draft nothing (0 = no
+    limit; None = the measured rule: :data:`CPU_SPECULATIVE_MAX_BATCH` for a model loaded by name
+    on CPU, which is what it was measured on; no limit on CUDA or for a given module).
     ``batch_invariant``: every request's tokens and logprobs are bitwise the same whatever else
     runs in its batch, in any dtype: projections on fixed row tiles, attention one request at a
     time, the plain float32 LM head (``treeserve.models.invariant``); costs speed (see
@@ -125,12 +141,14 @@ class EngineConfig:
     seed: int | None = None
     cuda_graph: bool | None = None
     cuda_graph_max_batch: int = 256
+    overlap: bool | None = None
     compile: bool = False
     speculative: str | None = None
     num_speculative_tokens: int = 4
     speculative_tree_width: int = 1
     ngram_min: int = 2
     ngram_max: int = 4
+    speculative_max_batch: int | None = None
     batch_invariant: bool = False
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0
@@ -163,12 +181,17 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        smb = self.speculative_max_batch
+        if smb is not None and (isinstance(smb, bool) or not isinstance(smb, int) or smb < 0):
+            raise ValueError(f"speculative_max_batch must be None or an int >= 0, got {smb!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
         if self.cuda_graph not in (None, True, False) or not isinstance(self.compile, bool):
             raise TypeError(f"cuda_graph must be a bool or None and compile a bool, got {self.cuda_graph!r}, {self.compile!r}")
+        if self.overlap not in (None, True, False):
+            raise TypeError(f"overlap must be a bool or None, got {self.overlap!r}")
         if not isinstance(self.batch_invariant, bool):
             raise TypeError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
         if self.batch_invariant and (self.cuda_graph or self.compile):
@@ -194,6 +217,14 @@ class EngineConfig:
                 raise ValueError("kv_host_tokens / kv_disk_dir need enable_prefix_cache=True (they hold its evictions)")
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_host_tokens / kv_disk_dir are not supported with tensor_parallel_size > 1")
+
+    def draft_batch_limit(self, loaded: bool) -> int:
+        """``speculative_max_batch`` resolved (``loaded``: the model was loaded by name, not given
+        as a module): the given value, else the measured rule (:data:`CPU_SPECULATIVE_MAX_BATCH`
+        for a loaded model on CPU, 0 = no limit otherwise)."""
+        if self.speculative_max_batch is not None:
+            return self.speculative_max_batch
+        return CPU_SPECULATIVE_MAX_BATCH if loaded and torch.device(self.device).type == "cpu" else 0
 
     def kv_dtype(self, model_dtype: torch.dtype, loaded: bool) -> torch.dtype:
         """The KV pool's dtype for a model of ``model_dtype`` (``loaded``: loaded by name, not
@@ -416,7 +447,7 @@ class LLM:
         self.radix = RadixCache(self.kv.allocator, ps, disable=not cfg.enable_prefix_cache, tiers=self.tiers)
         self.table = ReqToTokenTable(cfg.max_running, -(-max_len // ps) * ps, device=cfg.device)
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids or [])
-        self.drafter = self._make_drafter(max_len)  # run by the engine; the scheduler only asks
+        self.drafter = self._make_drafter(max_len, eos)  # run by the engine; the scheduler only asks
         drafter = self.drafter
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -424,6 +455,7 @@ class LLM:
                 max_running=cfg.max_running,
                 max_model_len=max_len,
                 num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0,
+                speculative_max_batch=cfg.draft_batch_limit(loaded=isinstance(model, str)),
             ),
             self.kv.allocator,
             self.radix,
@@ -444,6 +476,11 @@ class LLM:
                 max_draft_nodes=cfg.num_speculative_tokens if cfg.speculative else 0,
             )  # fmt: skip
             decode_graph.capture()
+        overlap = cfg.overlap if cfg.overlap is not None else decode_graph is not None and decode_graph.use_cuda_graph
+        if overlap and decode_graph is None:
+            raise ValueError("overlap=True needs the static decode path: cuda_graph=True (or CUDA) or compile=True")
+        self._overlap = overlap and not cfg.speculative
+        self._in_flight: DecodeLaunch | None = None  # a launched decode step whose tokens are not committed
         self.runner = ModelRunner(
             self.model, self.kv, self.table, self.vocab_size, eos, cfg.device, decode_graph,
             attention_backend="torch_per_request" if cfg.batch_invariant else "auto",
@@ -657,9 +694,32 @@ class LLM:
             raise
 
     def _step(self) -> None:
-        """One ``schedule -> run -> update`` step, with faults contained (class docstring)."""
+        """One ``schedule -> run -> update`` step, with faults contained (class docstring).
+
+        With ``overlap``, a decode step the static runner serves is launched and left running:
+        the next call schedules the step after it (``Scheduler.schedule_follow_up``: the same
+        requests, each decoding the token in flight), launches it with those tokens taken on the
+        device, and only then reads and commits the first step's tokens. Stops, aborts and
+        finishes are applied at that commit; a request finished there has its in-flight token
+        discarded by the next commit. Anything else (admissions, preemption, prefill chunks,
+        speculation, grammars, rows the static path cannot serve) first commits the step in
+        flight and runs synchronously.
+        """
         t0 = time.perf_counter()
         sched = self.scheduler
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            follow = None
+            try:
+                nxt = sched.schedule_follow_up(in_flight.batch)
+                if nxt is not None:
+                    follow = self.runner.decode_graph.launch(nxt, follows=in_flight)
+            except Exception as exc:
+                self._fail([it.req for it in in_flight.batch.items], exc)
+                raise
+            self._commit(in_flight.batch, in_flight.tokens(), t0)
+            self._in_flight = follow
+            return
         try:
             batch = sched.schedule()
             if self.drafter is not None:
@@ -669,10 +729,25 @@ class LLM:
             raise
         if not batch.items:
             raise RuntimeError("scheduler has work but scheduled nothing (KV pool too small?)")
+        if self._overlap:
+            try:
+                self._in_flight = self.runner.decode_graph.launch(batch)
+            except Exception:
+                self._in_flight = None  # the synchronous path below isolates the fault
+            if self._in_flight is not None:
+                return
         try:
             sampled = self.runner.run(batch)
         except Exception as exc:
             sampled = self._isolate(batch, exc)
+        self._commit(batch, sampled, t0)
+
+    def _commit(self, batch: ScheduledBatch, sampled: list[SampledToken | None], t0: float) -> None:
+        """Commit a step's tokens (``Scheduler.update``) and account them in the metrics; the
+        tokens of requests finished meanwhile (aborted, or stopped by the previous commit) are
+        dropped."""
+        sched = self.scheduler
+        live = [it.req.state is RequestState.RUNNING for it in batch.items]
         try:
             finished = sched.update(batch, sampled)
         except Exception as exc:
@@ -682,8 +757,8 @@ class LLM:
         m = self.metrics
         m.steps += 1
         m.busy_seconds += now - t0
-        for item, s in zip(batch.items, sampled):
-            if s is not None:
+        for item, s, was_live in zip(batch.items, sampled, live):
+            if s is not None and was_live:
                 m.generated_tokens += 1 + len(s.accepted)
                 if item.req.metrics.first_token is None:
                     item.req.metrics.first_token = now
@@ -723,7 +798,7 @@ class LLM:
                 self.scheduler.abort(req)
 
     # ------------------------------------------------------------------ internals
-    def _make_drafter(self, max_len: int) -> Drafter | None:
+    def _make_drafter(self, max_len: int, eos: list[int]) -> Drafter | None:
         cfg = self.config
         if cfg.speculative is None:
             return None
@@ -742,7 +817,7 @@ class LLM:
         dtype = next(draft.parameters()).dtype
         tokens = draft_pool_tokens(cfg.max_running, max_len, cfg.num_speculative_tokens, cfg.kv_cache_tokens)
         pool = KVPool(dc.num_layers, tokens + 1, 1, dc.num_kv_heads, dc.head_dim, dtype, cfg.device)
-        return DraftModelDrafter(draft, pool, cfg.max_running, max_len, cfg.speculative_tree_width)
+        return DraftModelDrafter(draft, pool, cfg.max_running, max_len, cfg.speculative_tree_width, eos)
 
     def _account_finished(self, req: Request) -> None:
         m = self.metrics

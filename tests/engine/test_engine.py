@@ -196,3 +196,17 @@ def test_kv_cache_dtype_auto_rule(monkeypatch) -> None:
         assert EngineConfig().kv_dtype(bf16, loaded=True) == bf16
         assert EngineConfig(kv_cache_dtype="bfloat16").kv_dtype(f32, loaded=False) == bf16
         assert EngineConfig(kv_cache_dtype="float32").kv_dtype(bf16, loaded=True) == f32
+
+
+def test_speculative_max_batch_rule(tiny) -> None:
+    """``None``: the measured CPU limit for a model loaded by name, no limit for a given module;
+    an explicit value always wins and reaches the scheduler; bad values are named."""
+    from treeserve.engine import CPU_SPECULATIVE_MAX_BATCH, EngineConfig
+
+    assert EngineConfig().draft_batch_limit(loaded=True) == CPU_SPECULATIVE_MAX_BATCH
+    assert EngineConfig().draft_batch_limit(loaded=False) == 0
+    assert EngineConfig(speculative_max_batch=3).draft_batch_limit(loaded=False) == 3
+    assert make_llm(tiny, speculative="ngram", speculative_max_batch=5).scheduler.config.speculative_max_batch == 5
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="speculative_max_batch must be None or an int >= 0"):
+            EngineConfig(speculative_max_batch=bad)

@@ -12,6 +12,7 @@ from scipy import stats
 from treeserve import LLM, SamplingParams
 from treeserve.kvcache import AttentionMetadata, KVPool
 from treeserve.models import random_model, tiny_config
+from treeserve.runner import DraftRequest
 
 from .test_engine import assert_drained, make_llm
 
@@ -134,15 +135,55 @@ def test_sampling_law_unchanged_by_speculation() -> None:
     llm = make_llm(model, speculative="ngram", ngram_min=1, max_running=64)
     spec = two_token_counts(llm, prompt, n, seed0=10**6)
     assert llm.metrics.accepted_tokens > 0, "drafts must be accepted for the test to mean anything"
+    p = same_law_p_value(plain, spec)
+    assert p > 1e-3, f"speculation changed the law of the first two tokens (p={p:.2e})"
+    print(f"accepted {llm.metrics.accepted_tokens} of {llm.metrics.draft_tokens} drafts, p={p:.3f}")
+
+
+def same_law_p_value(plain: list[tuple[int, int]], spec: list[tuple[int, int]]) -> float:
+    """Two-sample chi-square p-value of the two arms' token-pair counts (sparse cells merged so
+    the chi-square approximation holds)."""
     keys = sorted(set(plain) | set(spec))
     table = np.array([[plain.count(k) for k in keys], [spec.count(k) for k in keys]])
-    # merge sparse cells so the chi-square approximation holds
     big = table.sum(0) >= 10
     merged = np.concatenate([table[:, big], table[:, ~big].sum(1, keepdims=True)], axis=1)
     merged = merged[:, merged.sum(0) > 0]
-    _, p, _, _ = stats.chi2_contingency(merged)
-    assert p > 1e-3, f"speculation changed the law of the first two tokens (p={p:.2e})"
-    print(f"accepted {llm.metrics.accepted_tokens} of {llm.metrics.draft_tokens} drafts, p={p:.3f}")
+    return float(stats.chi2_contingency(merged)[1])
+
+
+def test_sampling_law_unchanged_by_sampled_drafts() -> None:
+    """The same two-sample chi-square with self-speculation whose drafts are sampled from the
+    draft model's processed law and verified with it: a tree of two root siblings (drawn
+    without replacement) and the first one's child."""
+    model = random_model(tiny_config("llama", vocab_size=12, eos_token_ids=(2,)), seed=4, init_std=0.3)
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 5, 7, 9, 11, 4, 6, 8, 10]
+    n = 800
+    plain = two_token_counts(make_llm(model, max_running=64), prompt, n, seed0=0)
+    llm = make_llm(model, speculative="draft:self:1", speculative_tree_width=2, num_speculative_tokens=3,
+                   max_running=64)
+    spec = two_token_counts(llm, prompt, n, seed0=10**6)
+    assert llm.metrics.accepted_tokens > 0, "drafts must be accepted for the test to mean anything"
+    assert any(d.probs is not None for d in llm.drafter.propose_batch(
+        [DraftRequest(0, prompt, 3, SamplingParams(temperature=1.0, top_p=0.9), 1)])), "drafts must be sampled"
+    p = same_law_p_value(plain, spec)
+    assert p > 1e-3, f"sampled drafts changed the law of the first two tokens (p={p:.2e})"
+
+
+def test_seeded_requests_with_sampled_drafts_are_reproducible(loopy) -> None:
+    """A seeded request at temperature 0.8 with sampled self-speculative drafts emits the same
+    tokens alone, twice, and in a batch with other requests (draft randomness is keyed by
+    (seed, position, DRAFT, sibling)); the drafts carry their laws and some are accepted."""
+    kw = dict(speculative="draft:self:1", speculative_tree_width=3, num_speculative_tokens=4)
+    params = SamplingParams(temperature=0.8, top_k=8, seed=11, max_new_tokens=20, ignore_eos=True)
+    prompt = repetitive_prompts(2, 1)[0]
+    alone = [make_llm(loopy, **kw).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+             for _ in range(2)]
+    llm = make_llm(loopy, **kw)
+    others = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=12, ignore_eos=True) for s in range(5)]
+    batch = llm.generate(repetitive_prompts(3, 5) + [prompt], others + [params], use_tqdm=False)
+    assert alone[0] == alone[1] == batch[-1].outputs[0].token_ids
+    assert llm.metrics.accepted_tokens > 0
+    assert_drained(llm)
 
 
 def test_draft_pool_is_sized_for_the_drafts(loopy) -> None:

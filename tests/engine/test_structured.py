@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -140,6 +141,18 @@ def test_stop_strings_and_logprobs_under_the_mask(llm) -> None:
     assert allowed and all(any(c.startswith(tok.decode([t])) for c in CHOICES) for t in allowed)
     assert sum(torch.tensor(list(allowed.values())).exp()) <= 1 + 1e-5
     assert out.logprobs[0] == pytest.approx(first[out.token_ids[0]], abs=1e-5)
+
+
+def test_a_grammar_completed_on_the_last_allowed_token_reports_stop(llm) -> None:
+    """Output that the grammar completes exactly at ``max_new_tokens`` is whole: "stop", not
+    "length"; one token fewer is cut: "length"."""
+    sp = SamplingParams(structured={"choice": ["ok, fine"]}, temperature=0, max_new_tokens=50)
+    (whole,) = llm.generate(["Answer:"], sp, use_tqdm=False)[0].outputs
+    n = len(whole.token_ids)
+    assert whole.text == "ok, fine" and whole.finish_reason == "stop" and n >= 2
+    for max_new, reason in ((n, "stop"), (n - 1, "length")):
+        (out,) = llm.generate(["Answer:"], replace(sp, max_new_tokens=max_new), use_tqdm=False)[0].outputs
+        assert out.token_ids == whole.token_ids[:max_new] and out.finish_reason == reason, (max_new, out)
 
 
 def test_ignore_eos_still_ends_with_the_grammar(llm) -> None:

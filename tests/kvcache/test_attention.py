@@ -322,16 +322,17 @@ def test_strided_query_from_fused_qkv(backend: str, qo: list, kv: list) -> None:
 
 def test_auto_backend_on_cpu_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     """float32 on CPU: the C++ decode backend when it builds (torch otherwise), logged once; a
-    non-decode step goes through the torch path either way."""
+    prefill chunk longer than the query view lists goes through the torch path either way."""
     import treeserve._utils as utils
     from treeserve.kvcache import backends
     from treeserve.kvcache._attention_cpu import load_cpu_decode_op
+    from treeserve.kvcache.query_view import MAX_VIEW_QUERIES
 
     name = "cpu" if load_cpu_decode_op() is None else "torch"
     msg = f"treeserve.kvcache.paged_attention: backend={name} on cpu"
     utils._logged_once.discard(msg)
     backends._CHOSEN.clear()  # selections are memoized (and logged) once per process
-    batch = make_batch(2, [2], [5], 4, 1, 2, 8)
+    batch = make_batch(2, [MAX_VIEW_QUERIES + 1], [MAX_VIEW_QUERIES + 4], 4, 1, 2, 8)
     with caplog.at_level("INFO", logger="treeserve"):
         out = run(batch, "auto")
         run(batch, "auto")

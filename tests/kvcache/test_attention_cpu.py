@@ -11,10 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tests.kvcache._attn_ref import make_batch, reference_attention
 
-from treeserve.kvcache import AttentionMetadata, paged_attention
+from treeserve.kvcache import AttentionMetadata, paged_attention, query_view
 from treeserve.kvcache._attention_cpu import load_cpu_decode_op, paged_decode_attention
 from treeserve.kvcache._cpu_op import avx2_host
 from treeserve.kvcache.backends import select_backend
+from treeserve.kvcache.query_view import MAX_VIEW_QUERIES
 
 from .test_attention import build_meta, paged_batches, run
 
@@ -54,26 +55,55 @@ def test_cpu_backend_every_step_kind(batch, slot_rows: bool, causal: bool) -> No
 
 @given(
     seed=st.integers(0, 2**16),
-    rows=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 40)), min_size=2, max_size=6),
+    rows=st.lists(st.tuples(st.sampled_from([1, 3, 5, 17, 24]), st.integers(0, 40)), min_size=2, max_size=6),
     page_size=st.sampled_from([1, 16]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     causal=st.booleans(),
 )
-def test_mixed_steps_send_their_decode_rows_to_the_operator(seed, rows, page_size, dtype, causal) -> None:
-    """A step mixing one-query requests (decodes) with prefill / extend chunks: the one-query rows
-    go to the operator on their own page table, the rest to the torch path; together they match
-    the float64 reference."""
+def test_mixed_steps_send_their_short_requests_to_the_operator(seed, rows, page_size, dtype, causal) -> None:
+    """A step mixing short requests (decodes, verify-sized chunks) with long prefill chunks: every
+    row of a short request goes to the operator over its own page list (``query_view``), the long
+    requests to the torch path; together they match the float64 reference."""
     qo = [q for q, _ in rows]
-    if 1 not in qo or all(q == 1 for q in qo):
-        qo[0], qo[-1] = 1, 3  # at least one of each kind
+    if all(q <= MAX_VIEW_QUERIES for q in qo) or all(q > MAX_VIEW_QUERIES for q in qo):
+        qo[0], qo[-1] = 1, 17  # at least one of each kind
     kv = [q + prefix for q, (_, prefix) in zip(qo, rows)]
     batch = make_batch(seed, qo, kv, page_size, 3, 3, 64, dtype=dtype)
     meta = build_meta(batch)
     out = run(batch, "cpu", meta, causal=causal)
-    rest, decode_rows = meta.derived["cpu-split"][:2]
-    assert decode_rows.numel() == qo.count(1) and rest.numel() == len(qo) - qo.count(1)
+    view = query_view(meta, causal)
+    short = [q for q in qo if q <= MAX_VIEW_QUERIES]
+    assert view.rows.numel() == sum(short) and view.rest.numel() == len(qo) - len(short)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), reference_attention(batch, causal=causal), atol=tol, rtol=tol)
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    trees=st.lists(st.lists(st.integers(-1, 6), min_size=1, max_size=8), min_size=1, max_size=4),
+    prefix=st.integers(0, 40),
+    page_size=st.sampled_from([1, 4]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_verify_steps_take_the_operator(seed, trees, prefix, page_size, dtype) -> None:
+    """Draft-tree verify steps (the pending token, then nodes at prefix_len + depth): with page
+    size 1 every row is a query over its own page list (prefix, ancestors, itself); with larger
+    pages only trees whose rows see a leading run of new tokens (chains) are, the others go to
+    the torch path. Unused cache slots are NaN: a page list reaching outside the request shows."""
+    parents = [[-1] + [min(p, i - 1) + 1 if p >= 0 else 0 for i, p in enumerate(t)] for t in trees]
+    qo = [len(p) for p in parents]
+    batch = make_batch(seed, qo, [q + prefix for q in qo], page_size, 2, 3, 64, parents=parents, dtype=dtype)
+    meta = build_meta(batch)
+    out = run(batch, "cpu", meta)
+    view = query_view(meta)
+    chain = [all(p == i - 1 for i, p in enumerate(par)) for par in parents]
+    covered = [page_size == 1 or c for c in chain]
+    assert view is not None or not any(covered)
+    if view is not None:
+        assert view.rest.tolist() == [i for i, c in enumerate(covered) if not c]
+        assert view.rows.numel() == sum(q for q, c in zip(qo, covered) if c)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), reference_attention(batch), atol=tol, rtol=tol)
 
 
 def test_cpu_backend_is_the_float32_cpu_default() -> None:

@@ -93,3 +93,30 @@ def test_check_invariants_catches_a_dirty_dummy_row() -> None:
 def test_rejects_bad_construction(bad: dict[str, int]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         ReqToTokenTable(**({"max_requests": 2, "max_context_len": 2} | bad))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(ops=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 99)), max_size=30))
+def test_the_host_view_equals_the_table(device: str, ops: list[tuple[int, int, int]]) -> None:
+    """``host`` (the memory itself on CPU, a mirror elsewhere) follows ``write``, ``scatter`` and
+    ``free``: a step gathers its slots there without reading the device."""
+    import numpy as np
+
+    t = ReqToTokenTable(max_requests=3, max_context_len=4, device=device)
+    if device == "cpu":
+        assert np.shares_memory(t.host, t.table.numpy())
+    held: list[int] = []
+    for op, col, value in ops:
+        if op == 0 and t.num_free:
+            held.append(t.alloc())
+            t.write(held[-1], col, torch.full((4 - col,), value, dtype=torch.int64))
+        elif op == 1 and held:
+            row = held[value % len(held)]
+            t.scatter(np.array([row * 4 + col]), torch.tensor([value + 1]))
+        elif held:
+            t.free(held.pop(value % len(held)))
+        assert np.array_equal(t.host, t.table.view(-1).cpu().numpy())
+        t.check_invariants()

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treeserve.kvcache import AttentionMetadata, KVPool
+from treeserve.kvcache.query_view import MAX_VIEW_QUERIES
 from treeserve.models import LlamaForCausalLM
 from treeserve.models._decode_op import _operands, load_decode_op, run_decode_layers
 from treeserve.models.config import tiny_config
@@ -25,6 +26,7 @@ from treeserve.models.int8_op import Int8Weight, int8_available
 from treeserve.models.invariant import make_batch_invariant
 from treeserve.models.quant import PackedLinear, quantize_int4
 from treeserve.models.synthetic import random_model
+from treeserve.scheduler import DraftTree
 
 requires_op = pytest.mark.skipif(load_decode_op() is not None, reason="C++ decode_layers operator unavailable")
 PROJS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -51,12 +53,16 @@ def gguf_model(seed: int = 0, max_rows: int = 8, num_layers: int = 2, int8: bool
 
 
 def decode_step(model: LlamaForCausalLM, ctx: list[int], page_size: int, seed: int, fused: bool,
-                kv_dtype: torch.dtype = torch.float32):
+                kv_dtype: torch.dtype = torch.float32, trees: list[list[int]] | None = None):
     """One decode step (one new token per request, after ``ctx[b] - 1`` cached random tokens of
-    KV) on a pool of ``kv_dtype`` filled with random K/V; returns ``(logits, k_caches, v_caches)``."""
+    KV) on a pool of ``kv_dtype`` filled with random K/V; returns ``(logits, k_caches, v_caches)``.
+    With ``trees`` a verify step: request ``b`` also scores draft nodes with parents
+    ``trees[b]`` (-1 = the pending token) at positions ``ctx[b] - 1 + depth``, logits of every row."""
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
-    pages_per = [-(-c // page_size) for c in ctx]
+    nodes = [0] * len(ctx) if trees is None else [len(t) for t in trees]
+    kv_lens = [c + n for c, n in zip(ctx, nodes)]
+    pages_per = [-(-k // page_size) for k in kv_lens]
     num_pages = 1 + sum(pages_per)
     pool = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
     for c in pool.k_caches + pool.v_caches:
@@ -66,13 +72,26 @@ def decode_step(model: LlamaForCausalLM, ctx: list[int], page_size: int, seed: i
     for n in pages_per:
         pages.append(perm[start : start + n])
         start += n
-    positions = torch.tensor([c - 1 for c in ctx])
-    slots = torch.tensor([p[(c - 1) // page_size] * page_size + (c - 1) % page_size for p, c in zip(pages, ctx)])
-    ids = torch.randint(0, cfg.vocab_size, (len(ctx),), generator=gen)
-    meta = AttentionMetadata.build([1] * len(ctx), ctx, pages, page_size)
+    parents = [[-1] + [p + 1 for p in t] for t in trees] if trees is not None else None
+    depths = [DraftTree([0] * len(t), t).depths() for t in trees] if trees is not None else [[]] * len(ctx)
+    positions = torch.tensor([c - 1 + d for c, ds in zip(ctx, depths) for d in [0, *ds]])
+    slots = torch.tensor([p[j // page_size] * page_size + j % page_size
+                          for p, c, k in zip(pages, ctx, kv_lens) for j in range(c - 1, k)])
+    ids = torch.randint(0, cfg.vocab_size, (len(positions),), generator=gen)
+    meta = AttentionMetadata.build([1 + n for n in nodes], kv_lens, pages, page_size, parents)
     model._decode_plan = False if fused else None  # None: the Python path
-    logits = model(ids, positions, pool, slots, meta, torch.arange(len(ctx)))
+    logits = model(ids, positions, pool, slots, meta, torch.arange(len(positions)))
     return logits, pool.k_caches, pool.v_caches
+
+
+def assert_same(ref, got) -> None:  # type: ignore[no-untyped-def]
+    """Logits and every layer's caches bit for bit."""
+    for a, b in zip(ref, got):
+        if isinstance(a, list):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+        else:
+            assert torch.equal(a, b)
 
 
 @requires_op
@@ -93,12 +112,38 @@ def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_
     ref = decode_step(model, ctx, page_size, seed, fused=False, kv_dtype=kv_dtype)
     got = decode_step(model, ctx, page_size, seed, fused=True, kv_dtype=kv_dtype)
     assert model.decode_plan() is not None
-    for a, b in zip(ref, got):
-        if isinstance(a, list):
-            for x, y in zip(a, b):
-                assert torch.equal(x, y)
-        else:
-            assert torch.equal(a, b)
+    assert_same(ref, got)
+
+
+@requires_op
+@settings(max_examples=16, deadline=None)
+@given(
+    trees=st.lists(st.lists(st.integers(-1, 7), max_size=8), min_size=1, max_size=4),
+    page_size=st.sampled_from([1, 4]),
+    max_ctx=st.integers(1, 70),
+    max_rows=st.sampled_from([0, 3, 8]),
+    int8=st.booleans() if int8_available() else st.just(False),
+    kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_verify_step_fused_equals_python_path(trees: list[list[int]], page_size: int, max_ctx: int, max_rows: int,
+                                              int8: bool, kv_dtype: torch.dtype, seed: int) -> None:
+    """A verify step (the pending token plus draft-tree nodes per request, positions prefix_len +
+    depth) through ``decode_layers`` equals the Python layers bit for bit, logits and caches; a
+    step the query view cannot list (a tree with a gap on pages larger than one token) stays
+    in Python, and the fused operator serves every other."""
+    trees = [[min(p, k - 1) for k, p in enumerate(t)] for t in trees]  # parent before child
+    model = gguf_model(seed=seed % 3, max_rows=max_rows, int8=int8)
+    ctx = np.random.default_rng(seed).integers(1, max_ctx + 1, len(trees)).tolist()
+    ref = decode_step(model, ctx, page_size, seed, fused=False, kv_dtype=kv_dtype, trees=trees)
+    calls = []
+    real = torch.ops.treeserve.decode_layers
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.ops.treeserve, "decode_layers", lambda *a: calls.append(1) or real(*a))
+        got = decode_step(model, ctx, page_size, seed, fused=True, kv_dtype=kv_dtype, trees=trees)
+    chains = all(t == list(range(-1, len(t) - 1)) for t in trees)
+    assert calls == ([1] if page_size == 1 or chains else [])
+    assert_same(ref, got)
 
 
 @requires_op
@@ -149,10 +194,11 @@ def test_ineligible_steps_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.ops.treeserve, "decode_layers", boom)
     decode_step(model, [3, 4], 4, 0, fused=True)
     model = gguf_model()
-    # A prefill step (qo_len > 1).
-    pool = KVPool(2, 4, 4, model.config.num_kv_heads, model.config.head_dim, torch.float32)
-    meta = AttentionMetadata.build([3], [3], [[1]], 4)
-    model(torch.tensor([1, 2, 3]), torch.arange(3), pool, torch.tensor([4, 5, 6]), meta, torch.tensor([2]))
+    # A prefill chunk longer than the query view lists (short ones run as verify steps do).
+    n = MAX_VIEW_QUERIES + 1
+    pool = KVPool(2, 8, 4, model.config.num_kv_heads, model.config.head_dim, torch.float32)
+    meta = AttentionMetadata.build([n], [n], [[1, 2, 3, 4, 5]], 4)
+    model(torch.arange(n), torch.arange(n), pool, torch.arange(4, 4 + n), meta, torch.tensor([n - 1]))
     # While Dynamo traces, and on a batch-invariant model (row-tiled projections).
     with monkeypatch.context() as m:
         m.setattr(torch.compiler, "is_compiling", lambda: True)

@@ -131,22 +131,21 @@ print(json.dumps({"load_s": load_s, "rss": rss, "peak": status("VmHWM"), "tokens
 @pytest.mark.slow
 def test_a_1b_model_loads_near_its_file_size(tmp_path: Path) -> None:
     """Llama-3.2-1B shapes in Q4_0 (0.7 GB), packed path for every batch: resident memory after the
-    load is the codes plus the float32 tied embedding/head (4 bytes x 263M) plus the runtime, and the
-    peak stays within one large tensor of it (no dense copy of the model on the way). The head's
-    first pass is pinned to float32 (``TREESERVE_EXACT_HEAD=f32``): whether a bf16 copy of the head
-    (2 bytes x 263M more) pays is a timing measurement, which moves with the machine's load."""
+    load is the file's codes (the tied embedding / head read as codes in
+    place, ``vocab_codes``; q|k|v and gate|up copied once, fused) plus the runtime, and the peak
+    over the load and four decode steps adds only the file pages those steps read (no dense copy of the model or of the head on the way)."""
     spec = SPECS["llama-3.2-1b"]
     path = write_synthetic_gguf(tmp_path / "1b.gguf", spec, "Q4_0", seed=0)
-    env = {"TREESERVE_PACKED_MAX_ROWS": "all", "TREESERVE_EXACT_HEAD": "f32", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {"TREESERVE_PACKED_MAX_ROWS": "all", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(path)], capture_output=True, text=True,
                           env={**__import__("os").environ, **env}, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])
     file_bytes = path.stat().st_size
-    head = 4 * spec.vocab_size * spec.hidden_size  # float32, tied: the embedding is the head
-    # torch, the C++ operators, the RoPE table, the tokenizer: ~615 MB measured on the AVX2 EPYC
-    # (rss 2.36 GB); a dense copy of the projections would add 3.9 GB, a bf16 head 0.5 GB
+    # torch, the C++ operators, the RoPE table, the tokenizer: ~600 MB measured on the AVX2 EPYC;
+    # the float32 head alone would add 1.05 GB, a dense copy of the projections 3.9 GB
     runtime = 700 * 2**20
     assert r["finite"] and len(r["tokens"]) == 4
-    assert r["rss"] < file_bytes + head + runtime, r
-    assert r["peak"] < r["rss"] + head, r  # never a dense copy of the projections (3.9 GB) on the way
+    assert r["rss"] < file_bytes + runtime, r
+    # the decode steps read the o/down and head codes' pages (0.34 GB); a float32 head would be 1.05 GB more
+    assert r["peak"] < r["rss"] + 512 * 2**20, r

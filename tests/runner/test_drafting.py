@@ -73,7 +73,7 @@ def test_ngram_batch_equals_one_by_one() -> None:
     rng = random.Random(3)
     d = NgramDrafter(max_n=3, min_n=1, width=2)
     reqs = [DraftRequest(i, [rng.randrange(5) for _ in range(rng.randint(2, 30))], rng.randint(1, 6)) for i in range(20)]
-    assert d.propose_batch(reqs) == [d.propose(*r) for r in reqs]
+    assert d.propose_batch(reqs) == [d.propose(r.key, r.tokens, r.max_tokens) for r in reqs]
 
 
 @pytest.mark.parametrize("width", [1, 3])
@@ -93,7 +93,7 @@ def test_draft_model_batch_equals_one_by_one(width: int) -> None:
     for _ in range(3):  # later calls catch up on the tokens committed since
         reqs = [DraftRequest(i, list(s), rng.randint(1, 5)) for i, s in enumerate(seqs)]
         got = batched.propose_batch(reqs)
-        want = [alone.propose(*r) for r in reqs]
+        want = [alone.propose(r.key, r.tokens, r.max_tokens) for r in reqs]
         for g, w, r in zip(got, want, reqs):
             assert g.tokens == w.tokens and g.parents == w.parents
             assert len(g) == r.max_tokens
@@ -103,6 +103,36 @@ def test_draft_model_batch_equals_one_by_one(width: int) -> None:
         batched.release(i)
     assert batched.kv.allocator.num_free == batched.kv.allocator.capacity
     assert batched.table.num_free == batched.table.max_requests
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_sampled_drafts_carry_their_laws(width: int) -> None:
+    """A sampling request's draft nodes come with the law each was drawn from (rows summing to 1,
+    the token inside its support, siblings distinct) and the same seed drafts the same tree
+    alone or batched; a greedy request keeps its point-mass draft (no laws)."""
+    model = tiny_model()
+    cfg = model.config
+
+    def drafter() -> DraftModelDrafter:
+        kv = KVPool(cfg.num_layers, 2000, 1, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        return DraftModelDrafter(model, kv, 8, 128, width=width)
+
+    hot = SamplingParams(temperature=0.8, top_p=0.95)
+    reqs = [DraftRequest(i, [3 + i, 5, 7, 4 + i], 5, hot if i % 2 else SamplingParams(temperature=0.0), 40 + i, 2)
+            for i in range(4)]
+    got = drafter().propose_batch(reqs)
+    for r, d in zip(reqs, got):
+        if r.params.greedy:
+            assert d.probs is None
+            continue
+        assert d.probs.shape == (len(d), cfg.vocab_size)
+        torch.testing.assert_close(d.probs.sum(1), torch.ones(len(d)))
+        assert all(d.probs[k, t] > 0 for k, t in enumerate(d.tokens))
+        roots = [t for t, p in zip(d.tokens, d.parents) if p == -1]
+        assert len(roots) == width and len(set(roots)) == width
+    alone = [drafter().propose_batch([r])[0] for r in reqs]
+    assert [d.tokens for d in alone] == [d.tokens for d in got]
+    assert [d.parents for d in alone] == [d.parents for d in got]
 
 
 def test_draft_model_without_slots_proposes_nothing() -> None:

@@ -40,6 +40,9 @@ class Case:
     stochastic: bool
     tokens: list[int] | None = None  # point-mass drafts: the fixed tree tokens
     misreport_draft: bool = False  # negative control: tell verify a uniform draft law
+    draft_params: SamplingParams | None = None  # the drafter's processing of its logits (None: raw softmax)
+    without_replacement: bool = False  # siblings drawn without replacement (each told its own law)
+    misreport_siblings: bool = False  # negative control: such siblings told their parent's whole law
 
     def target_law(self) -> Law:
         memo: dict[tuple[int, ...], list[float]] = {}
@@ -60,7 +63,27 @@ class Case:
         return law
 
     def draft_law(self, ctx: tuple[int, ...]) -> list[float]:
-        return softmax(table_logits(ctx, self.vocab, self.salt + 1, scale=1.0).tolist())
+        row = table_logits(ctx, self.vocab, self.salt + 1, scale=1.0).tolist()
+        if self.draft_params is not None:
+            row = process_row(row, self.draft_params, self.history + list(ctx), len(ctx), eos=(0,))
+        return softmax(row)
+
+    def node_law(self, k: int, tokens: Sequence[int]) -> list[float]:
+        """The law node k was drawn from: its parent's draft law, minus (without replacement)
+        the tokens of its earlier siblings, renormalized (all zeros when nothing is left)."""
+        par = self.parents[k]
+        q = self.draft_law(self.path(par, tokens) if par >= 0 else ())
+        if self.without_replacement:
+            taken = {tokens[j] for j in range(k) if self.parents[j] == par}
+            q = [0.0 if t in taken else x for t, x in enumerate(q)]
+            mass = sum(q)
+            if mass > 0:
+                return [x / mass for x in q]
+            # exhausted: the untaken token with the largest raw draft logit, deterministically
+            raw = table_logits(self.path(par, tokens) if par >= 0 else (), self.vocab, self.salt + 1, scale=1.0).tolist()
+            pick = max((t for t in range(self.vocab) if t not in taken), key=lambda t: raw[t])
+            return [float(t == pick) for t in range(self.vocab)]
+        return q
 
     def path(self, k: int, tokens: Sequence[int]) -> tuple[int, ...]:
         out = []
@@ -84,11 +107,17 @@ def emitted_law(case: Case) -> dict[tuple[int, ...], float]:
         w = 1.0
         for k in range(m):
             logits.append(table_logits(case.path(k, toks), v, case.salt))
+            q = case.node_law(k, toks)
             par = case.parents[k]
-            q = case.draft_law(case.path(par, toks) if par >= 0 else ())
-            probs.append(q)
+            probs.append(case.draft_law(case.path(par, toks) if par >= 0 else ()) if case.misreport_siblings else q)
             w *= q[toks[k]]
         weights.append(w if case.stochastic else 1.0)
+    if case.stochastic:  # drop impossible draws (repeated siblings without replacement, filtered tokens)
+        kept = [i for i, x in enumerate(weights) if x > 0]
+        assignments = [assignments[i] for i in kept]
+        logits = [x for i in kept for x in logits[i * (m + 1) : (i + 1) * (m + 1)]]
+        probs = [x for i in kept for x in probs[i * m : (i + 1) * m]]
+        weights = [weights[i] for i in kept]
     r = len(assignments)
     tokens = torch.tensor(assignments, dtype=torch.int64).reshape(r, m)
     parents = torch.tensor([case.parents] * r, dtype=torch.int64).reshape(r, m)

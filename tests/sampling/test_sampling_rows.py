@@ -84,6 +84,38 @@ def test_gathered_batch_equals_build(reqs, steps, data) -> None:
         assert_same(got, ref)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    reqs=st.lists(st.tuples(params_st, st.integers(0, 2**63 - 1), st.integers(0, 6)), min_size=1, max_size=6),
+    data=st.data(),
+)
+def test_host_rows_equal_the_device_gather(reqs, data) -> None:
+    """``host_rows`` (numpy mirrors) gathers the values ``batch`` gathers on the device, and
+    ``per_row_only`` says exactly when those values are all a row needs."""
+    import numpy as np
+
+    rows = SamplingRows(8, VOCAB, "cpu", EOS)
+    slots = data.draw(st.permutations(range(8)))[: len(reqs)]
+    for i, (p, seed, _) in enumerate(reqs):
+        rows.admit(slots[i], i, p, seed, [1])
+    idx = np.array(slots, dtype=np.int64)
+    outputs = [[0] * n for _, _, n in reqs]
+    ref = rows.batch(slots, outputs)
+    width = ref.ban_ids.shape[1] + data.draw(st.integers(0, 2))
+    got = rows.host_rows(idx, np.array([n for _, _, n in reqs]), width)
+    for name in ("temperature", "greedy", "top_k", "top_p", "min_p", "seeds", "min_tokens_left"):
+        assert np.array_equal(getattr(got, name), getattr(ref, name).numpy()), name
+    assert np.array_equal(got.ban_ids[:, : ref.ban_ids.shape[1]], ref.ban_ids.numpy())
+    assert (got.ban_ids[:, ref.ban_ids.shape[1] :] == -1).all()
+    plain = not (ref.has_penalties or ref.allowed is not None or ref.bias_ids.shape[1])
+    for max_ban, max_lp in ((width, 3), (ref.ban_ids.shape[1] - 1, 3), (width, ref.num_logprobs - 1)):
+        fits = max_ban >= ref.ban_ids.shape[1] and max_lp >= ref.num_logprobs
+        assert rows.per_row_only(idx, max_ban, max_lp) == (plain and fits)
+    if ref.ban_ids.shape[1]:
+        with pytest.raises(ValueError, match="ban_width"):
+            rows.host_rows(idx, np.zeros(len(reqs), dtype=np.int64), ref.ban_ids.shape[1] - 1)
+
+
 def test_admit_rejects_bad_input_and_readmission_resets_history() -> None:
     rows = SamplingRows(2, VOCAB, "cpu")
     with pytest.raises(ValueError, match="row"):

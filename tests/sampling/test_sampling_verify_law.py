@@ -54,6 +54,33 @@ def test_stochastic_tree_law_is_exact(choices: list[int], params, salt: int) -> 
     assert max_deviation(case) < TOL
 
 
+@settings(max_examples=12)
+@given(choices=st.lists(st.integers(0, 6), min_size=2, max_size=5), params=filters, draft=filters,
+       salt=st.integers(0, 10**6))
+def test_sampled_tree_without_replacement_law_is_exact(choices: list[int], params, draft, salt: int) -> None:
+    """What the model drafters do (``sampling.draw_siblings``): nodes drawn from the drafter's own
+    processed law (its temperature / top-k / top-p / penalties), siblings without replacement,
+    each node verified against the law it was drawn from. Integrated over the drafted tokens."""
+    case = Case(4, random_parents(choices), params, [1], salt, stochastic=True, draft_params=draft,
+                without_replacement=True)
+    assert max_deviation(case) < TOL
+
+
+@settings(max_examples=10)
+@given(vocab=st.integers(3, 4), length=st.integers(1, 3), params=filters, draft=filters, salt=st.integers(0, 10**6))
+def test_sampled_chain_from_a_processed_draft_law_is_exact(vocab: int, length: int, params, draft, salt: int) -> None:
+    """Chains drawn from a processed (filtered: some tokens have no mass) draft law."""
+    case = Case(vocab, list(range(-1, length - 1)), params, [2], salt, stochastic=True, draft_params=draft)
+    assert max_deviation(case) < TOL
+
+
+def test_law_check_detects_siblings_told_the_law_with_replacement() -> None:
+    """Negative control: siblings drawn without replacement but verified as if i.i.d. is lossy."""
+    case = Case(4, [-1, -1, -1], SamplingParams(temperature=0.8), [], 5, stochastic=True, without_replacement=True,
+                misreport_siblings=True)
+    assert max_deviation(case) > 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parents", [[-1, -1, -1, 0, 0, 1, 3], [-1, 0, 1, 2, 3, 4, 5]], ids=["tree7", "chain7"])
 def test_stochastic_seven_node_law_is_exact(parents: list[int]) -> None:

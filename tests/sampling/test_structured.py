@@ -24,6 +24,7 @@ from treeserve.sampling import (
     SamplingParams,
     StructuredOutput,
     apply_token_bitmask,
+    apply_token_bitmask_,
     bitmask_words,
     sample,
     stack_bitmasks,
@@ -119,6 +120,11 @@ def test_unpack_bitmask_matches_bits(vocab: int, rows: int, seed: int) -> None:
     x = torch.randn(rows, vocab, generator=gen)
     masked = apply_token_bitmask(x, packed)
     assert torch.equal(masked[allowed], x[allowed]) and bool(torch.isneginf(masked[~allowed]).all())
+    for dtype in (torch.float32, torch.bfloat16):  # the in-place kernel of the sampling path
+        y = x.to(dtype)
+        assert apply_token_bitmask_(y, packed) is y and torch.equal(y, apply_token_bitmask(x.to(dtype), packed))
+    with pytest.raises(ValueError, match="bitmask must be int32"):
+        apply_token_bitmask_(x.clone(), packed[:, :0])
 
 
 def test_stack_bitmasks() -> None:

@@ -97,3 +97,31 @@ def test_unused_draft_slots_are_freed_at_commit() -> None:
     sched.update(batch, runner.run(batch))
     assert sched.ledger.capacity(req) == req.seq_len, "only the committed tokens keep slots"
     sched.check_invariants()
+
+
+@pytest.mark.parametrize("limit", [0, 2, 3])
+def test_batch_heavy_steps_ask_for_no_drafts(limit: int) -> None:
+    """``speculative_max_batch``: a step with more decoding requests than the limit gives no
+    item a draft budget; at or under it (or with no limit, 0) every decode gets one."""
+    kv = make_pool(200, 1)
+    radix = RadixCache(kv.allocator, 1)
+    table = ReqToTokenTable(4, 64)
+    config = SchedulerConfig(256, 4, 64, num_speculative_tokens=2, speculative_max_batch=limit)
+    sched = Scheduler(config, kv.allocator, radix, table, StopChecker([EOS], None))
+    runner = FakeRunner(kv, table, VOCAB)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    for i in range(3):
+        sched.new_request([1 + i, 2, 3], params, 1, VOCAB)
+    batch = sched.schedule()  # the three prefills
+    sched.update(batch, runner.run(batch))
+    batch = sched.schedule()  # three decodes
+    assert len(batch.items) == 3
+    budgets = [it.draft_budget for it in batch.items]
+    assert budgets == ([0, 0, 0] if limit == 2 else [2, 2, 2])
+    sched.update(batch, runner.run(batch))
+    sched.check_invariants()
+
+
+def test_speculative_max_batch_is_checked() -> None:
+    with pytest.raises(ValueError, match="speculative_max_batch must be >= 0"):
+        SchedulerConfig(num_speculative_tokens=2, speculative_max_batch=-1)

@@ -29,6 +29,7 @@ from ._checks import debug_checks_enabled, set_debug_checks  # noqa: E402
 from .backends import BackendSpec, KernelBackend, register_backend, select_backend  # noqa: E402
 from .metadata import AttentionMetadata, build_tree_mask  # noqa: E402
 from .ops import RollbackPlan, compact_tree_path, padded_path_moves, rollback_slots, store_kv  # noqa: E402
+from .query_view import QueryView, query_view  # noqa: E402
 
 __all__ += [
     "AttentionMetadata",
@@ -43,6 +44,8 @@ __all__ += [
     "compact_tree_path",
     "padded_path_moves",
     "paged_attention",
+    "QueryView",
+    "query_view",
     "rollback_slots",
     "store_kv",
 ]

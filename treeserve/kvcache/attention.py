@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from treeserve.kvcache._checks import check_cache_pair, check_range, debug_checks_enabled
+from treeserve.kvcache._checks import _capturing, check_cache_pair, check_range, debug_checks_enabled
 from treeserve.kvcache.backends import KernelBackend, select_backend
 from treeserve.kvcache.metadata import AttentionMetadata
 
@@ -46,7 +46,11 @@ def _check_attention_inputs(
         raise ValueError(f"cache page_size {ps} differs from the metadata page_size {meta.page_size}")
     key = ("pages_checked", k_cache.shape[0])
     if debug_checks_enabled() and key not in meta.derived:  # once per step, not per layer
-        check_range("kv_page_indices", meta.kv_page_indices, 0, k_cache.shape[0])
+        # Only the pages a request reads are meaningful: a static runner's buffer is longer.
+        pages = meta.kv_page_indices
+        if not _capturing(pages):
+            pages = pages[: int(meta.kv_indptr[-1])]
+        check_range("kv_page_indices", pages, 0, k_cache.shape[0])
         meta.derived[key] = True
 
 

@@ -125,7 +125,8 @@ class AttentionMetadata:
 
     FlashInfer's paged layout: request ``b`` owns queries ``qo_indptr[b]:qo_indptr[b+1]`` of the
     flat ``[N, H, D]`` query tensor and pages ``kv_page_indices[kv_indptr[b]:kv_indptr[b+1]]``,
-    of which the last holds ``kv_last_page_len[b]`` (in ``[1, page_size]``) tokens. All index
+    of which the last holds ``kv_last_page_len[b]`` (in ``[1, page_size]``) tokens; entries past
+    ``kv_indptr[B]`` are never read (a static runner's buffer is longer than a step). All index
     tensors are int32 on the step's device. ``tree_mask`` (bool, optional) concatenates each
     request's row-major ``qo_len x qo_len`` mask over its last ``qo_len`` KV tokens (the new
     ones), starting at ``tree_mask_indptr[b]``; the cached prefix is always visible. Requests

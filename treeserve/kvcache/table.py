@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .pool import InvariantError
@@ -19,9 +20,14 @@ class ReqToTokenTable:
     ``table`` is ``int64 [max_requests + 1, max_context_len]``. Row 0 is the dummy row: all zeros
     (slot 0 is in the dummy page), used to pad batches; it is never handed out. A row is owned by
     one request from ``alloc()`` to ``free(row)``; ``free`` zeroes it so no stale slot outlives it.
+
+    ``host`` is the table flattened, as a numpy array on the host: the table's own memory on
+    CPU, a mirror on an accelerator that every write here keeps equal to the device copy, so a
+    step's slots and pages are gathered on the host with no device read. Write through
+    :meth:`write`, :meth:`scatter` and :meth:`free` only.
     """
 
-    __slots__ = ("max_requests", "max_context_len", "device", "table", "_free_rows", "_in_use")
+    __slots__ = ("max_requests", "max_context_len", "device", "table", "host", "_free_rows", "_in_use")
 
     def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
         if not isinstance(max_requests, int) or max_requests < 1:
@@ -32,6 +38,8 @@ class ReqToTokenTable:
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.table = torch.zeros(max_requests + 1, max_context_len, dtype=torch.int64, device=self.device)
+        on_host = self.device.type == "cpu"
+        self.host = self.table.numpy().reshape(-1) if on_host else np.zeros(self.table.numel(), dtype=np.int64)
         self._free_rows = list(range(max_requests, 0, -1))  # pop() hands out 1, 2, ...
         self._in_use = [False] * (max_requests + 1)
 
@@ -52,6 +60,9 @@ class ReqToTokenTable:
         """Give ``row`` back and zero it. ``ValueError`` for row 0, out of range, or not in use."""
         self._check_row(row)
         self.table[row].zero_()
+        if self.device.type != "cpu":
+            width = self.max_context_len
+            self.host[row * width : (row + 1) * width] = 0
         self._in_use[row] = False
         self._free_rows.append(row)
 
@@ -67,6 +78,19 @@ class ReqToTokenTable:
                 f"{self.max_context_len}, got start={start!r}, len(slots)={slots.numel()}"
             )
         self.table[row, start:end] = slots
+        if self.device.type != "cpu":
+            base = row * self.max_context_len
+            self.host[base + start : base + end] = slots.cpu().numpy()
+
+    def scatter(self, index: np.ndarray, slots: torch.Tensor) -> None:
+        """``table.view(-1)[index] = slots`` (and the host mirror), unchecked: for a caller that
+        owns the rows and derives ``index`` (flat ``row * max_context_len + column``, int64) from
+        its own accounting, on the hot path where a checked call per row would cost too much."""
+        if self.device.type == "cpu":
+            self.host[index] = slots.numpy()
+            return
+        self.table.view(-1)[torch.from_numpy(index).to(self.device)] = slots.to(self.device)
+        self.host[index] = slots.cpu().numpy()
 
     def _check_row(self, row: int) -> None:
         if not isinstance(row, int) or isinstance(row, bool):
@@ -86,3 +110,5 @@ class ReqToTokenTable:
             raise InvariantError(f"req_to_token: free list {free} disagrees with in-use flags (free {expected})")
         if free and bool(self.table[free].any()):
             raise InvariantError("req_to_token: a free row holds a non-zero slot")
+        if self.device.type != "cpu" and not np.array_equal(self.host, self.table.view(-1).cpu().numpy()):
+            raise InvariantError("req_to_token: the host mirror differs from the device table")

@@ -8,8 +8,12 @@ removes is ~25 small torch calls and the Python between them, per layer.
 
 :func:`decode_plan` decides once per model whether the fast path exists (float32 CPU model whose
 every projection is bias-free and either the model's ``Linear`` or a ``PackedLinear``, all
-operators built); :func:`run_decode_layers` then applies it to a step when the step is a pure
-decode step (one query per request) served by the ``cpu`` attention backend, each projection
+operators built); :func:`run_decode_layers` then applies it to a step when every query row of
+the step is a decode query over a page list -- a decode step (one query per request), or a
+verify step whose draft trees ``kvcache.query_view`` lists per query row (the pending token and
+draft nodes at positions prefix_len + depth, each seeing the prefix, its ancestors and itself:
+the same page lists the ``cpu`` attention backend gives the Python path) -- served by the
+``cpu`` attention backend, each projection
 taking the path ``PackedLinear.forward`` would (GGUF blocks up to ``packed_max_rows`` rows, the
 int8 GEMM or ``F.linear`` on the dense weight above; int4-plane codes only above), and Dynamo is not tracing
 (the operator has a fake implementation and passes ``opcheck``, but compiled steps keep the layer
@@ -29,7 +33,7 @@ import torch
 from torch import nn
 
 from treeserve._cpp import cpp_op_loader, load_cpp_op
-from treeserve.kvcache import AttentionMetadata, KVPool
+from treeserve.kvcache import AttentionMetadata, KVPool, query_view
 from treeserve.kvcache.backends import select_backend
 from treeserve.models._norm_op import load_norm_op
 from treeserve.models.gguf_op import load_gguf_linear_op
@@ -189,7 +193,6 @@ def run_decode_layers(
     n = h.shape[0]
     if (
         n != meta.num_qo_tokens
-        or meta.num_qo_tokens != meta.batch_size
         or torch.compiler.is_compiling()
         or h.dtype != torch.float32
         or kv.k_caches[0].dtype not in (torch.float32, torch.bfloat16)
@@ -202,7 +205,13 @@ def run_decode_layers(
     kernel = meta.attention_backend or select_backend("paged_attention", "auto", h.device, kv.k_caches[0].dtype)
     if kernel.name != "cpu":
         return None
-    indices = (meta.kv_indptr.int(), meta.kv_page_indices.int(), meta.kv_last_page_len.int())  # int32: no copy
+    if n == meta.batch_size:  # a decode step: one query per request
+        indices = (meta.kv_indptr.int(), meta.kv_page_indices.int(), meta.kv_last_page_len.int())  # int32: no copy
+    else:  # a verify step (or short chunks): each query row over its own page list
+        view = query_view(meta)
+        if view is None or not view.covers_all:
+            return None
+        indices = (view.kv_indptr, view.kv_page_indices, view.kv_last_page_len)
     return torch.ops.treeserve.decode_layers(
         h, rope_table, positions, plan.norms, *operands, kv.k_caches, kv.v_caches, out_slots,
         *indices, plan.num_heads, plan.num_kv_heads, plan.eps, plan.scale,

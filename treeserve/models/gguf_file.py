@@ -23,6 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 __all__ = ["GGUFTensor", "read_gguf", "release_pages"]
 
 _MAGIC = b"GGUF"
+_U64 = struct.Struct("<Q")
 _STRING, _ARRAY = 8, 9
 # Scalar value types: struct format and numpy dtype (little-endian).
 _SCALARS: dict[int, tuple[str, str]] = {
@@ -78,13 +79,31 @@ class _Cursor:
         self.pos += n
         return s
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary, merges): ``string`` in one tight loop over the
+        underlying buffer (slices of it are bytes: ~1.6x faster than through the memoryview)."""
+        raw = self.buf.obj if isinstance(self.buf.obj, (bytes, mmap.mmap)) else self.buf.tobytes()
+        pos, end, out = self.pos, len(self.buf), []
+        append, length = out.append, _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                raise ValueError(f"unexpected end of file at byte {pos}")
+            (n,) = length(raw, pos)
+            pos += 8
+            if pos + n > end:
+                raise ValueError(f"string of {n} bytes at byte {pos} runs past the end of the file")
+            append(raw[pos : pos + n].decode("utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
             item, count = self.unpack("<I"), self.unpack("<Q")
             if item == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if item in _SCALARS:  # one vectorized read
                 dt = np.dtype(_SCALARS[item][1])
                 end = self.pos + count * dt.itemsize

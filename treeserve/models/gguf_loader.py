@@ -21,7 +21,9 @@ from treeserve.models.gguf_file import GGUFTensor, read_gguf, release_pages
 from treeserve.models.llama import LlamaForCausalLM
 from treeserve.models.parallel import TPShard, check_shard_quantization
 from treeserve.models.gguf_op import BLOCK_BYTES, GGUFWeight, gguf_op_available
+from treeserve.models.int8_cache import source_id
 from treeserve.models.quant import PACKABLE, Int4Planes, pack_model, planes_from_gguf
+from treeserve.models.vocab_codes import CodesEmbedding, CodesHead, head_from_codes
 from treeserve.models.weights import build_model, expected_hf_shapes, fused_names
 
 __all__ = ["GGUFContents", "gguf_config", "load_gguf_model", "open_gguf", "unpermute_qk"]
@@ -274,8 +276,46 @@ def load_gguf_model(
                                   or heads_of(hf) is not None]  # fused or unpermuted: the codes are a copy
                         for hf in copied:
                             release_pages(by_hf[hf])
-    model = build_model(config, get, by_hf, dtype=dtype, device=device, shard=shard, get_slice=get_slice,
-                        skip={name + ".weight" for name in codes})
-    head = codes_of(head_name) if use_op and head_name in by_hf else None
+    vocab = _vocab_codes(config, by_hf, shapes) if codes else _VocabCodes(None, None)
+    skip = {name + ".weight" for name in codes}
+    if vocab.embedding is not None:
+        skip.add("embed_tokens.weight")
+    if vocab.head is not None and not config.tie_word_embeddings:
+        skip.add("lm_head.weight")
+    model = build_model(config, get, by_hf, dtype=dtype, device=device, shard=shard, get_slice=get_slice, skip=skip)
+    if vocab.embedding is not None:
+        model.embed_tokens = CodesEmbedding(vocab.embedding)
+    if vocab.head is not None:
+        model.lm_head = CodesHead(vocab.head)
+    head = codes_of(head_name) if use_op and head_name in by_hf and vocab.head is None else None
     return pack_model(model, lambda name: codes[name] if name in codes else planes_for(name), quantization,
-                      head_codes=head if isinstance(head, GGUFWeight) else None, unloaded=codes.keys())
+                      head_codes=head if isinstance(head, GGUFWeight) else None, unloaded=codes.keys(),
+                      source=source_id(g.path))
+
+
+class _VocabCodes(NamedTuple):
+    embedding: GGUFWeight | None
+    head: GGUFWeight | None
+
+
+def _vocab_codes(config: ModelConfig, by_hf: dict[str, GGUFTensor], shapes: dict[str, tuple[int, ...]]) -> _VocabCodes:
+    """The token embedding and LM head a CPU load with the GGUF operator keeps as the file's blocks
+    (``treeserve.models.vocab_codes``): the head when ``head_from_codes`` says so, the embedding
+    unless it is also the float32 head (tied). Either is None where its tensor is not Q4_0 / Q4_1 /
+    Q8_0 of the expected shape (``build_model`` then loads it, or reports the bad shape)."""
+
+    def codes(hf: str) -> GGUFWeight | None:
+        t = by_hf.get(hf)
+        if t is None or t.tensor_type.name not in BLOCK_BYTES:
+            return None
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if shape != shapes[hf]:
+            return None
+        return GGUFWeight.from_bytes(t.tensor_type.name, np.asarray(t.data).view(np.ndarray), shape)
+
+    embedding = codes("model.embed_tokens.weight")
+    head_hf = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    head = codes(head_hf) if head_from_codes(config.vocab_size, config.hidden_size) else None
+    if config.tie_word_embeddings and head is None:
+        embedding = None  # the float32 ExactHead's matrix serves the lookups too
+    return _VocabCodes(embedding, head)

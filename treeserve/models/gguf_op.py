@@ -27,9 +27,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
-
 from treeserve._cpp import cpp_op_loader, load_cpp_op
 
 __all__ = ["BLOCK_BYTES", "GROUP", "GGUFWeight", "gguf_linear", "gguf_op_available", "load_gguf_linear_op"]
@@ -73,17 +70,20 @@ class GGUFWeight(NamedTuple):
         return self.raw.shape[0], self.in_features
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight ``[N, K]`` in ``dtype``: float32 blocks from ``gguf.quants`` (llama.cpp's
-        arithmetic), then cast; rows go in chunks of ~4M weights, so the temporaries stay a few
-        tens of MB whatever the size."""
+        """The weight ``[N, K]`` in ``dtype``: float32 blocks (``dequantize_blocks``, bitwise
+        ``gguf.quants``' values), then cast; rows go in chunks of ~1M weights, so the temporaries
+        stay a few MB whatever the size."""
         n, k = self.shape
         out = torch.empty(n, k, dtype=dtype)
-        raw, qtype = self.raw.numpy(), GGMLQuantizationType[self.qtype]
         step = max(1, _CHUNK_WEIGHTS // k)
         for start in range(0, n, step):
-            rows = dequantize(raw[start : start + step], qtype).reshape(-1, k)
-            out[start : start + step] = torch.from_numpy(rows)
+            out[start : start + step] = dequantize_blocks(self.qtype, self.raw[start : start + step], k)
         return out
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (int, any shape ``S``) of the weight as float32 ``[*S, K]``: only those rows'
+        blocks are read (an embedding lookup from the codes)."""
+        return dequantize_blocks(self.qtype, self.raw[rows.reshape(-1)], self.in_features).reshape(*rows.shape, -1)
 
     def permute_rows(self, perm: torch.Tensor) -> GGUFWeight:
         """The weight with its rows reordered (``perm``: new row i is old row ``perm[i]``)."""
@@ -91,13 +91,34 @@ class GGUFWeight(NamedTuple):
 
     @staticmethod
     def cat_rows(parts: list[GGUFWeight]) -> GGUFWeight:
-        """Stack weights of one qtype and K along N (a fused projection)."""
+        """Stack weights of one qtype and K along N (a fused projection); one part is returned as it
+        is (no copy: a tensor read in place from a mapped file stays the file's pages)."""
         if len({(p.qtype, p.in_features) for p in parts}) != 1:
             raise ValueError(f"parts must share qtype and K, got {[(p.qtype, p.in_features) for p in parts]}")
+        if len(parts) == 1:
+            return parts[0]
         return GGUFWeight(parts[0].qtype, torch.cat([p.raw for p in parts]), parts[0].in_features)
 
 
-_CHUNK_WEIGHTS = 1 << 22
+_CHUNK_WEIGHTS = 1 << 20
+
+
+def dequantize_blocks(qtype: str, raw: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows of GGUF blocks (``raw`` uint8 ``[M, K/32 * BLOCK_BYTES[qtype]]``) as float32 ``[M, K]``, in
+    torch: the arithmetic of ``gguf.quants`` (llama.cpp's reference), one float32 rounding per
+    operation (Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m`` as a product then a sum, Q8_0 ``q * d``), so
+    the values are bitwise those of ``gguf.quants.dequantize`` (tested), ~10x faster."""
+    m = raw.shape[0]
+    blocks = raw.reshape(m, k // GROUP, BLOCK_BYTES[qtype])
+    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [M, nb, 1]
+    if qtype == "Q8_0":
+        return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).reshape(m, k)
+    qs = blocks[..., -16:]  # byte j: element j (low nibble), j + 16 (high nibble)
+    q = torch.cat([qs & 15, qs >> 4], -1)
+    if qtype == "Q4_0":
+        return (d * (q.to(torch.int8) - 8).float()).reshape(m, k)
+    mins = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    return (d * q.float() + mins).reshape(m, k)
 
 
 def _fake(x, w, qtype, k):  # type: ignore[no-untyped-def]

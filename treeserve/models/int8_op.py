@@ -33,7 +33,7 @@ import torch
 from treeserve._cpp import cpp_op_loader, load_cpp_op
 
 __all__ = ["BLOCK", "W_MAX", "X_MAX", "Int8Weight", "int8_available", "int8_linear", "int8_swiglu_linear", "mixer",
-           "rotate"]
+           "rotate", "round_rotated"]
 
 SOURCE = Path(__file__).with_name("csrc") / "int8_linear.cpp"
 W_MAX = 127
@@ -86,6 +86,17 @@ def int8_available() -> bool:
     return True
 
 
+def round_rotated(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of ``weight [N, K]``: ``W R`` rounded per row to int8 codes in ``[-W_MAX, W_MAX]``
+    (``scale_n = max|(W R)_n| / W_MAX``, 1 for a zero row), float32 scales ``[N]``; what
+    ``Int8Weight.from_dense`` prepacks."""
+    w = rotate(weight.detach())
+    amax = w.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / W_MAX, torch.ones_like(amax))
+    codes = torch.round(w / scales[:, None]).clamp_(-W_MAX, W_MAX).to(torch.int8)
+    return codes, scales
+
+
 class Int8Weight(NamedTuple):
     """A weight ``[N, K]`` as oneDNN-prepacked int8 codes with float32 scales ``[N]``."""
 
@@ -110,13 +121,20 @@ class Int8Weight(NamedTuple):
         if weight.dim() != 2 or weight.device.type != "cpu" or 0 in weight.shape or weight.shape[1] % BLOCK:
             raise ValueError(f"weight must be a non-empty 2-D CPU tensor with a multiple of {BLOCK} columns, "
                              f"got {tuple(weight.shape)} on {weight.device}")
-        w = rotate(weight.detach())
-        amax = w.abs().amax(dim=1)
-        scales = torch.where(amax > 0, amax / W_MAX, torch.ones_like(amax))
-        codes = torch.round(w / scales[:, None]).clamp_(-W_MAX, W_MAX).to(torch.int8)
+        return Int8Weight.from_codes(*round_rotated(weight))
+
+    @staticmethod
+    def from_codes(codes: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
+        """The weight of ``codes`` (int8 ``[N, K]``, the rotated weight rounded as ``from_dense`` does)
+        and per-row ``scales`` (float32 ``[N]``), prepacked for oneDNN (what ``from_dense`` ends with;
+        a cache of the rounded codes rebuilds the weight with it)."""
+        if codes.dtype != torch.int8 or codes.dim() != 2 or codes.shape[1] % BLOCK:
+            raise ValueError(f"codes must be int8 [N, K] with K a multiple of {BLOCK}, got {codes.dtype} {tuple(codes.shape)}")
+        if scales.dtype != torch.float32 or tuple(scales.shape) != (codes.shape[0],):
+            raise ValueError(f"scales must be float32 [{codes.shape[0]}], got {scales.dtype} {tuple(scales.shape)}")
         packed = torch.ops.onednn.qlinear_prepack(codes, None)
-        zeros = torch.zeros(w.shape[0], dtype=torch.long)
-        return Int8Weight(packed, scales.contiguous(), zeros, mixer(w.shape[1] // BLOCK), w.shape[1])
+        zeros = torch.zeros(codes.shape[0], dtype=torch.long)
+        return Int8Weight(packed, scales.contiguous(), zeros, mixer(codes.shape[1] // BLOCK), codes.shape[1])
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:

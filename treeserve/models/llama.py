@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         """Device holding the weights."""
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def forward(
         self,

@@ -49,6 +49,7 @@ from treeserve._cpp import cpp_op_loader, load_cpp_op
 from treeserve._tuning import measured
 from treeserve.models.gguf_op import GGUFWeight, gguf_op_available
 from treeserve.models.int8_op import BLOCK as INT8_BLOCK
+from treeserve.models.int8_cache import int8_weight
 from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear, int8_swiglu_linear
 
 __all__ = [
@@ -239,6 +240,7 @@ class PackedLinear(nn.Module):
             self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         self.int8: Int8Weight | None = None  # set by ``use_int8`` where the int8 GEMM pays
+        self.int8_source: tuple[str | None, str] = (None, "")  # (source file id, name): ``int8_cache``'s key
         self.qtype = codes.qtype if isinstance(codes, GGUFWeight) else None
         if self.qtype is not None:
             self.planes = 0
@@ -457,7 +459,7 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
 
     def measure() -> bool:
         dense = [m.dequantized() for m in timed]
-        built.extend(Int8Weight.from_dense(w) for w in dense)
+        built.extend(_int8_of(m, lambda w=w: w) for m, w in zip(timed, dense))
         with torch.inference_mode():
             x = torch.randn(rows, group[0].in_features, dtype=group[0].weight_dtype)
             dense_s = _best_seconds(lambda: [F.linear(x, w) for w in dense])
@@ -467,10 +469,17 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
     key = (tuple((m.out_features, m.in_features, m.weight_dtype) for m in timed), rows)
     if env is None and not measured("int8", key, bool, measure):
         return False
-    weights = built + [Int8Weight.from_dense(m.dequantized()) for m in group[len(built):]]
+    weights = built + [_int8_of(m, m.dequantized) for m in group[len(built):]]
     for m, w in zip(group, weights):
         m.int8 = w
     return True
+
+
+def _int8_of(m: PackedLinear, dense: Callable[[], torch.Tensor]) -> Int8Weight:
+    """``m``'s int8 copy: from the disk cache of its source file where ``pack_model`` named one
+    (``int8_cache``), else rounded from ``dense()``."""
+    source, name = m.int8_source
+    return int8_weight(source, name, (m.out_features, m.in_features), dense)
 
 
 def _rescore_fake(approx, out, x, weight, row_norms, factor, max_candidates):  # type: ignore[no-untyped-def]
@@ -660,6 +669,7 @@ def pack_model(
     act_dtype: torch.dtype = torch.bfloat16,
     head_codes: GGUFWeight | None = None,
     unloaded: Collection[str] = (),
+    source: str | None = None,
 ) -> nn.Module:
     """Swap ``model``'s decoder projections for ``PackedLinear`` and its head for ``ExactHead``, in place.
 
@@ -678,6 +688,8 @@ def pack_model(
     (no int8 copy), so a model loads without a dense copy of all its projections.
     ``TREESERVE_PACKED_MAX_ROWS=all``: the packed path serves every batch size, so no int8 copy is
     made and ``unloaded`` projections never hold a dense weight (the codes alone stay resident).
+    ``source``: the shipped codes' file (``int8_cache.source_id``): the int8 copies are kept on disk
+    for it and read back at the next load (``int8_cache.int8_weight``); None: built every time.
     """
     check_quantization(quantization)
     if quantization is None or model.device.type != "cpu":
@@ -689,6 +701,7 @@ def pack_model(
             name = f"layers.{i}.{sub}"
             dense = layer.get_submodule(sub)
             codes, weight = planes_for(name), dense.weight  # shipped codes: the loader dequantized them
+            shipped = codes is not None
             if codes is None and quantizer is not None:
                 codes = quantizer(dense.weight)
                 weight = codes.dequantize().to(dense.weight.dtype)
@@ -696,6 +709,8 @@ def pack_model(
                 continue
             new = PackedLinear(codes, None if name in unloaded else weight, dense.bias, act_dtype,
                                weight_dtype=weight.dtype)
+            if shipped:  # the file's codes: the file is the int8 cache's key
+                new.int8_source = (source, name)
             parent, _, attr = sub.rpartition(".")
             setattr(layer.get_submodule(parent), attr, new)
             packed.setdefault(new.in_features, []).append(new)
@@ -710,6 +725,7 @@ def pack_model(
         for m in group:
             m.packed_max_rows = rows
             m.drop_dense()  # eager calls no longer read it
-    if model.lm_head.weight.dtype == torch.float32:
-        model.lm_head = ExactHead(model.lm_head.weight, packed=head_codes)
+    head_weight = getattr(model.lm_head, "weight", None)  # absent: a head kept as codes (``vocab_codes``)
+    if head_weight is not None and head_weight.dtype == torch.float32:
+        model.lm_head = ExactHead(head_weight, packed=head_codes)
     return model

@@ -21,7 +21,7 @@ from treeserve.runner.compile import CompiledForward, compile_model
 from treeserve.runner.draft_model import DraftModelDrafter
 from treeserve.runner.drafting import DraftRequest, Drafter, draft_pool_tokens, fill_drafts
 from treeserve.runner.eager import CausalLM, ModelRunner
-from treeserve.runner.graph import DecodeGraphRunner, decode_buckets
+from treeserve.runner.graph import DecodeGraphRunner, DecodeLaunch, decode_buckets
 from treeserve.runner.inputs import StepInputs, build_step_inputs
 from treeserve.runner.ngram import NgramDrafter
 from treeserve.runner.sequence import PagedSequence
@@ -30,6 +30,7 @@ __all__ = [
     "CausalLM",
     "CompiledForward",
     "DecodeGraphRunner",
+    "DecodeLaunch",
     "DraftModelDrafter",
     "DraftRequest",
     "Drafter",

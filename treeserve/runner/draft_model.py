@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from treeserve.kvcache import KVPool, ReqToTokenTable
 from treeserve.runner.drafting import DraftRequest
+from treeserve.sampling import SamplingBatch, SamplingParams, draw_siblings
 from treeserve.runner.inputs import build_step_inputs
 from treeserve.scheduler import DraftTree
 
@@ -21,13 +22,21 @@ __all__ = ["DraftModelDrafter"]
 
 
 class DraftModelDrafter:
-    """Greedy drafts from a smaller model that shares the tokenizer, over its own paged KV.
+    """Drafts from a smaller model that shares the tokenizer, over its own paged KV.
 
     ``model`` follows the runner's model contract (``treeserve.models.LlamaForCausalLM``, e.g. a
     layer-truncated copy of the target for self-speculation); ``kv`` is its pool (page size 1;
-    sized by :func:`~treeserve.runner.drafting.draft_pool_tokens`). Chain (``width == 1``): the
-    draft model's argmax continuation. Tree: the root's top-``width`` tokens as siblings, the
-    most likely one extended greedily. Deterministic, so verification uses the point-mass form.
+    sized by :func:`~treeserve.runner.drafting.draft_pool_tokens`). Tree shape: ``width``
+    siblings under the root, the first one extended into a chain (``width == 1``: a chain).
+
+    A greedy request (or one without ``params``) gets the draft model's argmax chain and the
+    root's next most likely tokens as siblings: deterministic, so verification uses the point-mass
+    form. A request that samples gets its nodes drawn from the draft model's processed law (its
+    own temperature / top-k / top-p / penalties; ``sampling.draw_siblings``: siblings without
+    replacement, counter-based randomness keyed by (seed, position, DRAFT, sibling)) and the
+    law of each node in ``DraftTree.probs`` for verification. ``eos_token_ids`` feed the
+    ``min_new_tokens`` ban of that law. ``sample=False`` gives every request the point-mass draft
+    (the comparison ``benches/bench_speculative.py`` measures).
 
     KV: each request gets a row of the drafter's own table. Only committed tokens count as
     computed: KV written for draft tokens is rolled back by simply being recomputed (overwritten)
@@ -35,12 +44,15 @@ class DraftModelDrafter:
     whose slots cannot be had (pool or table full) gets no draft (it decodes plainly).
     """
 
-    def __init__(self, model: Any, kv: KVPool, max_requests: int, max_len: int, width: int = 1) -> None:
+    def __init__(self, model: Any, kv: KVPool, max_requests: int, max_len: int, width: int = 1,
+                 eos_token_ids: Sequence[int] = (), sample: bool = True) -> None:
         if kv.page_size != 1:
             raise ValueError(f"the draft KV pool must have page_size 1, got {kv.page_size}")
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width}")
         self.model, self.kv, self.width = model, kv, width
+        self.eos_token_ids = list(eos_token_ids)
+        self.sample = sample  # False: every request gets the deterministic (point-mass) draft
         self.table = ReqToTokenTable(max_requests, max_len, device=kv.device)
         self._state: dict[int, _DraftState] = {}
 
@@ -53,7 +65,7 @@ class DraftModelDrafter:
         self.table.free(st.row)
 
     def propose(self, key: int, tokens: Sequence[int], max_tokens: int) -> DraftTree | None:
-        """The draft of one request (:meth:`propose_batch` of one)."""
+        """The (greedy) draft of one request (:meth:`propose_batch` of one)."""
         return self.propose_batch([DraftRequest(key, tokens, max_tokens)])[0]
 
     @torch.inference_mode()
@@ -69,25 +81,47 @@ class DraftModelDrafter:
         ids = [t for (_, r, _), s in zip(live, starts) for t in r.tokens[s:]]
         logits = self._forward([st.row for *_, st in live], starts, [len(r.tokens) - s for (_, r, _), s in zip(live, starts)], ids)
         widths = [min(self.width, r.max_tokens) for _, r, _ in live]
-        top = torch.topk(logits, max(widths)).indices.tolist()
-        chains = [[row[0]] for row in top]
+        reqs = [r for _, r, _ in live]
+        root = self._draw(logits, reqs, [len(r.tokens) for r in reqs], max(widths))
+        chains = [[row[0]] for row in root.tokens]
+        laws = [[row[0]] for row in root.laws]
         for _, r, st in live:
             st.computed = len(r.tokens)  # draft tokens' KV beyond this is overwritten next time
-        # Extend each chain greedily until it has max_tokens - width + 1 tokens.
+        # Extend each chain (its first sibling) until it has max_tokens - width + 1 tokens.
         while True:
-            going = [j for j, (_, r, _) in enumerate(live) if len(chains[j]) < r.max_tokens - widths[j] + 1]
+            going = [j for j, r in enumerate(reqs) if len(chains[j]) < r.max_tokens - widths[j] + 1]
             if not going:
                 break
             rows = [live[j][2].row for j in going]
-            pos = [len(live[j][1].tokens) + len(chains[j]) - 1 for j in going]
-            nxt = self._forward(rows, pos, [1] * len(going), [chains[j][-1] for j in going]).argmax(-1).tolist()
-            for j, t in zip(going, nxt):
-                chains[j].append(t)
+            pos = [len(reqs[j].tokens) + len(chains[j]) - 1 for j in going]
+            out = self._forward(rows, pos, [1] * len(going), [chains[j][-1] for j in going])
+            nxt = self._draw(out, [reqs[j] for j in going], [p + 1 for p in pos], 1)
+            for k, j in enumerate(going):
+                chains[j].append(nxt.tokens[k][0])
+                laws[j].append(nxt.laws[k][0])
         for j, (i, _, _) in enumerate(live):
             w, ext = widths[j], chains[j][1:]
             parents = [-1] * w + [0 if e == 0 else w + e - 1 for e in range(len(ext))]
-            drafts[i] = DraftTree(top[j][:w] + ext, parents)
+            probs = None
+            if root.laws[j][0] is not None:
+                probs = torch.stack(root.laws[j][:w] + laws[j][1:])
+            drafts[i] = DraftTree(root.tokens[j][:w] + ext, parents, probs)
         return drafts
+
+    def _draw(self, logits: torch.Tensor, reqs: Sequence[DraftRequest], positions: list[int], width: int) -> _Drawn:
+        """``width`` tokens per row of ``logits`` (see the class): per row its tokens and, for a
+        sampling request, the law of each (None for a greedy one)."""
+        sampled = [self.sample and r.params is not None and not r.params.greedy for r in reqs]
+        if not any(sampled):
+            top = torch.topk(logits, width).indices.tolist()
+            return _Drawn(top, [[None] * width for _ in reqs])
+        batch = SamplingBatch.build(
+            [r.params or _GREEDY for r in reqs], [r.seed for r in reqs], [r.tokens for r in reqs],
+            logits.shape[1], logits.device, self.eos_token_ids, [r.num_generated for r in reqs],
+        )
+        drawn = draw_siblings(logits, batch, torch.tensor(positions, dtype=torch.int64, device=logits.device), width)
+        laws = [list(drawn.probs[j].unbind(0)) if s else [None] * width for j, s in enumerate(sampled)]
+        return _Drawn(drawn.tokens.tolist(), laws)
 
     def _slots(self, r: DraftRequest) -> _DraftState | None:
         """The request's state with slots for ``tokens`` plus ``max_tokens`` drafts, or None."""
@@ -112,6 +146,16 @@ class DraftModelDrafter:
         their KV written at the row's slots."""
         step = build_step_inputs(self.table.table, rows, starts, lens, ids, 1, [1] * len(rows))
         return self.model(step.input_ids, step.positions, self.kv, step.out_slots, step.meta, step.logits_indices)
+
+
+class _Drawn(NamedTuple):
+    """Drawn tokens ``[R][W]`` and their laws (``[V]`` tensors, or None for point masses)."""
+
+    tokens: list[list[int]]
+    laws: list[list[torch.Tensor | None]]
+
+
+_GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(slots=True)

@@ -13,17 +13,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+from treeserve.sampling import SamplingParams
 from treeserve.scheduler import DraftTree, ScheduledBatch
 
 __all__ = ["DraftRequest", "Drafter", "draft_pool_tokens", "fill_drafts"]
 
 
 class DraftRequest(NamedTuple):
-    """Draft at most ``max_tokens`` nodes continuing ``tokens`` for the request keyed ``key``."""
+    """Draft at most ``max_tokens`` nodes continuing ``tokens`` for the request keyed ``key``.
+
+    ``params`` / ``seed`` / ``num_generated`` (the request's sampling parameters, its seed and
+    how many of ``tokens`` are output) let a model drafter sample from its processed law; with
+    ``params`` None or greedy it drafts deterministically."""
 
     key: int
     tokens: Sequence[int]
     max_tokens: int
+    params: SamplingParams | None = None
+    seed: int = 0
+    num_generated: int = 0
 
 
 class Drafter(Protocol):
@@ -45,7 +53,10 @@ def fill_drafts(batch: ScheduledBatch, drafter: Drafter) -> ScheduledBatch:
     if not asks:
         return batch
     items = list(batch.items)
-    requests = [DraftRequest(items[i].req.rid, items[i].req.all_ids, items[i].draft_budget) for i in asks]
+    requests = []
+    for i in asks:
+        req = items[i].req
+        requests.append(DraftRequest(req.rid, req.all_ids, items[i].draft_budget, req.params, req.seed, len(req.output_ids)))
     drafts = drafter.propose_batch(requests)
     if len(drafts) != len(asks):
         raise ValueError(f"the drafter returned {len(drafts)} drafts for {len(asks)} requests")

@@ -21,6 +21,7 @@ from treeserve.runner.inputs import (
     admit_requests,
     build_step_inputs,
     draft_arrays,
+    draft_laws,
     requests_sampling_batch,
     step_token_ids,
     with_grammar_masks,
@@ -198,6 +199,7 @@ class ModelRunner:
             drafts.parents.to(dev),
             num_draft,
             positions,
+            draft_laws([it.draft for it in items], self.vocab_size, dev),
         )
         plan = rollback_slots(draft_slots, num_draft, out.path)
         if plan.src_slots.numel() and self.compact_kv is not None:

@@ -23,17 +23,20 @@ import torch
 
 from treeserve.kvcache import AttentionMetadata, KernelBackend, KVPool
 from treeserve.sampling import SamplingBatch, SamplingRows, stack_bitmasks
-from treeserve.scheduler import Request, ScheduledItem
+from treeserve.scheduler import DraftTree, Request, ScheduledItem
 
 __all__ = [
     "CausalLM",
     "admit_requests",
     "DraftArrays",
+    "StepIndex",
     "StepInputs",
     "build_step_inputs",
     "draft_arrays",
+    "draft_laws",
     "requests_sampling_batch",
     "with_grammar_masks",
+    "step_index",
     "step_token_ids",
     "tree_ancestors",
 ]
@@ -88,42 +91,40 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
 IntArray = Sequence[int] | np.ndarray | torch.Tensor
 
 
-def build_step_inputs(
-    table: torch.Tensor,
+class StepIndex(NamedTuple):
+    """A step's index arrays computed on the host (numpy, int64 unless said), before any gather
+    from the slot table: see :func:`step_index` for the meaning of each."""
+
+    slot_index: np.ndarray
+    page_index: np.ndarray
+    positions: np.ndarray
+    logits_indices: np.ndarray
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    last_page_len: np.ndarray
+    tree_mask: np.ndarray | None
+    tree_mask_indptr: np.ndarray | None
+    qo_max: int
+    max_kv_len: int
+
+
+def step_index(
+    width: int,
     rows: IntArray,
     starts: IntArray,
     qo_lens: IntArray,
-    input_ids: IntArray,
     page_size: int,
     logit_rows: IntArray,
     *,
     parents: torch.Tensor | None = None,
     num_real: IntArray | None = None,
-    attention_backend: KernelBackend | None = None,
-) -> StepInputs:
-    """Model inputs of a step over the slot table ``table [R, W]`` (its device is the step's).
-
-    Per request ``b`` (host ints: lists, numpy arrays or CPU tensors ``[B]``): ``rows[b]`` its
-    table row, ``starts[b]`` the position of its first new token, ``qo_lens[b] >= 1`` its new
-    tokens (``input_ids``, flat, request by request), ``logit_rows[b]`` how many of its last new
-    tokens get logits (0, 1 or ``qo_lens[b]``). New token ``i`` writes its K/V to
-    ``table[row, start + i]``.
-
-    ``parents`` (``[B, max qo]``, optional): token ``i``'s parent among the request's new tokens
-    (``-1``: the cached prefix); positions are then ``start + depth`` and attention follows the
-    tree (a causal request is the chain ``-1, 0, 1, ...``). ``num_real[b]`` (default
-    ``qo_lens``): only the first ``num_real[b]`` new tokens are real; the others are padding
-    that writes to ``table[0, 0]`` (slot 0 of a ``ReqToTokenTable``'s dummy row), sees only the
-    request's first new token and the prefix, and is seen by nobody, and KV pages past the real
-    tokens read as the page of ``table[0, 0]`` (the dummy page).
-    ``attention_backend``: the kernel the caller chose once, carried by the metadata.
-
-    Index arithmetic runs in numpy on the host (a few microseconds per array op, against
-    several for a small torch op); on CPU the table is gathered in numpy too and the results
-    wrap the arrays (no copy), on an accelerator they travel to the device in one copy.
-    """
-    dev = table.device
-    width = table.shape[1]
+) -> StepIndex:
+    """The host-side half of :func:`build_step_inputs` over a slot table of ``width`` columns:
+    ``slot_index`` / ``page_index`` are flat indices into the table (``row * width + column``)
+    of each new token's KV slot and of each KV page's first slot (gather them from
+    ``ReqToTokenTable.host``); ``positions``, ``logits_indices``, ``qo_indptr``, ``kv_indptr``,
+    ``last_page_len`` as in :class:`AttentionMetadata`; ``tree_mask`` (flat bool) and its
+    ``tree_mask_indptr`` when ``parents`` is given."""
     rows_a, starts_a, qo, logit_a = (np.asarray(x, dtype=np.int64) for x in (rows, starts, qo_lens, logit_rows))
     bsz = qo.shape[0]
     qo_indptr = np.zeros(bsz + 1, dtype=np.int64)
@@ -156,8 +157,8 @@ def build_step_inputs(
         positions = np.repeat(starts_a, qo) + (anc.sum(-1) - 1)[valid].numpy()
         real = torch.arange(qo_max) < torch.from_numpy(real_len)[:, None]
         mask = anc & real[:, None, :]
-        tree_mask = mask[valid[:, :, None] & valid[:, None, :]].to(dev, non_blocking=True)
-        tree_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(qo * qo)])).to(dev, torch.int32)
+        tree_mask = mask[valid[:, :, None] & valid[:, None, :]].numpy()
+        tree_indptr = np.concatenate([[0], np.cumsum(qo * qo)])
     # KV pages: the table's pages while they hold real tokens, then the dummy page 0. Page j of
     # request b is table[row, j * page_size], flat index row * width + j * page_size.
     if page_size == 1:
@@ -173,19 +174,68 @@ def build_step_inputs(
     )
     if num_real is not None:
         page_index = np.where(page_index < np.repeat(rows_a * width + starts_a + real_len, npages), page_index, 0)
+    return StepIndex(slot_index, page_index, positions, logits_indices, qo_indptr, kv_indptr, last_page_len,
+                     tree_mask, tree_indptr, qo_max, int(kv_lens.max()))  # fmt: skip
+
+
+def build_step_inputs(
+    table: torch.Tensor,
+    rows: IntArray,
+    starts: IntArray,
+    qo_lens: IntArray,
+    input_ids: IntArray,
+    page_size: int,
+    logit_rows: IntArray,
+    *,
+    parents: torch.Tensor | None = None,
+    num_real: IntArray | None = None,
+    attention_backend: KernelBackend | None = None,
+) -> StepInputs:
+    """Model inputs of a step over the slot table ``table [R, W]`` (its device is the step's).
+
+    Per request ``b`` (host ints: lists, numpy arrays or CPU tensors ``[B]``): ``rows[b]`` its
+    table row, ``starts[b]`` the position of its first new token, ``qo_lens[b] >= 1`` its new
+    tokens (``input_ids``, flat, request by request), ``logit_rows[b]`` how many of its last new
+    tokens get logits (0, 1 or ``qo_lens[b]``). New token ``i`` writes its K/V to
+    ``table[row, start + i]``.
+
+    ``parents`` (``[B, max qo]``, optional): token ``i``'s parent among the request's new tokens
+    (``-1``: the cached prefix); positions are then ``start + depth`` and attention follows the
+    tree (a causal request is the chain ``-1, 0, 1, ...``). ``num_real[b]`` (default
+    ``qo_lens``): only the first ``num_real[b]`` new tokens are real; the others are padding
+    that writes to ``table[0, 0]`` (slot 0 of a ``ReqToTokenTable``'s dummy row), sees only the
+    request's first new token and the prefix, and is seen by nobody, and KV pages past the real
+    tokens read as the page of ``table[0, 0]`` (the dummy page).
+    ``attention_backend``: the kernel the caller chose once, carried by the metadata.
+
+    Index arithmetic runs in numpy on the host (:func:`step_index`: a few microseconds per
+    array op, against several for a small torch op); on CPU the table is gathered in numpy too
+    and the results wrap the arrays (no copy), on an accelerator they travel to the device in
+    one copy.
+    """
+    dev = table.device
+    idx = step_index(table.shape[1], rows, starts, qo_lens, page_size, logit_rows, parents=parents, num_real=num_real)
+    total, num_pages, bsz = idx.slot_index.shape[0], idx.page_index.shape[0], idx.last_page_len.shape[0]
+    tree_mask = tree_indptr = None
+    if idx.tree_mask is not None:
+        tree_mask = torch.from_numpy(idx.tree_mask).to(dev, non_blocking=True)
+        tree_indptr = torch.from_numpy(idx.tree_mask_indptr).to(dev, torch.int32)
     ids = np.asarray(input_ids, dtype=np.int64) if not isinstance(input_ids, torch.Tensor) else input_ids.cpu().numpy()
     if dev.type == "cpu":  # numpy gathers straight from the table's memory; no copies
         flat = table.numpy().reshape(-1)
-        out_slots = torch.from_numpy(flat[slot_index])
-        page_slots = flat[page_index]
+        out_slots = torch.from_numpy(flat[idx.slot_index])
+        page_slots = flat[idx.page_index]
         kv_pages = torch.from_numpy((page_slots if page_size == 1 else page_slots // page_size).astype(np.int32))
-        positions_d, logits_d, ids_d = (torch.from_numpy(x) for x in (positions, logits_indices, ids))
-        qo_indptr_d, kv_indptr_d, last_d = (torch.from_numpy(x.astype(np.int32)) for x in (qo_indptr, kv_indptr, last_page_len))
+        positions_d, logits_d, ids_d = (torch.from_numpy(x) for x in (idx.positions, idx.logits_indices, ids))
+        qo_indptr_d, kv_indptr_d, last_d = (
+            torch.from_numpy(x.astype(np.int32)) for x in (idx.qo_indptr, idx.kv_indptr, idx.last_page_len)
+        )
     else:  # one host->device copy of every index, one gather from the table
-        parts = (slot_index, page_index, positions, logits_indices, qo_indptr, kv_indptr, last_page_len, ids)
+        parts = (idx.slot_index, idx.page_index, idx.positions, idx.logits_indices, idx.qo_indptr, idx.kv_indptr,
+                 idx.last_page_len, ids)  # fmt: skip
         packed = torch.from_numpy(np.concatenate(parts)).to(dev, non_blocking=True)
         gathered = table.view(-1)[packed[: total + num_pages]]
-        sizes = (total, num_pages, total, logits_indices.shape[0], bsz + 1, bsz + 1, bsz, total)
+        sizes = (total, num_pages, total, idx.logits_indices.shape[0], bsz + 1, bsz + 1, bsz, total)
         _, _, positions_d, logits_d, qo_indptr_d, kv_indptr_d, last_d, ids_d = packed.split(sizes)
         out_slots = gathered[:total]
         kv_pages = torch.div(gathered[total:], page_size, rounding_mode="floor").to(torch.int32)
@@ -196,8 +246,8 @@ def build_step_inputs(
         kv_page_indices=kv_pages,
         kv_last_page_len=last_d,
         page_size=page_size,
-        max_qo_len=qo_max,
-        max_kv_len=int(kv_lens.max()),
+        max_qo_len=idx.qo_max,
+        max_kv_len=idx.max_kv_len,
         num_qo_tokens=total,
         tree_mask=tree_mask,
         tree_mask_indptr=tree_indptr,
@@ -254,6 +304,24 @@ def draft_arrays(items: Sequence[ScheduledItem], width: int, k: int) -> DraftArr
     node = torch.arange(k)
     slot_index = torch.where(node < num_draft[:, None], (rows * width + starts + 1)[:, None] + node, 0)
     return DraftArrays(tokens, parents, num_draft, slot_index)
+
+
+def draft_laws(drafts: Sequence[DraftTree | None], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """``verify``'s ``draft_probs [N, V]`` for these drafts (nodes in order, None or empty ones
+    skipped): each node's law from a sampled draft (``DraftTree.probs``), a one-hot row for a
+    point-mass draft's node; None when every draft is a point mass (verify's point-mass form)."""
+    if all(d is None or d.probs is None for d in drafts):
+        return None
+    rows = []
+    for d in drafts:
+        if d is None or not len(d):
+            continue
+        if d.probs is not None:
+            rows.append(d.probs.to(device=device, dtype=torch.float32))
+        else:
+            tok = torch.tensor(d.tokens, dtype=torch.long, device=device)
+            rows.append(torch.zeros(len(d), vocab_size, device=device).scatter_(1, tok[:, None], 1.0))
+    return torch.cat(rows)
 
 
 def step_token_ids(reqs: Sequence[Request], starts: Sequence[int], qo_lens: Sequence[int]) -> list[int]:

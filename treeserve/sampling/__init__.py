@@ -8,17 +8,19 @@ Imports nothing from treeserve except ``treeserve._utils``.
 from __future__ import annotations
 
 from treeserve.sampling.batch import SamplingBatch
-from treeserve.sampling.bitmask import apply_token_bitmask, bitmask_words, stack_bitmasks, unpack_bitmask
+from treeserve.sampling.bitmask import apply_token_bitmask, apply_token_bitmask_, bitmask_words, stack_bitmasks, unpack_bitmask
+from treeserve.sampling.draft_sampling import DraftDraw, draw_siblings
 from treeserve.sampling.grammar import GrammarCompiler, GrammarState
 from treeserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
-from treeserve.sampling.rows import SamplingRows
+from treeserve.sampling.rows import HostRows, SamplingRows
 from treeserve.sampling.sampler import SampleOutput, greedy_tokens, sample
 from treeserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from treeserve.sampling.verify import VerifyOutput, VerifyUniforms, verify
 
 __all__ = [
+    "DraftDraw",
     "GrammarCompiler",
     "GrammarState",
     "MAX_LOGPROBS",
@@ -27,10 +29,13 @@ __all__ = [
     "SampleOutput",
     "SamplingBatch",
     "SamplingParams",
+    "HostRows",
     "SamplingRows",
     "StructuredOutput",
     "apply_token_bitmask",
+    "apply_token_bitmask_",
     "bitmask_words",
+    "draw_siblings",
     "greedy_tokens",
     "process_logits",
     "sample",

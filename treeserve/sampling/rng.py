@@ -18,6 +18,7 @@ class Purpose(enum.IntEnum):
 
     SAMPLE = 1  # the token drawn by ``sample`` (and verify's bonus/residual token)
     ACCEPT = 2  # verify's accept/reject coin for one draft node
+    DRAFT = 3  # a drafter's sampled draft token (sibling index as the index)
 
 
 def _signed(x: int) -> int:

@@ -8,12 +8,15 @@ rebuilding every field from ``SamplingParams``. Penalty token counts (frequency/
 repetition) are kept per row and updated with the newly committed tokens only.
 
 The gathered batch equals ``SamplingBatch.build`` of the same requests (tests check this), so
-sampling does not change.
+sampling does not change. A caller that stages a step's inputs itself (the static decode runner:
+one host buffer, one host->device copy) gathers the per-row values on the host instead
+(:meth:`SamplingRows.host_rows`, numpy mirrors of the resident tensors, no device work).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,7 +24,7 @@ import torch
 from treeserve.sampling.batch import SamplingBatch
 from treeserve.sampling.params import SamplingParams
 
-__all__ = ["SamplingRows"]
+__all__ = ["HostRows", "SamplingRows"]
 
 _MAX_SEED = 2**63 - 1
 # Columns of the resident float64 block and int64 block (one gather each per step).
@@ -42,6 +45,21 @@ class _RowState:
         self.counts: dict[int, int] = {}
         self.num_counted = 0
         self.penalized = penalized
+
+
+class HostRows(NamedTuple):
+    """Per-row sampling values of a step gathered on the host (numpy, row ``i`` = the step's
+    ``i``-th request), as :meth:`SamplingRows.batch` would gather them on the device;
+    ``ban_ids`` is ``[n, width]`` padded with -1."""
+
+    temperature: np.ndarray
+    greedy: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    seeds: np.ndarray
+    min_tokens_left: np.ndarray
+    ban_ids: np.ndarray
 
 
 class SamplingRows:
@@ -79,6 +97,7 @@ class SamplingRows:
         self._flag_filter = np.zeros(num_rows, dtype=bool)
         self._flag_penalty = np.zeros(num_rows, dtype=bool)
         self._flag_allowed = np.zeros(num_rows, dtype=bool)
+        self._flag_structured = np.zeros(num_rows, dtype=bool)
         self._top_k = np.zeros(num_rows, dtype=np.int64)
         self._logprobs = np.zeros(num_rows, dtype=np.int64)
         self._flag_logprobs = np.zeros(num_rows, dtype=bool)
@@ -90,6 +109,10 @@ class SamplingRows:
         self._ban_len = np.zeros(num_rows, dtype=np.int64)
         self._bias_len = np.zeros(num_rows, dtype=np.int64)
         self._state: list[_RowState | None] = [None] * num_rows
+        # Host mirrors of the resident values (``host_rows``).
+        self._reals_h = np.zeros((len(_REALS), num_rows), dtype=np.float64)
+        self._ints_h = np.zeros((len(_INTS), num_rows), dtype=np.int64)
+        self._ban_h = np.full((num_rows, 0), -1, dtype=np.int64)
 
     def admit(self, row: int, owner: object, params: SamplingParams, seed: int, prompt_ids: Sequence[int]) -> None:
         """Validate ``params`` and ``seed`` and write them into ``row`` for ``owner``.
@@ -117,8 +140,15 @@ class SamplingRows:
             state.counts = dict.fromkeys(prompt_ids, 0)
         reals = (p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p, p.repetition_penalty,
                  p.frequency_penalty, p.presence_penalty)  # fmt: skip
-        self._reals[:, row] = torch.tensor(reals, dtype=torch.float64)
-        self._ints[:, row] = torch.tensor((top_k, int(seed), p.min_new_tokens), dtype=torch.int64)
+        ints = (top_k, int(seed), p.min_new_tokens)
+        self._reals_h[:, row] = reals
+        self._ints_h[:, row] = ints
+        if len(ban) > self._ban_h.shape[1]:
+            self._ban_h = np.pad(self._ban_h, ((0, 0), (0, len(ban) - self._ban_h.shape[1])), constant_values=-1)
+        self._ban_h[row] = -1
+        self._ban_h[row, : len(ban)] = ban
+        self._reals[:, row] = torch.from_numpy(self._reals_h[:, row].copy())
+        self._ints[:, row] = torch.from_numpy(self._ints_h[:, row].copy())
         self._greedy[row] = p.greedy
         self._ban = _write_padded(self._ban, row, ban, -1)
         self._bias_ids = _write_padded(self._bias_ids, row, [t for t, _ in state.bias], 0)
@@ -134,6 +164,7 @@ class SamplingRows:
         self._flag_filter[row] = top_k > 0 or p.top_p < 1.0 or p.min_p > 0
         self._flag_penalty[row] = penalized
         self._flag_allowed[row] = p.allowed_token_ids is not None
+        self._flag_structured[row] = p.structured is not None
         self._top_k[row] = top_k
         self._logprobs[row] = p.logprobs or 0
         self._flag_logprobs[row] = p.logprobs is not None
@@ -172,6 +203,33 @@ class SamplingRows:
             return True
         counts = num_generated() if callable(num_generated) else num_generated
         return not (ban_until > np.asarray(counts, dtype=np.int64)).any()
+
+    def per_row_only(self, rows: np.ndarray, max_ban: int, max_logprobs: int) -> bool:
+        """Whether sampling ``rows`` (admitted) needs nothing beyond :class:`HostRows`: no
+        penalty, logit bias, allowed-token set or structured output, at most ``max_ban`` banned
+        ids and at most ``max_logprobs`` top logprobs per row."""
+        return not (
+            self._flag_penalty[rows].any()
+            or self._flag_allowed[rows].any()
+            or self._bias_len[rows].any()
+            or self._flag_structured[rows].any()
+            or self._ban_len[rows].max(initial=0) > max_ban
+            or self._logprobs[rows].max(initial=0) > max_logprobs
+        )
+
+    def host_rows(self, rows: np.ndarray, num_generated: np.ndarray, ban_width: int) -> HostRows:
+        """The per-row values of ``rows`` (admitted; row ``i`` has generated ``num_generated[i]``
+        tokens) gathered from the host mirrors, banned ids padded to ``ban_width`` columns
+        (``ValueError`` when a row bans more)."""
+        if self._ban_len[rows].max(initial=0) > ban_width:
+            raise ValueError(f"ban_width must be >= the rows' banned ids ({self._ban_len[rows].max()}), got {ban_width}")
+        temperature, top_p, min_p = self._reals_h[:3, rows]
+        top_k, seeds, min_new = self._ints_h[:, rows]
+        ban = np.full((rows.shape[0], ban_width), -1, dtype=np.int64)
+        width = min(ban_width, self._ban_h.shape[1])
+        ban[:, :width] = self._ban_h[rows, :width]
+        left = np.maximum(min_new - num_generated, 0)
+        return HostRows(temperature, self._flag_greedy[rows], top_k, top_p, min_p, seeds, left, ban)
 
     def batch(self, rows: Sequence[int], outputs: Sequence[Sequence[int]]) -> SamplingBatch:
         """The :class:`SamplingBatch` of ``rows`` (admitted), row ``i`` having generated

@@ -91,8 +91,10 @@ def _commit_one(
         if req.group is not None and req.sample_index == 0:
             req.group.prompt_cached = True
     reason = check(req)
-    if reason is None and req.grammar is not None:
-        reason = _advance_grammar(req, token)
+    if req.grammar is not None and reason in (None, FinishReason.LENGTH):
+        # A grammar that completes on the last token max_new_tokens allows reports "stop": the
+        # output is whole (and one it refuses reports "error" either way).
+        reason = _advance_grammar(req, token) or reason
     if reason is None and len(req.prompt_ids) + len(output) >= max_model_len:
         return FinishReason.LENGTH
     return reason

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-import torch
 
 from treeserve.kvcache import PageAllocator, RadixCache, ReqToTokenTable, pages_to_slots
 from treeserve.scheduler.request import Request, RequestState
@@ -36,8 +35,6 @@ class KVLedger:
         self.radix = radix
         self.table = table
         self.page_size = allocator.page_size
-        # The table's memory as a flat numpy array when it lives on the CPU (cheap scatters).
-        self._host_table = table.table.numpy().reshape(-1) if table.table.device.type == "cpu" else None
 
     # ------------------------------------------------------------------ sizes
     def pages_for(self, num_tokens: int) -> int:
@@ -111,7 +108,7 @@ class KVLedger:
         (the caller has :meth:`obtain`-ed them); the pages are handed out in ascending order, so
         each request's run is as contiguous as the free list allows.
 
-        The one write that bypasses ``ReqToTokenTable.write``: the rows are attached rows and the
+        The one write that bypasses ``ReqToTokenTable.write`` (it uses the unchecked ``scatter``): the rows are attached rows and the
         columns come from this ledger's own accounting, and a checked call per row would cost
         the decode hot path a Python call per request.
         """
@@ -128,10 +125,7 @@ class KVLedger:
         else:  # each request's pages' slots, in order
             index = (index[:, None] + np.arange(pages_each * ps)).reshape(-1)
             slots = pages_to_slots(pages, ps)
-        if self._host_table is not None:  # a CPU table: one numpy scatter
-            self._host_table[index] = slots.numpy()
-        else:
-            self.table.table.view(-1)[torch.from_numpy(index).to(slots.device)] = slots
+        self.table.scatter(index, slots)
         for r in reqs:
             r.num_owned_pages += pages_each
 

@@ -59,7 +59,10 @@ class SchedulerConfig:
     ``lpm_window``: waiting requests ordered by longest cached prefix when the queue is at most
     this long (FCFS beyond, where matching every request each step would cost too much).
     ``num_speculative_tokens``: most draft nodes per request and step (0 = no speculation); the
-    scheduler asks for drafts through ``ScheduledItem.draft_budget``, the engine drafts. ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
+    scheduler asks for drafts through ``ScheduledItem.draft_budget``, the engine drafts;
+    ``speculative_max_batch``: a step with more decoding requests than this asks for no drafts
+    (0 = no limit): on a compute-bound batch, scoring rejected draft nodes costs more than the
+    decode steps that accepted ones save. ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
     being prefilled (and not yet cached) waits for that prefill instead of duplicating it.
     """
 
@@ -67,6 +70,7 @@ class SchedulerConfig:
     max_running: int = 64
     max_model_len: int = 2048
     num_speculative_tokens: int = 0
+    speculative_max_batch: int = 0
     lpm_window: int = 128
     min_shared_prefix: int = 32
 
@@ -75,7 +79,7 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("lpm_window", "min_shared_prefix", "num_speculative_tokens"):
+        for name in ("lpm_window", "min_shared_prefix", "num_speculative_tokens", "speculative_max_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -214,6 +218,42 @@ class Scheduler:
             self._ask_for_drafts(batch, budget)
         return batch
 
+    def schedule_follow_up(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after ``in_flight`` (scheduled and launched, its tokens not committed
+        yet), to be launched before they are: each of its requests decodes the token it samples
+        there (item ``start`` = that token's position, ``seq_len`` until it is committed).
+
+        Only when the next step is that and nothing else: nothing waits (admissions take the
+        synchronous path), no speculation, ``in_flight`` was one sampled token per running
+        request (no draft, no grammar), and each one's next slot can be had without pausing
+        anyone (evicting unlocked radix leaves as usual). A request that ``in_flight``'s token
+        brings to ``max_new_tokens`` or ``max_model_len`` is left out; one that it stops another
+        way (EOS, a stop string) is in, and its token is discarded when committed (the commit
+        path skips finished requests). ``None`` changes nothing.
+        """
+        running = self.running
+        if self.waiting or self.config.num_speculative_tokens or len(in_flight.items) != len(running):
+            return None
+        max_len = self.config.max_model_len
+        follow: list[Request] = []
+        for it in in_flight.items:
+            req = it.req
+            if (req.state is not _RUNNING or not it.sample or it.num_scheduled_tokens != 1 or it.draft is not None
+                    or req.grammar is not None or it.start != req.seq_len - 1):  # fmt: skip
+                return None
+            if len(req.output_ids) + 1 < req.params.max_new_tokens and req.seq_len + 1 < max_len:
+                follow.append(req)
+        if not follow:
+            return None
+        ledger, ps = self.ledger, self.page_size
+        full = [r for r in follow if r.seq_len >= r.num_cached_tokens + r.num_owned_pages * ps]
+        if full:
+            if not ledger.obtain(len(full), 0):
+                return None
+            ledger.grow(full, 1)
+        new_item = tuple.__new__
+        return ScheduledBatch([new_item(ScheduledItem, (r, r.seq_len, 1, True, None, 0)) for r in follow])
+
     def _schedule_running(self, items: list[ScheduledItem], running: list[Request], budget: int) -> int:
         """Append the items of ``running`` (oldest first) while ``budget`` tokens remain, reserving
         their slots (pausing the newest requests when pages run out); return the budget left."""
@@ -265,6 +305,9 @@ class Scheduler:
         k = self.config.num_speculative_tokens
         max_len = self.config.max_model_len
         items = batch.items
+        limit = self.config.speculative_max_batch
+        if limit and sum(it.start == it.req.seq_len - 1 for it in items) > limit:
+            return  # a batch-heavy step: plain decoding is faster
         for j, it in enumerate(items):
             if budget <= 0:
                 return

@@ -20,7 +20,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,6 +37,7 @@ __all__ = [
     "EngineStats",
     "QueueFullError",
     "RequestStream",
+    "check_admission",
     "read_engine_stats",
 ]
 
@@ -58,7 +59,9 @@ class EngineStats:
     ``kv_usage`` counts pages held by requests (running samples and prefixes they lock) as used;
     pages only kept by the prefix cache are reclaimable, so they count as free (vLLM's meaning).
     ``steps`` / ``busy_seconds``: engine steps so far and the time spent in them (schedule,
-    forward, sample, update), to tell engine time from serving overhead. ``prompt_tokens`` and
+    forward, sample, update), to tell engine time from serving overhead. ``draft_tokens`` /
+    ``accepted_tokens`` / ``verify_steps``: speculative decoding's proposed and accepted draft
+    tokens and its verify passes (request-steps that verified a draft). ``prompt_tokens`` and
     ``kv_tiers``: the engine's prompt tokens and KV-tier hits and bytes moved (``LLM.metrics``).
     """
 
@@ -69,6 +72,9 @@ class EngineStats:
     kv_cached_pages: int = 0
     steps: int = 0
     busy_seconds: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
     prompt_tokens: int = 0
     kv_tiers: TierStats = field(default_factory=TierStats)
 
@@ -90,6 +96,9 @@ def read_engine_stats(llm: LLM) -> EngineStats:
         kv_cached_pages=llm.radix.evictable_tokens // llm.kv.page_size,
         steps=m.steps,
         busy_seconds=m.busy_seconds,
+        draft_tokens=m.draft_tokens,
+        accepted_tokens=m.accepted_tokens,
+        verify_steps=m.verify_steps,
         prompt_tokens=m.prompt_tokens,
         kv_tiers=replace(m.kv_tiers),  # a snapshot: the engine keeps counting
     )
@@ -241,6 +250,15 @@ class EngineClient(abc.ABC):
         """Stop the loop, abort every live request and close their streams (idempotent)."""
 
 
+def check_admission(live: Collection[str], max_live_requests: int, request_id: str) -> None:
+    """Raise what a new request gets from an :class:`EngineClient` holding the ``live`` request
+    ids: :class:`QueueFullError` at ``max_live_requests``, ``ValueError`` for an id already live."""
+    if len(live) >= max_live_requests:
+        raise QueueFullError(f"the server holds {len(live)} live requests, its limit")
+    if request_id in live:
+        raise ValueError(f"request_id {request_id!r} is already live")
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -317,10 +335,7 @@ class AsyncLLMEngine(EngineClient):
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
         if not self.is_healthy():
             raise EngineDeadError(self._dead or "the engine is not running")
-        if len(self._streams) >= self.max_live_requests:
-            raise QueueFullError(f"the server holds {len(self._streams)} live requests, its limit")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already live")
+        check_admission(self._streams, self.max_live_requests, request_id)
         stream = RequestStream(request_id, params.n, asyncio.get_running_loop())
         self._streams[request_id] = stream
         cmd = _Add(request_id, prompt_ids, params)

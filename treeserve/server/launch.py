@@ -18,9 +18,9 @@ import uvicorn
 
 from treeserve.engine import LLM
 from treeserve.server.api import build_app
-from treeserve.server.engine_client import AsyncLLMEngine
+from treeserve.server.engine_client import AsyncLLMEngine, EngineClient
 
-__all__ = ["serve"]
+__all__ = ["serve", "serve_client"]
 
 log = logging.getLogger("treeserve.server")
 
@@ -34,7 +34,14 @@ def serve(llm: LLM | Callable[[], LLM], *, host: str = "127.0.0.1", port: int = 
         engine = AsyncLLMEngine(llm, max_live_requests=max_live_requests)
     else:
         engine = AsyncLLMEngine.build(llm, max_live_requests=max_live_requests)
-    name = model_name or engine.llm.model_name
+    return serve_client(engine, model_name or engine.llm.model_name, host=host, port=port,
+                        graceful_seconds=graceful_seconds, log_level=log_level)  # fmt: skip
+
+
+def serve_client(engine: EngineClient, name: str, *, host: str = "127.0.0.1", port: int = 8000,
+                 graceful_seconds: float = 5.0, log_level: str = "info") -> int:  # fmt: skip
+    """Serve the app over any :class:`EngineClient` (one engine, or a cluster's replicas) as
+    :func:`serve` does; returns 0 once stopped by SIGINT / SIGTERM (the engine is shut down)."""
     config = uvicorn.Config(build_app(engine, name), host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=graceful_seconds)  # fmt: skip
     server = _Server(config, engine, graceful_seconds / 2)
@@ -53,7 +60,7 @@ class _Server(uvicorn.Server):
 
     announce = ""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, abort_after: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, abort_after: float) -> None:
         super().__init__(config)
         self.engine, self.abort_after = engine, abort_after
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -48,6 +48,9 @@ class _EngineGauges(Collector):
             ("treeserve:engine_steps", "Engine steps run.", s.steps),
             ("treeserve:engine_busy_seconds", "Time spent in engine steps (schedule, forward, sample).",
              s.busy_seconds),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed by speculative decoding.", s.draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted by verification.", s.accepted_tokens),
+            ("vllm:spec_decode_num_drafts", "Verify passes (a request's draft verified in a step).", s.verify_steps),
         ):  # fmt: skip
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(self.labels, float(total))

@@ -1,0 +1,151 @@
+"""Token embedding and LM head kept as GGUF codes (``treeserve.models.vocab_codes``, issue 33)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.models.test_gguf_linear import check_greedy_pick, random_blocks
+from treeserve.models import load
+from treeserve.models.gguf_loader import gguf_config, open_gguf
+from treeserve.models.gguf_op import BLOCK_BYTES, GGUFWeight, dequantize_blocks, gguf_op_available
+from treeserve.models.llama import Embedding
+from treeserve.models.loader import resolve_model_path
+from treeserve.models.quant import ExactHead
+from treeserve.models.synthetic_gguf import SPECS, SyntheticSpec, write_synthetic_gguf
+from treeserve.models.vocab_codes import HEAD_CODES_MIN_BYTES, CodesEmbedding, CodesHead, head_from_codes, row_norms
+from treeserve.runner import PagedSequence
+
+QTYPES = sorted(BLOCK_BYTES)
+TINY = SyntheticSpec("llama", 2, 128, 4, 2, 192, 320, False, False, 500000.0, 256)
+requires_op = pytest.mark.skipif(not gguf_op_available(), reason="the C++ GGUF operator is not built here")
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_torch_dequantization_is_bitwise_gguf_quants(qtype: str) -> None:
+    """``dequantize_blocks`` (torch) against ``gguf.quants.dequantize`` (llama.cpp's reference in
+    numpy) on random blocks, compared as bits; ``dequantize_rows`` gives the same rows."""
+    n, k = 67, 256
+    raw = random_blocks(qtype, n, k, 5)
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k).astype(np.float32))
+    w = GGUFWeight.from_bytes(qtype, raw, (n, k))
+    assert torch.equal(dequantize_blocks(qtype, w.raw, k).view(torch.int32), ref.view(torch.int32))
+    assert torch.equal(w.dequantize().view(torch.int32), ref.view(torch.int32))
+    ids = torch.tensor([[3, 0, 66], [3, 5, 5]])
+    assert torch.equal(w.dequantize_rows(ids), ref[ids])
+
+
+def test_the_size_rule_and_its_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TREESERVE_HEAD_CODES", raising=False)
+    smol = gguf_config(open_gguf(resolve_model_path("smollm2-135m-instruct")))
+    assert not head_from_codes(smol.vocab_size, smol.hidden_size)  # the default model keeps ExactHead
+    for name in ("llama-3.2-1b", "llama-3-8b", "qwen2.5-1.5b"):
+        assert head_from_codes(SPECS[name].vocab_size, SPECS[name].hidden_size), name
+    assert not head_from_codes(HEAD_CODES_MIN_BYTES // 4 // 64, 64)
+    assert head_from_codes(HEAD_CODES_MIN_BYTES // 4 // 64 + 1, 64)
+    monkeypatch.setenv("TREESERVE_HEAD_CODES", "1")
+    assert head_from_codes(10, 32)
+    monkeypatch.setenv("TREESERVE_HEAD_CODES", "0")
+    assert not head_from_codes(SPECS["llama-3-8b"].vocab_size, 4096)
+    monkeypatch.setenv("TREESERVE_HEAD_CODES", "yes")
+    with pytest.raises(ValueError, match="TREESERVE_HEAD_CODES must be '0' or '1'"):
+        head_from_codes(10, 32)
+
+
+def test_bad_codes() -> None:
+    with pytest.raises(TypeError, match="codes must be a GGUFWeight"):
+        CodesEmbedding(torch.zeros(4, 32))  # type: ignore[arg-type]
+
+
+@requires_op
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**20), margin=st.sampled_from([0.0, 1e-6, 1e-4]), qtype=st.sampled_from(QTYPES))
+def test_codes_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: float, qtype: str) -> None:
+    """Rows whose two best logits differ by ~margin pick the float32 head's token (at margin 0, a
+    token float32 rounding cannot order against it); every logit within the first pass's bound."""
+    v, k, m = 257, 64, 5
+    gen = torch.Generator().manual_seed(seed)
+    w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, v, k, seed), (v, k))
+    x = torch.randn(m, k, generator=gen)
+    top2 = F.linear(x, w.dequantize()).topk(2, dim=1).indices
+    last = k // 32 - 1  # the last block: scale 0.01, its last byte moved by one code step in the runner-up
+    element = 32 * last + (15 if qtype != "Q8_0" else 31)  # that byte's low nibble / int8 code
+    for r in range(m):  # logits of a and b then differ by 0.01 * x[r, element]
+        a, b = top2[r]
+        start = last * BLOCK_BYTES[qtype]
+        w.raw[a, start : start + 2] = torch.tensor(np.array([0.01], np.float16).view(np.uint8))
+        w.raw[b] = w.raw[a]
+        w.raw[b, -1] ^= 1
+        x[r, element] = margin / 0.01
+    dense = w.dequantize()
+    head = CodesHead(w)
+    logits = head(x)
+    ref, noise = check_greedy_pick(logits, x, dense, margin)
+    bound = head.bound_factor * x.norm(dim=1, keepdim=True) * dense.double().norm(dim=1).float()
+    assert bool(((logits - ref).abs() <= bound + noise[:, None]).all())
+
+
+@requires_op
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_load_keeps_the_vocabulary_as_codes_by_the_rule(tmp_path: Path, tied: bool, qtype: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Untied: the embedding is read from its codes (bitwise the dense rows) whatever the head; the
+    head is codes where the rule says so, and then a tied embedding too. Greedy decoding of the
+    codes model equals the float32-head model's."""
+    path = write_synthetic_gguf(tmp_path / "m.gguf", replace(TINY, tie_word_embeddings=tied), qtype, seed=2)
+    dense, _ = load(path, quantization=None)
+    monkeypatch.setenv("TREESERVE_HEAD_CODES", "0")
+    small, _ = load(path, quantization="auto")
+    monkeypatch.setenv("TREESERVE_HEAD_CODES", "1")
+    big, _ = load(path, quantization="auto")
+    assert isinstance(small.lm_head, ExactHead) and isinstance(big.lm_head, CodesHead)
+    assert isinstance(small.embed_tokens, Embedding if tied else CodesEmbedding)
+    assert isinstance(big.embed_tokens, CodesEmbedding)
+    if tied:
+        assert big.embed_tokens.raw.data_ptr() == big.lm_head.raw.data_ptr()  # one copy: the file's
+    ids = torch.arange(TINY.vocab_size)
+    assert torch.equal(big.embed_tokens(ids), dense.embed_tokens(ids).float())
+    prompt = list(range(20, 40))
+    with torch.inference_mode():
+        a = PagedSequence(small, 64, page_size=1).extend(prompt, all_logits=True)
+        b = PagedSequence(big, 64, page_size=1).extend(prompt, all_logits=True)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_row_norms_from_the_codes_match_the_dequantized_rows(qtype: str) -> None:
+    n, k = 301, 512
+    w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, 9), (n, k))
+    ref = w.dequantize().double().norm(dim=1)
+    got = row_norms(w).double()
+    assert bool(((got - ref).abs() <= 1e-6 * ref).all())
+
+
+@requires_op
+def test_the_traced_rescoring_matches_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With few candidates per row (random logits), the static re-scoring of a traced step covers
+    the eager one's candidates: the same picks, every logit within the first pass's bound."""
+    import treeserve.models.vocab_codes as vc
+
+    v, k = 300, 128
+    w = GGUFWeight.from_bytes("Q4_0", random_blocks("Q4_0", v, k, 4), (v, k))
+    head = CodesHead(w)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
+    eager = head(x)
+    monkeypatch.setattr(vc, "_tracing", lambda: True)
+    traced = head(x)
+    assert torch.equal(traced.argmax(1), eager.argmax(1))
+    bound = head.bound_factor * x.norm(dim=1, keepdim=True) * head.row_norms
+    assert bool(((traced - eager).abs() <= 2 * bound).all())
+    assert not torch.equal(traced, eager)  # the static path re-scored entries the eager one left

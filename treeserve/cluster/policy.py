@@ -1,0 +1,82 @@
+"""The routing decision of the prefix-cache-aware router, as a pure function (no Ray).
+
+SGLang's cache-aware policy, over :class:`~treeserve.cluster.prefix_index.PrefixIndex`:
+
+1. Loads (requests in flight per replica) are *skewed* when
+   ``max - min > balance_abs`` and ``max > balance_rel * min``: then the least-loaded replica gets
+   the request, whatever the caches hold (a hot prefix must not pile onto one replica).
+2. Otherwise the replica holding the longest prefix gets it, if that prefix covers at least
+   ``cache_threshold`` of the prompt (ties: the less loaded, then the smaller cache).
+3. Otherwise (nothing worth reusing) the least-loaded replica, ties to the one with the smallest
+   cache, so new prefixes spread over the replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from treeserve.cluster.prefix_index import PrefixIndex
+
+__all__ = ["Route", "RoutingThresholds", "choose_replica"]
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingThresholds:
+    """The router's named thresholds (README "Replicas"; measured in benches/RESULTS.md).
+
+    ``cache_threshold``: the fraction of the prompt (0..1) a replica's cached prefix must cover
+    for the request to follow it. ``balance_abs`` (requests) and ``balance_rel`` (ratio, >= 1):
+    loads are skewed when the busiest replica has more than ``balance_abs`` requests more than
+    the idlest *and* more than ``balance_rel`` times as many. ``block_tokens``: granularity of the
+    router's prefix tree (match lengths are multiples of it); ``capacity_tokens``: how many tokens
+    of prompts the tree remembers per replica (its KV pool).
+    """
+
+    cache_threshold: float = 0.5
+    balance_abs: int = 8
+    balance_rel: float = 1.5
+    block_tokens: int = 16
+    capacity_tokens: int = 32768
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache_threshold, (int, float)) or not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must lie in [0, 1], got {self.cache_threshold!r}")
+        if not isinstance(self.balance_abs, int) or self.balance_abs < 0:
+            raise ValueError(f"balance_abs must be an int >= 0, got {self.balance_abs!r}")
+        if not isinstance(self.balance_rel, (int, float)) or not self.balance_rel >= 1.0:
+            raise ValueError(f"balance_rel must be a number >= 1, got {self.balance_rel!r}")
+        PrefixIndex(self.block_tokens, self.capacity_tokens)  # validates both
+
+    def skewed(self, loads: Sequence[int]) -> bool:
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.balance_abs and hi > self.balance_rel * lo
+
+
+class Route(NamedTuple):
+    """The chosen replica, why (``"balance"``, ``"prefix"`` or ``"spread"``) and its expected
+    cached prefix in tokens."""
+
+    replica: Hashable
+    reason: str
+    matched_tokens: int
+
+
+def choose_replica(ids: Sequence[int], loads: Mapping[Hashable, int], index: PrefixIndex,
+                   thresholds: RoutingThresholds) -> Route:  # fmt: skip
+    """Pick one of ``loads``' replicas for prompt ``ids`` (see the module docstring). Read-only:
+    the caller records the choice with ``index.insert``. ``loads`` must not be empty."""
+    if not loads:
+        raise ValueError("loads must name at least one replica")
+    replicas = list(loads)
+    match = index.match(ids)
+    if thresholds.skewed([loads[r] for r in replicas]):
+        best = min(replicas, key=lambda r: (loads[r], -match.get(r, 0)))
+        return Route(best, "balance", match.get(best, 0))
+    best = min(replicas, key=lambda r: (-match.get(r, 0), loads[r], index.cached_tokens(r)))
+    got = match.get(best, 0)
+    if got > 0 and got >= thresholds.cache_threshold * len(ids):
+        return Route(best, "prefix", got)
+    best = min(replicas, key=lambda r: (loads[r], index.cached_tokens(r)))
+    return Route(best, "spread", match.get(best, 0))

@@ -1,0 +1,96 @@
+"""The int8 tier's rounded weights kept on disk per source file (issue 33: a warm start in seconds).
+
+Building a projection's int8 copy (``int8_op``: dequantize the codes, rotate, round per row) is
+most of a warm ``LLM()`` on the default model (the measurements themselves are cached by
+``treeserve._tuning``). ``int8_weight`` keeps what that costs, the int8 codes and the float32 row
+scales of ``round_rotated``, in one ``torch.save`` file per projection under
+``cache_dir()/int8/``, and rebuilds the weight from it with ``Int8Weight.from_codes`` (oneDNN's
+prepack only): bitwise the weight ``from_dense`` makes.
+
+- key: the source file's identity (``source_id``: resolved path, size, modification time and
+  inode; a file rewritten in place is a new key), the projection's name and shape, a hash of
+  ``int8_op.py`` (the rounding) and ``treeserve._tuning.host_key()`` (CPU, torch version, threads,
+  operator sources);
+- an entry is written through a temporary file and ``os.replace``; one that cannot be read, holds
+  another key, or tensors of the wrong dtype or shape is built again and rewritten; a folder that
+  cannot be written costs the build at every start, never an error;
+- sources above ``CACHE_MAX_FILE_BYTES`` (2 GiB) are not cached (the entries take 1 byte per
+  projection weight on disk: 0.1 GB for SmolLM2-135M, 7 GB for an 8B model);
+  ``TREESERVE_INT8_CACHE=0`` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from treeserve._tuning import cache_dir, host_key, write_entry
+from treeserve.models.int8_op import Int8Weight, round_rotated
+
+__all__ = ["CACHE_MAX_FILE_BYTES", "int8_weight", "source_id"]
+
+CACHE_MAX_FILE_BYTES = 2 << 30
+"""Sources larger than this are not cached (see the module docstring)."""
+_VERSION = 1
+
+
+def source_id(path: str | Path) -> str | None:
+    """The identity of the file at ``path`` for cache keys (resolved path, size, mtime in ns, inode),
+    or None when it is larger than ``CACHE_MAX_FILE_BYTES``, cannot be read, or ``TREESERVE_INT8_CACHE``
+    is ``0`` (``ValueError`` for a value other than ``0`` / ``1``)."""
+    env = os.environ.get("TREESERVE_INT8_CACHE")
+    if env not in (None, "0", "1"):
+        raise ValueError(f"TREESERVE_INT8_CACHE must be '0' or '1', got {env!r}")
+    try:
+        resolved = Path(path).resolve()
+        st = resolved.stat()
+    except OSError:
+        return None
+    if env == "0" or st.st_size > CACHE_MAX_FILE_BYTES:
+        return None
+    return f"{resolved}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+@lru_cache(maxsize=1)
+def _rounding_hash() -> str:
+    return hashlib.sha256(Path(__file__).with_name("int8_op.py").read_bytes()).hexdigest()[:16]
+
+
+def _read(path: Path, key: list[str], shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    try:
+        entry = torch.load(path, weights_only=True)
+    except Exception:  # missing, truncated or not a torch file: build it again
+        return None
+    if not isinstance(entry, dict) or entry.get("version") != _VERSION or entry.get("key") != key:
+        return None
+    codes, scales = entry.get("codes"), entry.get("scales")
+    if not (isinstance(codes, torch.Tensor) and codes.dtype == torch.int8 and tuple(codes.shape) == shape
+            and isinstance(scales, torch.Tensor) and scales.dtype == torch.float32
+            and tuple(scales.shape) == shape[:1]):  # fmt: skip
+        return None
+    return codes, scales
+
+
+def int8_weight(source: str | None, name: str, shape: tuple[int, int], dense: Callable[[], torch.Tensor]) -> Int8Weight:
+    """The int8 copy of projection ``name`` (``shape`` ``(N, K)``) of the file ``source``
+    (``source_id``): from the disk cache, else ``round_rotated(dense())``, stored. ``source=None``:
+    built, not cached."""
+    if source is None:
+        return Int8Weight.from_dense(dense())
+    key = [str(k) for k in (source, name, tuple(shape), _rounding_hash(), *host_key())]  # plain str: weights_only loads
+    path = cache_dir() / "int8" / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]}.pt"
+    found = _read(path, key, tuple(shape))
+    if found is None:
+        weight = dense()
+        if tuple(weight.shape) != tuple(shape):
+            raise ValueError(f"dense() of {name!r} must have shape {tuple(shape)}, got {tuple(weight.shape)}")
+        found = round_rotated(weight)
+        entry = {"version": _VERSION, "key": key, "codes": found[0], "scales": found[1]}
+        write_entry(path, lambda f: torch.save(entry, f), "int8 weight cache: building at every start")
+    return Int8Weight.from_codes(*found)

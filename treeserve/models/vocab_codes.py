@@ -1,0 +1,157 @@
+"""Token embedding and LM head kept as a GGUF file's codes (issue 33): no float32 vocabulary matrix.
+
+A Llama-3-8B GGUF holds two ``[128256, 4096]`` matrices; as float32 they take 4.2 GB beside a
+4.3 GiB Q4_0 file. Here they stay as the file's blocks (``GGUFWeight``, read in place from the
+mapping):
+
+- ``CodesEmbedding``: a lookup dequantizes the looked-up rows only (``GGUFWeight.dequantize_rows``),
+  bitwise the rows of the dequantized matrix, so a model's outputs do not change;
+- ``CodesHead``: logits from ``treeserve::gguf_linear_exact`` (float32 activations, the float32
+  product of the dequantized head up to summation order, bound ``2 (K + 2) 2^-24 |x| |W_j|``), then
+  every entry the bound cannot rule out of the argmax re-scored in float32 from its dequantized row
+  (``ExactHead``'s contract: greedy picks the float32 head's token), for every batch size. The
+  other logits differ from the float32 head's by at most that bound.
+
+Which models (``vocab_from_codes``): the embedding is read from its codes whenever it is not also
+the float32 head; the head is read from its codes when its float32 copy would exceed
+``HEAD_CODES_MIN_BYTES`` (512 MiB: SmolLM2-135M's 113 MB head stays the float32 ``ExactHead``, so
+its outputs are unchanged; Llama-3.2-1B's 1.05 GB and larger heads take codes).
+``TREESERVE_HEAD_CODES=0|1`` overrides the size rule.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+from treeserve.models.gguf_op import GGUFWeight, gguf_op_available
+
+__all__ = ["HEAD_CODES_MIN_BYTES", "CodesEmbedding", "CodesHead", "head_from_codes", "row_norms"]
+
+HEAD_CODES_MIN_BYTES = 1 << 29
+"""A head whose float32 copy (``4 * vocab * hidden`` bytes) is larger is kept as codes (``head_from_codes``)."""
+
+_tracing = torch.compiler.is_compiling
+"""True while Dynamo traces (``CodesHead`` then re-scores with static shapes); tests patch it."""
+_RESCORE_CHUNK = 4096  # candidate entries re-scored per dequantization (bounds the temporaries)
+
+
+def head_from_codes(vocab_size: int, hidden_size: int) -> bool:
+    """Whether a loader keeps a ``[vocab_size, hidden_size]`` LM head as codes (``CodesHead``): its float32
+    copy would exceed ``HEAD_CODES_MIN_BYTES``, unless ``TREESERVE_HEAD_CODES`` is ``0`` (never) or
+    ``1`` (always; any other value is a ``ValueError``). Needs the C++ GGUF operator either way."""
+    env = os.environ.get("TREESERVE_HEAD_CODES")
+    if env not in (None, "0", "1"):
+        raise ValueError(f"TREESERVE_HEAD_CODES must be '0' or '1', got {env!r}")
+    if env is not None:
+        return env == "1"
+    return 4 * vocab_size * hidden_size > HEAD_CODES_MIN_BYTES
+
+
+def _byte_tables() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per byte value: the sum of squares and the sum of the codes it holds, as ``row_norms`` reads them."""
+    b = np.arange(256, dtype=np.int32)
+    lo, hi, signed = b & 15, b >> 4, b.astype(np.uint8).view(np.int8).astype(np.int32)
+    return {
+        "Q4_0": ((lo - 8) ** 2 + (hi - 8) ** 2, lo + hi - 16),
+        "Q4_1": (lo**2 + hi**2, lo + hi),
+        "Q8_0": (signed**2, signed),
+    }
+
+
+_TABLES = _byte_tables()
+
+
+def row_norms(codes: GGUFWeight) -> torch.Tensor:
+    """``|W_j|`` of every row of the dequantized weight, float32 ``[N]``, from the codes in closed form
+    (per block ``d^2 sum q^2``, plus ``2 d m sum q + 32 m^2`` for Q4_1's offset; the code sums exact
+    integers from a per-byte table, the rest in float64, a chunk of rows at a time): within a few
+    float64 roundings of the norm of the float32 dequantization, without making it."""
+    n, k = codes.shape
+    nb = k // 32
+    squares, sums = (t.astype(np.uint16 if codes.qtype != "Q8_0" else np.int32) for t in _TABLES[codes.qtype])
+    code_bytes = 32 if codes.qtype == "Q8_0" else 16
+    raw = codes.raw.numpy()
+    step = max(1, (1 << 22) // k)
+    out = np.empty(n, np.float64)
+    for start in range(0, n, step):
+        blocks = raw[start : start + step].reshape(-1, nb, raw.shape[1] // nb)
+        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float64)
+        q = blocks[..., -code_bytes:]
+        sq = d * d * squares[q].sum(-1, dtype=np.int64)
+        if codes.qtype == "Q4_1":
+            m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float64)
+            sq += 2 * d * m * sums[q].sum(-1, dtype=np.int64) + 32 * m * m
+        out[start : start + step] = np.sqrt(sq.sum(1))
+    return torch.from_numpy(out.astype(np.float32))
+
+
+class _Codes(nn.Module):
+    """A module holding one ``GGUFWeight`` as its ``raw`` buffer (no copy: the file's pages when mapped)."""
+
+    def __init__(self, codes: GGUFWeight) -> None:
+        super().__init__()
+        if not isinstance(codes, GGUFWeight):
+            raise TypeError(f"codes must be a GGUFWeight, got {type(codes).__name__}")
+        self.qtype, self.in_features = codes.qtype, codes.in_features
+        self.register_buffer("raw", codes.raw, persistent=False)
+
+    @property
+    def codes(self) -> GGUFWeight:
+        """The blocks as a ``GGUFWeight`` (the same storage)."""
+        return GGUFWeight(self.qtype, self.raw, self.in_features)
+
+
+class CodesEmbedding(_Codes):
+    """``forward(ids [*S]) -> float32 [*S, K]``: rows of a ``[V, K]`` embedding held as GGUF blocks."""
+
+    def __init__(self, codes: GGUFWeight) -> None:
+        super().__init__(codes)
+        self.num_embeddings = codes.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.codes.dequantize_rows(ids)
+
+
+class CodesHead(_Codes):
+    """LM head ``x [M, K] -> float32 logits [M, V]`` over GGUF blocks, greedy-exact (module docstring).
+
+    Requires the C++ GGUF operator (``gguf_op_available()``; ``RuntimeError`` otherwise: a loader
+    without it keeps the float32 head). ``row_norms`` (``|W_j|``, float32 ``[V]``) are computed
+    once from the codes, a chunk of rows at a time.
+    """
+
+    def __init__(self, codes: GGUFWeight) -> None:
+        if not gguf_op_available():
+            raise RuntimeError("CodesHead needs the C++ GGUF operator (treeserve::gguf_linear_exact), which is not built")
+        super().__init__(codes)
+        self.out_features = codes.shape[0]
+        self.register_buffer("row_norms", row_norms(codes), persistent=False)
+        self.bound_factor = 2 * (codes.in_features + 2) * 2.0**-24
+        self.max_candidates = 64  # per row, in a traced step (``_rescore_static``)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        logits = torch.ops.treeserve.gguf_linear_exact(x, self.raw, self.qtype, self.in_features)
+        bound = (self.bound_factor * x.norm(dim=1, keepdim=True)) * self.row_norms
+        if _tracing():
+            return self._rescore_static(x, logits, bound)
+        threshold = (logits - bound).amax(dim=1, keepdim=True)
+        rows, cols = (logits + bound >= threshold).nonzero(as_tuple=True)
+        codes = self.codes
+        for start in range(0, rows.numel(), _RESCORE_CHUNK):
+            r, c = rows[start : start + _RESCORE_CHUNK], cols[start : start + _RESCORE_CHUNK]
+            logits[r, c] = (x[r] * codes.dequantize_rows(c)).sum(-1)
+        return logits
+
+    def _rescore_static(self, x: torch.Tensor, logits: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+        """The re-scoring with static shapes, for a traced step (``torch.compile(fullgraph=True)``):
+        the ``max_candidates`` entries of highest upper bound per row are re-scored, which covers
+        every entry the bound cannot rule out unless a row has more of them (that row then keeps
+        first-pass values, within the bound, for the rest)."""
+        idx = (logits + bound).topk(min(self.max_candidates, logits.shape[1]), dim=1).indices  # [M, C]
+        exact = torch.einsum("mk,mck->mc", x, self.codes.dequantize_rows(idx))
+        return logits.scatter(1, idx, exact)
