@@ -31,6 +31,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="each request's output independent of its batch (slower; see README)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N worker processes (gloo on CPU, one GPU each on CUDA)")
+    p.add_argument("--kv-host-tokens", type=int, default=None,
+                   help="host-memory KV tier under the pool, in tokens (default: off on CPU, the pool's size on CUDA)")
+    p.add_argument("--kv-disk-dir", default=None, help="directory of the disk KV tier (kept across restarts)")
+    p.add_argument("--kv-disk-bytes", type=int, default=16 << 30, help="disk KV tier capacity in bytes")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +60,9 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         num_speculative_tokens=args.num_speculative_tokens,
         batch_invariant=args.batch_invariant,
         tensor_parallel_size=args.tensor_parallel_size,
+        kv_host_tokens=args.kv_host_tokens,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_bytes=args.kv_disk_bytes,
     )
 
 

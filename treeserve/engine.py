@@ -29,7 +29,17 @@ import torch
 from treeserve._cpp import load_all_cpp_ops
 from treeserve._cpu import auto_dtype, cpu_features, release_free_memory
 from treeserve._utils import log_once
-from treeserve.kvcache import KVPool, RadixCache, ReqToTokenTable
+from treeserve.kvcache import (
+    DiskStore,
+    KVPool,
+    KVTiers,
+    RadixCache,
+    ReqToTokenTable,
+    TierLayout,
+    TierStats,
+    default_chunk_tokens,
+    module_fingerprint,
+)
 from treeserve.models.invariant import make_batch_invariant
 from treeserve.models.quant import check_quantization
 from treeserve.output import SampleDelta, TrackedRequest
@@ -110,6 +120,11 @@ class EngineConfig:
     processes, one CUDA device each from ``device`` on; dense weights, eager path only);
     ``distributed_timeout_s`` bounds every collective, so a dead or hung worker fails the step
     with a ``RuntimeError`` instead of hanging it.
+    ``kv_host_tokens``: capacity in tokens of the host-memory KV tier under the pool (evicted
+    prefixes are demoted there and promoted back on a hit; ``None`` = off on CPU, where the pool
+    already is host memory, and the pool's size on CUDA, pinned); ``kv_disk_dir``: a directory for
+    the disk tier (content-addressed chunk files that outlive the process; ``None`` = off), at
+    most ``kv_disk_bytes`` bytes of them (``treeserve.kvcache.tiers``).
     """
 
     dtype: str = "auto"
@@ -137,6 +152,9 @@ class EngineConfig:
     batch_invariant: bool = False
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0
+    kv_host_tokens: int | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
         for name in ("dtype", "kv_cache_dtype"):
@@ -179,6 +197,26 @@ class EngineConfig:
         if self.batch_invariant and (self.cuda_graph or self.compile):
             raise ValueError("batch_invariant=True runs the eager path: it needs cuda_graph=False/None and compile=False")
         self._check_parallel()
+        self._check_tiers()
+
+    def host_tokens(self) -> int:
+        """The host tier's capacity: ``kv_host_tokens``, or its default for ``device``."""
+        if self.kv_host_tokens is not None:
+            return self.kv_host_tokens
+        return self.kv_cache_tokens if torch.device(self.device).type == "cuda" else 0
+
+    def _check_tiers(self) -> None:
+        if self.kv_host_tokens is not None and (not _is_int(self.kv_host_tokens) or self.kv_host_tokens < 0):
+            raise ValueError(f"kv_host_tokens must be None or an int >= 0, got {self.kv_host_tokens!r}")
+        if not _is_int(self.kv_disk_bytes) or self.kv_disk_bytes < 0:
+            raise ValueError(f"kv_disk_bytes must be an int >= 0, got {self.kv_disk_bytes!r}")
+        if self.kv_disk_dir is not None:
+            DiskStore.check_directory(self.kv_disk_dir)
+        if self.kv_host_tokens or self.kv_disk_dir is not None:
+            if not self.enable_prefix_cache:
+                raise ValueError("kv_host_tokens / kv_disk_dir need enable_prefix_cache=True (they hold its evictions)")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_host_tokens / kv_disk_dir are not supported with tensor_parallel_size > 1")
 
     def draft_batch_limit(self, loaded: bool) -> int:
         """``speculative_max_batch`` resolved (``loaded``: the model was loaded by name, not given
@@ -289,16 +327,30 @@ class EngineMetrics:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
+    kv_tiers: TierStats = field(default_factory=TierStats)  # the KV tiers' hits and bytes moved
 
     @property
     def throughput(self) -> float:
         """Generated tokens per second of engine busy time."""
         return self.generated_tokens / self.busy_seconds if self.busy_seconds else 0.0
 
+    def _of_prompts(self, tokens: int) -> float:
+        return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Fraction of prompt tokens whose KV came from the radix cache."""
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return self._of_prompts(self.cached_prompt_tokens)
+
+    @property
+    def kv_host_hit_rate(self) -> float:
+        """Fraction of prompt tokens whose KV was promoted from the host tier."""
+        return self._of_prompts(self.kv_tiers.host_hit_tokens)
+
+    @property
+    def kv_disk_hit_rate(self) -> float:
+        """Fraction of prompt tokens whose KV was promoted from the disk tier."""
+        return self._of_prompts(self.kv_tiers.disk_hit_tokens)
 
     @property
     def mean_ttft(self) -> float:
@@ -322,7 +374,7 @@ class EngineMetrics:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for name in ("throughput", "prefix_cache_hit_rate", "mean_ttft", "mean_tpot", "acceptance_rate",
-                     "mean_accepted_length"):
+                     "mean_accepted_length", "kv_host_hit_rate", "kv_disk_hit_rate"):
             d[name] = getattr(self, name)
         return d
 
@@ -391,7 +443,8 @@ class LLM:
         self.model_dtype = dtype
         kv_dtype = cfg.kv_dtype(dtype, loaded=isinstance(model, str))
         self.kv = KVPool(mc.num_layers, num_pages, ps, kv_heads, mc.head_dim, kv_dtype, cfg.device)
-        self.radix = RadixCache(self.kv.allocator, ps, disable=not cfg.enable_prefix_cache)
+        self.tiers = self._make_tiers(quant if isinstance(model, str) else None)
+        self.radix = RadixCache(self.kv.allocator, ps, disable=not cfg.enable_prefix_cache, tiers=self.tiers)
         self.table = ReqToTokenTable(cfg.max_running, -(-max_len // ps) * ps, device=cfg.device)
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids or [])
         self.drafter = self._make_drafter(max_len, eos)  # run by the engine; the scheduler only asks
@@ -433,6 +486,8 @@ class LLM:
             attention_backend="torch_per_request" if cfg.batch_invariant else "auto",
         )  # fmt: skip
         self.metrics = EngineMetrics()
+        if self.tiers is not None:
+            self.metrics.kv_tiers = self.tiers.stats  # live counters
         self._seed_gen = torch.Generator()
         self._seed_gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
         self._lock = threading.RLock()
@@ -440,10 +495,23 @@ class LLM:
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
         log_once(f"treeserve engine: dtype={cfg.dtype} page_size={ps} kv_tokens={cfg.kv_cache_tokens}")
 
+    def _make_tiers(self, quantization: str | None) -> KVTiers | None:
+        """The host / disk KV tiers of the config (None when both are off). Their keys name the
+        model (name, dtype, quantization, a fingerprint of the weights) and the KV layout."""
+        cfg, kv = self.config, self.kv
+        if not cfg.host_tokens() and cfg.kv_disk_dir is None:
+            return None
+        model_id = f"{self.model_name}|{self.model_dtype}|{quantization}|{module_fingerprint(self.model)}"
+        layout = TierLayout(model_id, kv.dtype, kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.page_size,
+                            default_chunk_tokens(kv.page_size))  # fmt: skip
+        return KVTiers(kv, layout, cfg.host_tokens(), cfg.kv_disk_dir, cfg.kv_disk_bytes)
+
     def close(self) -> None:
         """Release what outlives the engine object: with tensor parallelism, stop and join every
-        worker (also done at interpreter exit and when the model is collected). Idempotent; the
-        engine cannot step afterwards."""
+        worker (also done at interpreter exit and when the model is collected); with a disk KV
+        tier, finish its queued writes. Idempotent; the engine cannot step afterwards."""
+        if self.tiers is not None:
+            self.tiers.close()
         close = getattr(self.model, "close", None)
         if close is not None:
             close()

@@ -49,3 +49,21 @@ __all__ += [
     "rollback_slots",
     "store_kv",
 ]
+
+# --- tiers below the device pool: host memory, disk ---
+from .disk_store import DiskStore  # noqa: E402
+from .host_store import HostChunk, HostStore  # noqa: E402
+from .tier_key import TierLayout, chunk_keys, default_chunk_tokens, module_fingerprint  # noqa: E402
+from .tiers import KVTiers, TierStats  # noqa: E402
+
+__all__ += [
+    "DiskStore",
+    "HostChunk",
+    "HostStore",
+    "KVTiers",
+    "TierLayout",
+    "TierStats",
+    "chunk_keys",
+    "default_chunk_tokens",
+    "module_fingerprint",
+]

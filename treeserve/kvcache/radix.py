@@ -13,19 +13,31 @@ the last token of the query, so at least one token is always computed.
 Eviction removes least-recently-used unlocked leaves. Evictable leaves are kept incrementally in a
 set plus a min-heap on last-access time with lazy invalidation (a stale entry is skipped when
 popped), so one ``evict`` call costs O(k log n) for k evicted leaves, never a walk of the tree.
+
+With ``tiers`` (:class:`~treeserve.kvcache.tiers.KVTiers`) the tree is the device tier of a
+hierarchy: an evicted leaf's KV is demoted (host memory, then disk) instead of dropped, a
+released request's KV is written through to disk, and a match that ends in the tree continues
+through the lower tiers' chunks, which are promoted (copied into fresh device pages and inserted
+as a node) instead of recomputed. Nodes in the tree always have their KV on the device; what
+left it is found in the tiers by the chained hash of its token prefix (LightLLM's and SGLang's
+HiCache's scheme), so it outlives the node and, on disk, the process.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 
 from ._checks import debug_checks_enabled
 from .pool import InvariantError, PageAllocator, pages_to_slots
 from .radix_node import RadixNode, child_key, common_prefix_len
+
+if TYPE_CHECKING:
+    from .tiers import KVTiers
 
 __all__ = ["LockHandle", "PrefixMatch", "RadixCache", "ReleaseResult"]
 
@@ -87,17 +99,24 @@ class RadixCache:
     ``total_tokens`` (their sum), ``hit_tokens`` / ``query_tokens`` (matched / looked-up tokens),
     ``num_nodes`` (tree nodes, the root excluded).
     With ``disable=True`` nothing is ever cached: matches are empty and inserts keep nothing.
-    Token sequences are lists/tuples of ints or 1-D integer tensors.
+    Token sequences are lists/tuples of ints or 1-D integer tensors. ``tiers``: the host / disk
+    tiers below this tree's pool (see the module docstring); ``tiers.stats`` counts their hits.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int = 1, disable: bool = False) -> None:
+    def __init__(
+        self, allocator: PageAllocator, page_size: int = 1, disable: bool = False, tiers: KVTiers | None = None
+    ) -> None:
         if not isinstance(allocator, PageAllocator):
             raise TypeError(f"allocator must be a PageAllocator, got {type(allocator).__name__}")
         if page_size != allocator.page_size:
             raise ValueError(f"page_size must equal allocator.page_size={allocator.page_size}, got {page_size!r}")
+        if tiers is not None and (tiers.page_size != page_size or tiers.pool.allocator is not allocator):
+            raise ValueError("tiers must be built over this allocator's KVPool with the same page_size")
         self.allocator = allocator
         self.page_size = page_size
         self.disable = disable
+        self.tiers = None if disable else tiers
+        self._loads: list[tuple[Any, LockHandle, tuple[int, ...]]] = []  # CUDA promotions in flight
         self.device = allocator.device
         self._owned = torch.zeros(allocator.num_pages, dtype=torch.bool, device=self.device)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -127,6 +146,9 @@ class RadixCache:
         match), marks the path as recently used and updates ``hit_tokens`` / ``query_tokens``.
         """
         key = self._as_key(tokens, "tokens")
+        if self.tiers is not None:
+            self._promote(key, headroom=0)
+            self._wait_loads()
         self.query_tokens += len(key)
         walk = self._prefix_walk(key)
         if walk is None:
@@ -139,6 +161,21 @@ class RadixCache:
         self._touch(node)
         self.hit_tokens += length
         return PrefixMatch(length, torch.cat(values) if values else self._empty.clone(), node)
+
+    def prefetch(self, tokens: Tokens, headroom: int = 0) -> bool:
+        """Promote what the lower tiers hold of ``tokens``' prefix (keeping ``headroom`` pages
+        free or evictable); True when that prefix is ready on the device now.
+
+        On CPU the copy is synchronous, so always True. On CUDA the copy runs on a side stream and
+        this is False until it is done (the new node is locked meanwhile): the scheduler admits
+        the request on a later step instead of waiting. Without tiers: True, nothing happens.
+        """
+        if self.tiers is None:
+            return True
+        key = self._as_key(tokens, "tokens")
+        self._poll_loads()
+        self._promote(key, headroom)
+        return not any(key[: len(k)] == k for _, _, k in self._loads)
 
     def prefix_len(self, tokens: Tokens) -> int:
         """``match_prefix(tokens).length``, read-only: no split, no LRU touch, no counter update.
@@ -184,6 +221,8 @@ class RadixCache:
         if handle is not None:
             self.unlock(handle)
         ps = self.page_size
+        if self.tiers is not None and aligned:
+            self.tiers.write_through(key[:aligned], slots[:aligned])
         to_free = torch.cat([done.duplicate_pages, slots[done.kept :: ps] // ps])
         self.allocator.free(to_free)
         return ReleaseResult(done.kept, done.duplicate_pages.numel() * ps, to_free.numel())
@@ -234,6 +273,9 @@ class RadixCache:
             if node not in self._leaves or stamp != node.last_access:
                 continue  # stale entry: node was touched, locked, got a child, or is gone
             parent = node.parent
+            if self.tiers is not None:
+                path_key, path_slots = self._path_of(node)
+                self.tiers.demote(path_key, path_slots, len(path_key) - len(node.key))
             del parent.children[child_key(node.key, 0, ps)]
             self._leaves.discard(node)
             node.parent = None
@@ -251,8 +293,10 @@ class RadixCache:
     def reset(self) -> None:
         """Drop every cached entry (pages go back to the allocator) and zero the counters.
 
-        ``ValueError`` while any lock is live (running requests still read those pages).
+        ``ValueError`` while any lock is live (running requests still read those pages). The
+        lower tiers keep their chunks.
         """
+        self._wait_loads()
         if self._locks:
             raise ValueError(f"reset() with {len(self._locks)} live locks; unlock them first")
         pages = self._owned.nonzero().flatten()
@@ -277,6 +321,8 @@ class RadixCache:
         ``free + tree pages + request pages == capacity``.
         """
         self.allocator.check_invariants()
+        if self.tiers is not None:
+            self.tiers.check_invariants()
         ps = self.page_size
         expected_ref: dict[RadixNode, int] = {}
         for handle in self._locks.values():
@@ -350,6 +396,68 @@ class RadixCache:
                     f"(evictable {self.evictable_tokens // ps}, protected {self.protected_tokens // ps}) "
                     f"+ requests {request_pages.numel()} = {total} pages != capacity {self.allocator.capacity}"
                 )
+
+    # ------------------------------------------------------------------ tiers
+
+    def _promote(self, key: tuple[int, ...], headroom: int) -> None:
+        """Extend the tree's match of ``key`` with the chunks the lower tiers hold (see
+        ``prefetch``): as many whole pages as can be had while ``headroom`` pages stay free."""
+        walk = self._prefix_walk(key)
+        if walk is None:
+            return
+        ps = self.page_size
+        start = walk.length + walk.partial_len
+        limit = (len(key) - 1) // ps * ps
+        if start >= limit:
+            return
+        fetched = self.tiers.fetch(key, start, limit)
+        if fetched is None:
+            return
+        end = min(limit, (fetched.first_chunk + len(fetched.chunks)) * self.tiers.chunk_tokens)
+        if end <= start:
+            return
+        node = walk.node if walk.partial is None else self._split(walk.partial, walk.partial_len)
+        need = (end - start) // ps
+        handle = self.lock(node)  # the prefix being extended must survive the eviction below
+        if self.allocator.num_free < need + headroom:
+            self.evict((need + headroom - self.allocator.num_free) * ps)
+        self.unlock(handle)
+        need = min(need, self.allocator.num_free - headroom)
+        if need <= 0:
+            return
+        new_slots = pages_to_slots(self.allocator.alloc(need), ps)
+        event = self.tiers.load(fetched, start, new_slots)
+        _, prefix_slots = self._path_of(node)
+        self._insert(key[: start + need * ps], torch.cat([prefix_slots, new_slots]))
+        if event is not None:  # lock the new node until the copy is done
+            loaded = key[: start + need * ps]
+            walk = self._descend(loaded)
+            self._loads.append((event, self.lock(walk.node), loaded))
+
+    def _poll_loads(self) -> None:
+        """Unlock the nodes whose promotion copy has finished."""
+        if self._loads:
+            done = [load for load in self._loads if load[0].query()]
+            for load in done:
+                self._loads.remove(load)
+                self.unlock(load[1])
+
+    def _wait_loads(self) -> None:
+        """Order every later kernel on the current stream after the promotions in flight."""
+        for event, handle, _ in self._loads:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            self.unlock(handle)
+        self._loads.clear()
+
+    def _path_of(self, node: RadixNode) -> tuple[tuple[int, ...], torch.Tensor]:
+        """The tokens from the root through ``node`` and their slots."""
+        keys, values = [], []
+        while node is not self._root:
+            keys.append(node.key)
+            values.append(node.value)
+            node = node.parent
+        path = tuple(itertools.chain.from_iterable(reversed(keys)))
+        return path, torch.cat(values[::-1]) if values else self._empty
 
     # ------------------------------------------------------------------ internals
 

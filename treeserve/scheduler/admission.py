@@ -6,7 +6,9 @@ the pages of its first chunk can be had now while one page per running request s
 obtainable (admission never starves running decodes), and its chunk fits the step's remaining
 token budget (chunked prefill). A request sharing ``min_shared_prefix`` uncached leading tokens
 with a prompt being prefilled waits for that prefill to be cached instead of duplicating it;
-sample ``i > 0`` of an ``n``-sample group waits for the leader's prompt KV.
+sample ``i > 0`` of an ``n``-sample group waits for the leader's prompt KV. With KV tiers, a
+request whose prefix the host or disk tier holds has it promoted first and is admitted once the
+copy is done (at once on CPU, where it is synchronous).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def admit(
             return budget
         if shares_in_flight_prefix(ledger.radix, req, in_flight, min_shared_prefix):
             continue  # admitted once that prefix is cached, instead of computing it twice
+        if not ledger.prefix_ready(req, headroom=len(running)):
+            continue  # its prefix is being copied up from a lower KV tier: admitted once it landed
         ledger.attach(req)
         computed = req.num_computed_tokens
         n = min(req.seq_len - computed, budget)

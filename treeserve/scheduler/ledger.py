@@ -58,6 +58,11 @@ class KVLedger:
             self.radix.evict((need - free) * self.page_size)
         return self.allocator.num_free >= need
 
+    def prefix_ready(self, req: Request, headroom: int) -> bool:
+        """Promote ``req``'s prefix from the radix tree's lower tiers (``RadixCache.prefetch``,
+        keeping ``headroom`` pages obtainable); False while that copy is still in flight."""
+        return self.radix.prefetch(req.all_ids, headroom)
+
     # ------------------------------------------------------------------ attach / grow / shrink
     def attach(self, req: Request) -> None:
         """Give ``req`` a table row and lock its longest cached prefix (its computed part)."""

@@ -22,10 +22,11 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from treeserve.engine import LLM
+from treeserve.kvcache import TierStats
 from treeserve.output import SampleDelta
 from treeserve.sampling import SamplingParams
 
@@ -60,7 +61,8 @@ class EngineStats:
     ``steps`` / ``busy_seconds``: engine steps so far and the time spent in them (schedule,
     forward, sample, update), to tell engine time from serving overhead. ``draft_tokens`` /
     ``accepted_tokens`` / ``verify_steps``: speculative decoding's proposed and accepted draft
-    tokens and its verify passes (request-steps that verified a draft).
+    tokens and its verify passes (request-steps that verified a draft). ``prompt_tokens`` and
+    ``kv_tiers``: the engine's prompt tokens and KV-tier hits and bytes moved (``LLM.metrics``).
     """
 
     num_running: int = 0
@@ -73,6 +75,8 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
+    prompt_tokens: int = 0
+    kv_tiers: TierStats = field(default_factory=TierStats)
 
     @property
     def kv_usage(self) -> float:
@@ -83,18 +87,20 @@ class EngineStats:
 def read_engine_stats(llm: LLM) -> EngineStats:
     """Queue and KV gauges of ``llm``; the only reader of engine internals in the server (call it
     where no step runs concurrently, i.e. on the engine thread)."""
-    sched, alloc = llm.scheduler, llm.kv.allocator
+    sched, alloc, m = llm.scheduler, llm.kv.allocator, llm.metrics
     return EngineStats(
         num_running=len(sched.running),
         num_waiting=len(sched.waiting),
         kv_total_pages=alloc.capacity,
         kv_free_pages=alloc.num_free,
         kv_cached_pages=llm.radix.evictable_tokens // llm.kv.page_size,
-        steps=llm.metrics.steps,
-        busy_seconds=llm.metrics.busy_seconds,
-        draft_tokens=llm.metrics.draft_tokens,
-        accepted_tokens=llm.metrics.accepted_tokens,
-        verify_steps=llm.metrics.verify_steps,
+        steps=m.steps,
+        busy_seconds=m.busy_seconds,
+        draft_tokens=m.draft_tokens,
+        accepted_tokens=m.accepted_tokens,
+        verify_steps=m.verify_steps,
+        prompt_tokens=m.prompt_tokens,
+        kv_tiers=replace(m.kv_tiers),  # a snapshot: the engine keeps counting
     )
 
 
@@ -399,6 +405,8 @@ class AsyncLLMEngine(EngineClient):
             log.exception("engine loop crashed")
         finally:
             self._close_all("shutdown" if self._dead is None else "error")
+            if llm.tiers is not None:
+                llm.tiers.flush()  # released requests' write-through to the disk KV tier
 
     def _run_commands(self) -> None:
         while self._commands:

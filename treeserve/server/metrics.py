@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from treeserve.server.engine_client import EngineClient, RequestStream
+from treeserve.server.engine_client import EngineClient, EngineStats, RequestStream
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
@@ -55,6 +55,26 @@ class _EngineGauges(Collector):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(self.labels, float(total))
             yield c
+        yield from _tier_metrics(s, self.labels)
+
+
+def _tier_metrics(s: EngineStats, labels: list[str]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The KV tiers' hit rate (promoted / prompt tokens) and hit tokens per tier, and bytes moved
+    per direction (all zero when the tiers are off)."""
+    rate = GaugeMetricFamily("treeserve:kv_tier_hit_rate", "Prompt tokens whose KV was promoted from a lower tier, 0..1.",
+                             labels=["model_name", "tier"])  # fmt: skip
+    hits = CounterMetricFamily("treeserve:kv_tier_hit_tokens", "Tokens promoted from a lower KV tier.",
+                               labels=["model_name", "tier"])  # fmt: skip
+    t = s.kv_tiers
+    for tier, n in (("host", t.host_hit_tokens), ("disk", t.disk_hit_tokens)):
+        rate.add_metric(labels + [tier], n / s.prompt_tokens if s.prompt_tokens else 0.0)
+        hits.add_metric(labels + [tier], float(n))
+    moved = CounterMetricFamily("treeserve:kv_tier_bytes", "KV bytes moved between tiers.",
+                                labels=["model_name", "direction"])  # fmt: skip
+    for direction, n in (("device_to_host", t.bytes_device_to_host), ("host_to_device", t.bytes_host_to_device),
+                         ("disk_to_device", t.bytes_disk_to_device), ("to_disk", t.bytes_to_disk)):  # fmt: skip
+        moved.add_metric(labels + [direction], float(n))
+    yield from (rate, hits, moved)
 
 
 class ServerMetrics:
