@@ -12,7 +12,7 @@ import ray  # noqa: F401  (the "cluster" extra, which `make test` installs: no s
 
 from ray.exceptions import ActorDiedError  # noqa: E402
 
-from treeserve.cluster.client import REPLICA_DIED, REPLICAS_DIED, ClusterEngineClient  # noqa: E402
+from treeserve.cluster.client import REPLICA_DIED, REPLICAS_DIED, ClusterEngineClient, summed_stats  # noqa: E402
 from treeserve.cluster.launch import deploy, replica_threads  # noqa: E402
 from treeserve.cluster.wire import Accepted, Closed, EngineInfo, Refused  # noqa: E402
 from treeserve.output import SampleDelta  # noqa: E402
@@ -168,3 +168,19 @@ def test_replica_threads_share_the_cpus_and_reject_bad_counts() -> None:
             replica_threads(**{"replicas": 2, "threads": None, "cpus": 4, **kw})
     with pytest.raises(ValueError, match="router must be one of"):
         deploy({}, replicas=1, threads=1, router="round-robin")
+
+
+def test_replica_stats_sum_field_by_field_nested_ones_too() -> None:
+    """/metrics of the cluster: the replicas' EngineStats (as the dicts they report) summed,
+    the KV-tier counters inside them too; a replica that lacks a field counts 0."""
+    import dataclasses
+
+    from treeserve.kvcache.tiers import TierStats
+    from treeserve.server.engine_client import EngineStats
+
+    a = EngineStats(num_running=2, steps=5, busy_seconds=1.5, kv_tiers=TierStats(host_hit_tokens=64, disk_errors=1))
+    b = EngineStats(num_running=1, steps=7, busy_seconds=0.5, kv_tiers=TierStats(host_hit_tokens=128))
+    old = {"num_running": 3}  # a replica of an older build, without most fields
+    total = summed_stats(EngineStats, [dataclasses.asdict(a), dataclasses.asdict(b), old])
+    assert (total.num_running, total.steps, total.busy_seconds) == (6, 12, 2.0)
+    assert total.kv_tiers == TierStats(host_hit_tokens=192, disk_errors=1)

@@ -14,6 +14,7 @@ the request on its replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -100,7 +101,7 @@ class ClusterEngineClient(EngineClient):
         reports = [s for s in replica_stats(self.deployment).values() if s]
         if not reports:
             return EngineStats()
-        return EngineStats(**{f: sum(r.get(f, 0) for r in reports) for f in EngineStats.__dataclass_fields__})
+        return summed_stats(EngineStats, reports)
 
     def is_healthy(self) -> bool:
         """Started, not shut down, and at least one replica is running (``/health``: 503 while
@@ -165,3 +166,16 @@ class ClusterEngineClient(EngineClient):
         pump = self._pumps.pop(request_id, None)
         if cancel and pump is not None and pump is not asyncio.current_task():
             pump.cancel()
+
+
+def summed_stats(cls: type, reports: list[dict[str, Any]]) -> Any:
+    """``cls`` (a dataclass of counters) with each field the sum over ``reports`` (its fields as
+    dicts, one per replica; a missing field counts 0), nested dataclass fields summed the same way."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        factory = f.default_factory
+        if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+            values[f.name] = summed_stats(factory, [r.get(f.name) or {} for r in reports])
+        else:
+            values[f.name] = sum(r.get(f.name, 0) for r in reports)
+    return cls(**values)
