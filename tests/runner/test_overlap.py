@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.engine.test_structured import assert_drained as drained
 from treeserve import LLM, SamplingParams
 from treeserve.runner import DecodeGraphRunner, DecodeLaunch
 
@@ -30,14 +31,6 @@ def make_llm(overlap: bool, **kw) -> LLM:
                seed=0, cuda_graph=True, cuda_graph_max_batch=8, overlap=overlap)  # fmt: skip
     cfg.update(kw)
     return LLM((MODEL, None), **cfg)
-
-
-def drained(llm: LLM) -> None:
-    assert not llm.has_unfinished_requests()
-    alloc = llm.kv.allocator
-    assert llm.radix.protected_tokens == 0
-    assert alloc.num_free + llm.radix.evictable_tokens // llm.kv.page_size == alloc.capacity
-    llm.scheduler.check_invariants()
 
 
 params_st = st.builds(
