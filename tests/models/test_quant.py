@@ -321,6 +321,50 @@ def test_rescore_op_flags_full_rows_and_names_bad_operands() -> None:
         torch.ops.treeserve.exact_head_rescore(approx16, into[:, :10].contiguous(), x, w, w.norm(dim=1), 1e-2, 8)
 
 
+@pytest.mark.skipif(not quant._rows_op_available(), reason="C++ few-row head unavailable")
+@given(m=st.integers(1, 11), k=st.integers(1, 70), v=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_head_rows_is_float32_per_row_whatever_the_row_count(m: int, k: int, v: int, seed: int) -> None:
+    """``treeserve::head_rows``: within float32 summation error of the float64 product; each row's
+    logits bit-equal to that row computed alone (the rows of a verify step are those of a decode
+    step), and to the re-scoring's dot product (a re-scored candidate keeps its value)."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(v, k, generator=gen)
+    y = torch.ops.treeserve.head_rows(x, w)
+    ref = x.double() @ w.double().T
+    bound = (k + 2) * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    assert y.dtype == torch.float32 and y.shape == (m, v)
+    assert bool(((y.double() - ref).abs() <= bound).all())
+    for r in {0, m - 1}:
+        assert torch.equal(torch.ops.treeserve.head_rows(x[r : r + 1].contiguous(), w)[0], y[r])
+    if quant._rescore_op_available():  # every entry a candidate: the re-scoring writes dot(x, W_j)
+        out = torch.zeros(m, v)
+        torch.ops.treeserve.exact_head_rescore(out, out, x, w, torch.ones(v), 1e30, v)
+        assert torch.equal(out, y)
+
+
+@pytest.mark.skipif(not quant._rows_op_available(), reason="C++ few-row head unavailable")
+def test_exact_head_serves_a_few_rows_through_head_rows(monkeypatch) -> None:
+    """With the float32 head serving (no first pass), 2 .. rows_max_rows rows go through
+    ``head_rows`` and one row through ``F.linear`` (decode logits bitwise as before); bad operands
+    are refused by name."""
+    monkeypatch.setenv("TREESERVE_EXACT_HEAD", "f32")
+    monkeypatch.setenv("TREESERVE_HEAD_ROWS_MAX_ROWS", "4")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(97, 40, generator=gen)
+    head = ExactHead(torch.nn.Parameter(w, requires_grad=False))
+    assert head.rows_max_rows == 4 and head.bf16_max_rows == 0
+    for m in (1, 2, 4, 5):
+        x = torch.randn(m, 40, generator=gen)
+        want = torch.ops.treeserve.head_rows(x, w) if 1 < m <= 4 else F.linear(x, w)
+        assert torch.equal(head(x), want), m
+    monkeypatch.setenv("TREESERVE_HEAD_ROWS_MAX_ROWS", "0")
+    assert ExactHead(torch.nn.Parameter(w, requires_grad=False)).rows_max_rows == 0
+    with pytest.raises(ValueError, match=r"need x \[M, K\] and weight \[V, K\]"):
+        torch.ops.treeserve.head_rows(torch.zeros(2, 39), w)
+    with pytest.raises(TypeError, match="contiguous float32 CPU tensors"):
+        torch.ops.treeserve.head_rows(torch.zeros(2, 40, dtype=torch.float64), w)
+
+
 def test_bf16_kv_cache_tracks_the_float32_cache(smol) -> None:
     """SmolLM2 float32 with its KV stored in bfloat16 (``kv_cache_dtype``: the AVX-512 BF16 default):
     teacher-forced over ~130 tokens, prefill then one decode step per token, top-1 agreement with

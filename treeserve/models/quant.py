@@ -380,15 +380,15 @@ def _env_rows(name: str) -> int | None:
 
 
 def _crossover(kind: str, key: tuple[object, ...], k: int, dtype: torch.dtype, packed: Callable[[torch.Tensor], object],
-               dense: Callable[[torch.Tensor], object]) -> int:
-    """The largest row count of ``_CROSSOVER_ROWS`` up to which ``packed(x)`` is at least as fast as
+               dense: Callable[[torch.Tensor], object], counts: Sequence[int] = _CROSSOVER_ROWS) -> int:
+    """The largest row count of ``counts`` up to which ``packed(x)`` is at least as fast as
     ``dense(x)`` (``x [rows, k]``), 0 when never; measured once per host and ``key``
     (``treeserve._tuning.measured``: kept on disk)."""
 
     def measure() -> int:
         best = 0
         with torch.inference_mode():
-            for rows in _CROSSOVER_ROWS:
+            for rows in counts:
                 x = torch.randn(rows, k, dtype=dtype)
                 if _best_seconds(lambda: packed(x)) > _best_seconds(lambda: dense(x)):
                     break
@@ -494,6 +494,18 @@ def _rescore_op_available() -> bool:
     return load_cpp_op(source, "exact_head_rescore", "C++ exact-head re-scoring", _rescore_fake) is None
 
 
+def _rows_fake(x, weight):  # type: ignore[no-untyped-def]
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@cpp_op_loader
+def _rows_op_available() -> bool:
+    """Whether ``treeserve::head_rows`` (``csrc/exact_head.cpp``: the float32 head for a few rows,
+    the weight read once) is built."""
+    source = Path(__file__).with_name("csrc") / "exact_head.cpp"
+    return load_cpp_op(source, "head_rows", "C++ few-row head", _rows_fake) is None
+
+
 _NORM_ROWS = 8192
 
 
@@ -548,6 +560,7 @@ class ExactHead(nn.Module):
             self._w16_packed = None
         if not self.bf16_max_rows or self._w16_packed is not None:  # eager reads the reordered copy only
             del self.weight_bf16
+        self.rows_max_rows = self._rows_rows() if self.bf16_max_rows < _ALL_ROWS else 0
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.treeserve.gguf_linear_exact(x, self.raw, self.qtype, self.weight.shape[1])
@@ -568,6 +581,27 @@ class ExactHead(nn.Module):
         if "weight_bf16" not in self._buffers:
             self.register_buffer("weight_bf16", self.weight.detach().to(torch.bfloat16), persistent=False)
         return self.weight_bf16
+
+    def _rows_rows(self) -> int:
+        """Rows (from 2) up to which ``treeserve::head_rows`` (every weight row read once for all
+        rows; each logit the same float32 dot product whatever the row count) beats ``F.linear``,
+        whose few-row GEMM re-reads or repacks the weight (measured 3.6x its one-row time at 4-8
+        rows on an AVX2 EPYC); 0 when it never does or is not built. One row keeps ``F.linear``
+        (a GEMV, as fast). ``TREESERVE_HEAD_ROWS_MAX_ROWS`` overrides."""
+        env = _env_rows("TREESERVE_HEAD_ROWS_MAX_ROWS")
+        if env is not None:
+            return env if _rows_op_available() else 0
+        if not _rows_op_available():
+            return 0
+        return _crossover("head-rows", tuple(self.weight.shape), self.weight.shape[1], torch.float32,
+                          lambda x: torch.ops.treeserve.head_rows(x, self.weight),
+                          lambda x: F.linear(x, self.weight), counts=_CROSSOVER_ROWS[1:])
+
+    def _float32(self, x: torch.Tensor) -> torch.Tensor:
+        """The float32 head ``x @ W^T``: ``head_rows`` for ``2 .. rows_max_rows`` rows (eager), else ``F.linear``."""
+        if 1 < x.shape[0] <= self.rows_max_rows and not _tracing():
+            return torch.ops.treeserve.head_rows(x.contiguous(), self.weight)
+        return F.linear(x, self.weight)
 
     def _packed_rows(self) -> int:
         """Rows up to which the packed first pass beats the head that serves the rows above it
@@ -602,7 +636,7 @@ class ExactHead(nn.Module):
         elif x.shape[0] <= self.bf16_max_rows:
             approx, factor = self._bf16(x), self.bound_factor
         else:
-            return F.linear(x, self.weight)
+            return self._float32(x)
         if not _tracing() and _rescore_op_available():
             out = approx if approx.dtype == torch.float32 else torch.empty(approx.shape, dtype=torch.float32)
             full = torch.ops.treeserve.exact_head_rescore(approx, out, x.contiguous(), self.weight, self.row_norms,
@@ -629,7 +663,7 @@ class ExactHead(nn.Module):
         if not bool(full.any()):
             return None
         rows = full.nonzero()[:, 0]
-        approx[rows] = F.linear(x[rows], self.weight)
+        approx[rows] = self._float32(x[rows])
         return rows
 
     def _rescore_static(self, x: torch.Tensor, approx: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
