@@ -37,7 +37,7 @@ from treeserve.sampling.batch import SamplingBatch
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
 from treeserve.sampling.sampler import inverse_cdf, inverse_cdf_weights
-from treeserve.sampling.tree_walk import TreeWalk, one_hot, walk_tree
+from treeserve.sampling.tree_walk import AcceptedPath, TreeWalk, one_hot, walk_tree
 
 
 class VerifyUniforms(NamedTuple):
@@ -193,23 +193,14 @@ def greedy_walk(best: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
     ``walk_tree``'s rule, siblings in index order). ``residual`` is left empty ``[B, 0]``: the final
     token is ``best`` after the last accepted node; ``pristine`` is all True."""
     b, m = tokens.shape
-    rows = torch.arange(b, device=tokens.device)
-    cur = torch.full((b,), -1, dtype=torch.int64, device=tokens.device)
-    n_acc = torch.zeros(b, dtype=torch.int64, device=tokens.device)
-    accepted = torch.full((b, m), -1, dtype=torch.int64, device=tokens.device)
-    path = torch.full_like(accepted, -1)
+    acc = AcceptedPath(b, m, tokens.device)
     accept_probs = torch.full((b, m), float("nan"), device=tokens.device)
     for k in range(m):
-        considered = (parents[:, k] == cur) & (k < num_draft)
-        accept = considered & (tokens[:, k] == best[rows, cur + 1])
+        considered = acc.considered(k, parents, num_draft)
+        accept = considered & (tokens[:, k] == best[acc.rows, acc.cur + 1])
         accept_probs[:, k] = torch.where(considered, accept.float(), float("nan"))
-        slot = torch.where(accept, n_acc, m - 1)
-        accepted[rows, slot] = torch.where(accept, tokens[:, k], accepted[rows, slot])
-        path[rows, slot] = torch.where(accept, k, path[rows, slot])
-        n_acc = n_acc + accept.to(torch.int64)
-        cur = torch.where(accept, k, cur)
-    pristine = torch.ones(b, dtype=torch.bool, device=tokens.device)
-    return TreeWalk(accepted, path, n_acc, cur, best.new_empty((b, 0)), pristine, accept_probs)
+        acc.take(k, accept, tokens[:, k])
+    return acc.walk(best.new_empty((b, 0)), torch.ones(b, dtype=torch.bool, device=tokens.device), accept_probs)
 
 
 def prepare_tree(
