@@ -321,6 +321,23 @@ def test_rescore_op_flags_full_rows_and_names_bad_operands() -> None:
         torch.ops.treeserve.exact_head_rescore(approx16, into[:, :10].contiguous(), x, w, w.norm(dim=1), 1e-2, 8)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN unavailable in this torch build")
+@pytest.mark.parametrize("k", [1, 64])
+def test_exact_head_bf16_bound_covers_worst_case_roundings(k: int) -> None:
+    """x = W = 1 + 2^-8 + 2^-20 rounds up by ~2^-8 relative (bf16 keeps 8 significant bits) in x,
+    in W and again in the bf16 product: the bf16 pass's error reaches ~3 2^-8 |x| |W|, which the
+    bound must cover (the former 2^-8 + 2^-9 did not: 0.0078 against 0.0059 at K = 1)."""
+    v = 1.0 + 2.0**-8 + 2.0**-20
+    w = torch.full((3, k), v)
+    x = torch.full((1, k), v)
+    with mock.patch.dict(os.environ, {"TREESERVE_EXACT_HEAD": "bf16"}):
+        head = ExactHead(torch.nn.Parameter(w, requires_grad=False))
+    err = (head._bf16(x).double() - x.double() @ w.double().T).abs()
+    bound = head.bound_factor * x.double().norm() * w.double().norm(dim=1)
+    assert bool((err <= bound).all()), (err.max().item(), bound.min().item())
+    assert float(err.max()) > (2.0**-8 + 2.0**-9) * k * v * v  # the case is really worst: the old factor fails
+
+
 @pytest.mark.skipif(not quant._rows_op_available(), reason="C++ few-row head unavailable")
 @given(m=st.integers(1, 11), k=st.integers(1, 70), v=st.integers(1, 40), seed=st.integers(0, 2**16))
 def test_head_rows_is_float32_per_row_whatever_the_row_count(m: int, k: int, v: int, seed: int) -> None:

@@ -520,8 +520,10 @@ class ExactHead(nn.Module):
     - bfloat16 (``W`` rounded once), for the larger ``M`` up to ``bf16_max_rows`` (the rows up
       to which it measured faster than float32 on this machine; on an AVX-512 BF16 EPYC, batch 64:
       8.6 ms against 31 ms float32 and 21 ms packed): bound ``c |x| |W_j|`` (rounding of x and W to
-      bf16, relative 2^-9 each, float32 accumulation, and the product rounded to bf16, relative
-      2^-9: oneDNN's bf16 GEMM returns bf16, widened by the re-scoring while it reads the row);
+      bf16, relative 2^-8 each (bf16's unit roundoff: 8 significant bits), float32 accumulation,
+      and the product rounded to bf16, relative 2^-8: oneDNN's bf16 GEMM returns bf16, widened by
+      the re-scoring while it reads the row; ``c = 3 2^-8 + 2^-14 + 2 (K + 2) 2^-24`` covers the
+      three roundings, their cross terms and the accumulation);
     - else the float32 head itself.
 
     After an approximate pass every entry ``j`` the bound cannot exclude from the argmax is
@@ -542,7 +544,7 @@ class ExactHead(nn.Module):
         norms = [rows.double().norm(dim=1) for rows in weight.detach().split(_NORM_ROWS)]  # float64 a chunk at a time
         self.register_buffer("row_norms", torch.cat(norms).float(), persistent=False)
         k = weight.shape[1]
-        self.bound_factor = 2.0**-8 + 2.0**-9 + 2.0**-16 + 2 * (k + 2) * 2.0**-24
+        self.bound_factor = 3 * 2.0**-8 + 2.0**-14 + 2 * (k + 2) * 2.0**-24
         self.packed_bound_factor = 2 * (k + 2) * 2.0**-24
         self.packed_max_rows = 0
         self.qtype = None if packed is None or not gguf_op_available() else packed.qtype
