@@ -8,10 +8,11 @@ softmax in float32. Masks: key ``j < kv_len``; causal ``j <= prefix + i``; tree:
 (``j >= prefix``) the request's ``qo_len x qo_len`` tree mask row ``i``. Masked K/V are never
 loaded, so garbage in unused slots cannot leak into the result.
 
-Split-KV (flash-decoding): with ``NUM_SPLITS > 1`` the KV of each request is cut into
-``NUM_SPLITS`` equal ``BLOCK_N``-aligned chunks of its actual length; each chunk's program writes
-its normalized partial output and log-sum-exp (``-inf`` for a chunk with nothing visible, e.g.
-past a short request's end) into float32 workspaces, and ``_merge_splits_kernel`` combines them.
+Split-KV (flash-decoding): with ``num_splits > 1`` (a runtime argument: one compiled variant
+serves every count) the KV of each request is cut into ``num_splits`` equal ``BLOCK_N``-aligned
+chunks of its actual length; each chunk's program writes its normalized partial output and
+log-sum-exp (``-inf`` for a chunk with nothing visible, e.g. past a short request's end) into
+float32 workspaces, and ``_merge_splits_kernel`` combines them.
 How many splits: :func:`treeserve.kvcache.split_kv.kv_splits`.
 
 Half-precision inputs feed ``tl.dot`` directly on GPU (float32 accumulation); float32 inputs,
@@ -54,21 +55,22 @@ def _paged_attn_kernel(
     stride_on,
     stride_oh,
     page_size,
+    num_splits,
     G: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_TREE: tl.constexpr,
     DOT_F32: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    mblk = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    mblk = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     qo_start = tl.load(qo_indptr + b)
     qo_len = tl.load(qo_indptr + b + 1) - qo_start
     if mblk * BLOCK_M >= qo_len * G:
@@ -94,8 +96,8 @@ def _paged_attn_kernel(
     hi = kv_len
     if CAUSAL:  # keys past the block's last query are masked for every row
         hi = prefix + tl.minimum(qo_len, ((mblk + 1) * BLOCK_M - 1) // G + 1)
-    if NUM_SPLITS > 1:  # this program's chunk of the request's KV (empty past its end)
-        chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:  # this program's chunk of the request's KV (empty past its end)
+        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(hi, lo + chunk)
     if HAS_TREE:
@@ -140,11 +142,11 @@ def _paged_attn_kernel(
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     io_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_off = (qo_start + qi).to(tl.int64)[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=io_mask)
     else:  # partial [token, head, split]: normalized output and log-sum-exp (-inf: nothing seen)
-        part = ((qo_start + qi).to(tl.int64) * (NUM_KV_HEADS * G) + head) * NUM_SPLITS + split
+        part = ((qo_start + qi).to(tl.int64) * (NUM_KV_HEADS * G) + head) * num_splits + split
         tl.store(part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=io_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(lse_ptr + part, lse, mask=row_ok)
@@ -157,9 +159,9 @@ def _merge_splits_kernel(
     o_ptr,
     stride_on,
     stride_oh,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -168,9 +170,9 @@ def _merge_splits_kernel(
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < NUM_SPLITS
+    s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
-    base = (n.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS
+    base = (n.to(tl.int64) * NUM_HEADS + h) * num_splits
     lse = tl.load(lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0
@@ -222,6 +224,16 @@ def tiles(dtype: torch.dtype, rows: int, head_dim: int, has_tree: bool) -> Tiles
     return Tiles(block_m, block_n, block_d, 4 if decode else 8)
 
 
+def auto_splits(meta: AttentionMetadata, dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int,
+                device: torch.device) -> int:
+    """The split count the launcher takes for ``meta`` when not told one: :func:`kv_splits` of
+    ``batch x KV heads x query blocks`` programs, ``meta.max_kv_len`` and ``device``'s SM count
+    (host sizes only: fixed for a CUDA-graph key's static metadata)."""
+    t = tiles(dtype, meta.max_qo_len * group, head_dim, meta.tree_mask is not None)
+    programs = meta.batch_size * num_kv_heads * triton.cdiv(meta.max_qo_len * group, t.block_m)
+    return kv_splits(programs, max(1, meta.max_kv_len), _num_sms(device))
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -252,7 +264,7 @@ def paged_attention_triton(
     t = tiles(q.dtype, meta.max_qo_len * g, d, has_tree)
     q_blocks = triton.cdiv(meta.max_qo_len * g, t.block_m)
     if num_splits is None:
-        num_splits = kv_splits(meta.batch_size * hkv * q_blocks, max(1, meta.max_kv_len), _num_sms(q.device))
+        num_splits = auto_splits(meta, q.dtype, hkv, g, d, q.device)
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
     if num_splits > 1:
@@ -281,13 +293,14 @@ def paged_attention_triton(
         out.stride(0),
         out.stride(1),
         meta.page_size,
+        num_splits,
         G=g,
         NUM_KV_HEADS=hkv,
         HEAD_DIM=d,
         CAUSAL=causal,
         HAS_TREE=has_tree,
         DOT_F32=q.dtype == torch.float32 or interpreting(),
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         BLOCK_D=t.block_d,
@@ -295,7 +308,7 @@ def paged_attention_triton(
     )
     if num_splits > 1:
         _merge_splits_kernel[(n, hq)](
-            part, lse, out, out.stride(0), out.stride(1), NUM_HEADS=hq, HEAD_DIM=d, NUM_SPLITS=num_splits,
+            part, lse, out, out.stride(0), out.stride(1), num_splits, NUM_HEADS=hq, HEAD_DIM=d,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=t.block_d,
         )
     return out
