@@ -38,6 +38,7 @@ from treeserve.kvcache import AttentionMetadata, build_tree_mask, paged_attentio
 from treeserve.kvcache._attention_triton import auto_splits, paged_attention_triton  # noqa: E402
 from treeserve.kvcache.split_kv import MAX_SPLITS  # noqa: E402
 from treeserve.sampling import SamplingBatch, SamplingParams, sample, verify  # noqa: E402
+from treeserve.sampling.triton_kernels import thresholds_triton, walk_tree_triton  # noqa: E402
 
 DEV = torch.device(OPTS.device)
 QUICK = OPTS.quick
@@ -131,6 +132,12 @@ def sampling_case(bw: float) -> None:
     name = f"sampling top-k/p {bsz}x{vocab}"
     for b in ("torch", "triton"):
         record(name, b, lambda b=b: sample(logits, batch, pos, backend=b), nbytes, bw)
+    # the kernel alone, without the processing around it (temperature, softmax, token draw)
+    top_k = torch.full((bsz,), 50, device=DEV, dtype=torch.int64)
+    top_p = torch.full((bsz,), 0.9, device=DEV, dtype=torch.float64)
+    min_p = torch.zeros(bsz, device=DEV, dtype=torch.float64)
+    record(f"thresholds kernel {bsz}x{vocab}", "triton", lambda: thresholds_triton(logits, top_k, top_p, min_p),
+           nbytes, bw)
     if CUDA and flashinfer_available():
         import flashinfer
 
@@ -154,10 +161,14 @@ def verify_case(bw: float) -> None:
     for b in ("torch", "triton"):
         fn = lambda b=b: verify(target, batch, tokens, parents, num, pos, draft_probs=draft_probs, backend=b)  # noqa: E731
         record(name, b, fn, nbytes, bw)
+    # the walk kernel alone, on probabilities already processed
+    target_p = torch.softmax(target, -1).view(bsz, m + 1, vocab)
+    u = torch.rand(bsz, m, device=DEV, generator=GEN)
+    walk = lambda: walk_tree_triton(target_p, draft_probs.view(bsz, m, vocab), tokens, parents, num, u)  # noqa: E731
+    record(f"walk kernel x{m} {bsz}x{vocab}", "triton", walk, nbytes, bw)
     if CUDA and flashinfer_available():
         import flashinfer
 
-        target_p = torch.softmax(target, -1).view(bsz, m + 1, vocab)
         fi = lambda: flashinfer.sampling.chain_speculative_sampling(  # noqa: E731
             draft_probs.view(bsz, m, vocab), tokens.int(), target_p
         )

@@ -52,6 +52,7 @@ def test_kernel_table_has_every_backend() -> None:
     for case in ("decode attn B=2 kv=64", "tree attn B=2 kv=40 nodes=4"):
         assert {(case, b) for b in ("torch", "sdpa", "triton auto", "triton s=1", "triton s=2")} <= got, proc.stdout
     assert {b for k, b in got if k.startswith(("sampling", "verify"))} == {"torch", "triton"}, proc.stdout
+    assert {k.split(" ")[0] for k, b in got if b == "triton" and "kernel" in k} == {"thresholds", "walk"}, proc.stdout
 
 
 def test_gpu_check_script_parses() -> None:
