@@ -111,7 +111,6 @@ def _paged_attn_kernel(
         kv_off = slot[:, None] * slot_stride + kvh * HEAD_DIM + offs_d[None, :]
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)  # issued with K: both in flight at once
         if DOT_F32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -134,6 +133,7 @@ def _paged_attn_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         if DOT_F32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -212,16 +212,12 @@ def tiles(dtype: torch.dtype, rows: int, head_dim: int, has_tree: bool) -> Tiles
     """Tiles for ``rows = max_qo_len x G`` query rows per (request, KV head). Sized so that no
     compiled variant spills (tests/test_triton_aot.py, ptxas for sm_80 and sm_90): float32 inputs
     keep at most 32 query rows per program; every tile but the plain decode one (16 rows, no tree
-    mask; 4 warps) gets 8 warps; the decode tile walks the KV 64 keys at a time (more bytes in
-    flight per iteration), larger tiles 32, and 64 rows of head dim 128 16 at a time."""
+    mask; 4 warps, as measured on the H200) gets 8 warps; 64 rows of head dim 128 walk the KV 16
+    keys at a time, the others 32 (64 keys made the head-dim-128 decode tile spill)."""
     block_m = min(32 if dtype == torch.float32 else 64, max(16, triton.next_power_of_2(rows)))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    decode = block_m == 16 and not has_tree
-    if decode:
-        block_n = 64
-    else:
-        block_n = 16 if block_m * block_d >= 64 * 128 else 32
-    return Tiles(block_m, block_n, block_d, 4 if decode else 8)
+    block_n = 16 if block_m * block_d >= 64 * 128 else 32
+    return Tiles(block_m, block_n, block_d, 4 if block_m == 16 and not has_tree else 8)
 
 
 def auto_splits(meta: AttentionMetadata, dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int,

@@ -24,14 +24,15 @@ from __future__ import annotations
 __all__ = ["CTAS_PER_SM", "MAX_SPLITS", "MIN_SPLIT_KEYS", "kv_splits"]
 
 CTAS_PER_SM = 4
-"""Programs per SM that count as a full GPU (a 4-warp decode program of ~100 registers: four of
-them fill an SM's register file)."""
+"""Programs per SM that count as a full GPU: the 4-warp decode tile takes 200-250 registers per
+thread (the AOT table in benches/RESULTS.md), so an SM holds two at once; four per SM is two full
+waves, enough to keep every SM busy to the end."""
 
 MAX_SPLITS = 16
 """Upper bound on splits (bounds the reduce's reads and the float32 workspace)."""
 
 MIN_SPLIT_KEYS = 128
-"""Fewest keys of the longest request a split may cover (two 64-key blocks)."""
+"""Fewest keys of the longest request a split may cover (four 32-key blocks)."""
 
 
 def kv_splits(programs: int, max_kv_len: int, num_sms: int) -> int:
