@@ -56,6 +56,8 @@ def _paged_attn_kernel(
     stride_oh,
     page_size,
     num_splits,
+    part_plane,
+    lse_plane,
     G: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -69,8 +71,11 @@ def _paged_attn_kernel(
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    mblk = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    mblk = tl.program_id(2)
+    split = 0
+    if SPLIT:  # the grid's third axis is (query block, split)
+        mblk = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
     qo_start = tl.load(qo_indptr + b)
     qo_len = tl.load(qo_indptr + b + 1) - qo_start
     if mblk * BLOCK_M >= qo_len * G:
@@ -145,11 +150,14 @@ def _paged_attn_kernel(
     if not SPLIT:
         o_off = (qo_start + qi).to(tl.int64)[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=io_mask)
-    else:  # partial [token, head, split]: normalized output and log-sum-exp (-inf: nothing seen)
-        part = ((qo_start + qi).to(tl.int64) * (NUM_KV_HEADS * G) + head) * num_splits + split
-        tl.store(part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=io_mask)
+    else:  # split s's partial in plane s, laid out like a contiguous ``out``: normalized output and
+        # log-sum-exp (-inf: nothing seen). 32-bit offsets within a plane (the launcher checks the
+        # size) keep the tile's registers below the spill line.
+        row = (qo_start + qi) * (NUM_KV_HEADS * G) + head
+        p_off = row[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(part_ptr + split.to(tl.int64) * part_plane + p_off, out, mask=io_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(lse_ptr + part, lse, mask=row_ok)
+        tl.store(lse_ptr + split * lse_plane + row, lse, mask=row_ok)
 
 
 @triton.jit
@@ -157,30 +165,31 @@ def _merge_splits_kernel(
     part_ptr,
     lse_ptr,
     o_ptr,
-    stride_on,
-    stride_oh,
     num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program per (token, query head): ``o = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M)``."""
+    """One program per (token, query head): ``o = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M)``
+    over the planes ``part[s]`` / ``lse[s]`` (``o``'s contiguous layout, one plane per split)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
+    num_tokens = tl.num_programs(0)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
-    base = (n.to(tl.int64) * NUM_HEADS + h) * num_splits
-    lse = tl.load(lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    row = n.to(tl.int64) * NUM_HEADS + h
+    lse_off = offs_s.to(tl.int64) * num_tokens * NUM_HEADS + row
+    lse = tl.load(lse_ptr + lse_off, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0
     den = tl.sum(w, 0)
-    parts = tl.load(part_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    parts = tl.load(part_ptr + lse_off[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
-    tl.store(o_ptr + n.to(tl.int64) * stride_on + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(o_ptr + row * HEAD_DIM + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 _NOMINAL_SMS = 132
@@ -243,7 +252,8 @@ def paged_attention_triton(
 
     ``num_splits`` (an int >= 1) overrides the split rule :func:`~treeserve.kvcache.split_kv.kv_splits`
     (benchmarks and tests compare split with unsplit); ``None`` applies it to the metadata's host
-    sizes (batch, ``max_qo_len``, ``max_kv_len``) and the device's SM count.
+    sizes (batch, ``max_qo_len``, ``max_kv_len``) and the device's SM count. Steps of ``2^31`` or
+    more output elements are never split.
     """
     if q.dtype not in _DTYPES:
         raise TypeError(f"the triton attention backend supports {_DTYPES}, got {q.dtype}")
@@ -263,9 +273,11 @@ def paged_attention_triton(
         num_splits = auto_splits(meta, q.dtype, hkv, g, d, q.device)
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
-    if num_splits > 1:
-        part = torch.empty(n, hq, num_splits, d, dtype=torch.float32, device=q.device)
-        lse = torch.empty(n, hq, num_splits, dtype=torch.float32, device=q.device)
+    if n * hq * d >= 2**31:  # a split plane's offsets are 32-bit; a batch this large fills the GPU anyway
+        num_splits = 1
+    if num_splits > 1:  # one plane per split, each laid out like ``out`` (contiguous)
+        part = torch.empty(num_splits, n, hq, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_splits, n, hq, dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # never written: the kernel stores straight into ``out``
     tree_u8 = tree.view(torch.uint8) if has_tree else meta.qo_indptr
@@ -290,6 +302,8 @@ def paged_attention_triton(
         out.stride(1),
         meta.page_size,
         num_splits,
+        n * hq * d,
+        n * hq,
         G=g,
         NUM_KV_HEADS=hkv,
         HEAD_DIM=d,
@@ -304,7 +318,7 @@ def paged_attention_triton(
     )
     if num_splits > 1:
         _merge_splits_kernel[(n, hq)](
-            part, lse, out, out.stride(0), out.stride(1), num_splits, NUM_HEADS=hq, HEAD_DIM=d,
+            part, lse, out, num_splits, NUM_HEADS=hq, HEAD_DIM=d,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=t.block_d,
         )
     return out
