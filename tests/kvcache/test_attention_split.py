@@ -125,3 +125,28 @@ def test_num_splits_must_be_a_positive_int(bad: object) -> None:
     batch = make_batch(0, [1], [3], 4, 1, 1, 8)
     with pytest.raises(ValueError, match="num_splits must be an int >= 1"):
         run_split(batch, bad)  # type: ignore[arg-type]
+
+
+def test_decode_graph_runner_with_split_triton_attention_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode graph runner's static path (captured on CUDA, eager on CPU) with split Triton
+    attention: the split count comes from the static metadata (``max_kv_len`` = the buffers' full
+    context), the requests' real contexts are shorter, and the tokens and logits equal the eager
+    runner's. ``MIN_SPLIT_KEYS`` is lowered so that the tiny test context is split."""
+    import random
+
+    from tests.runner._helpers import commit, make_bench, step_and_compare, tiny_model
+
+    from treeserve.kvcache import select_backend, split_kv
+
+    monkeypatch.setattr(split_kv, "MIN_SPLIT_KEYS", 16)
+    chosen: list[int] = []
+    real_auto = tri.auto_splits
+    monkeypatch.setattr(tri, "auto_splits", lambda *a: chosen.append(real_auto(*a)) or chosen[-1])
+    bench = make_bench(tiny_model(device=str(DEV)), page_size=4, max_batch=4, max_requests=8)
+    bench.graph.attention = select_backend("paged_attention", "triton", DEV, torch.float32)
+    bench.graph.capture()  # CUDA: graphs over the split kernels; CPU: nothing to capture
+    rng = random.Random(5)
+    reqs = bench.add_requests(rng, 3)
+    for _ in range(2):
+        commit(reqs, step_and_compare(bench, reqs))
+    assert chosen and min(chosen) > 1, chosen  # every step (and capture) took the split path
