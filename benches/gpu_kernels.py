@@ -10,7 +10,9 @@ it is to memory-bound-optimal. Attention rows (Llama-3-8B heads: 32 query / 8 KV
 bf16, pages of 16): decode at batch 64 x 2048 (the issue's case), batch 8 x 4096 and batch
 1 x 16384 (where split-KV matters), tree verify at batch 16 x 1024 with 16 nodes. Each Triton
 case runs unsplit (``s=1``), with the split rule's choice (``auto``) and a sweep of split counts,
-so one run calibrates :mod:`treeserve.kvcache.split_kv`. ``sdpa`` is
+so one run calibrates :mod:`treeserve.kvcache.split_kv`; the first decode case also runs three
+other tiles (16 or 64 keys per block, 8 warps: ``triton nN wW``) to see whether the tile (and its
+registers, hence occupancy) is what holds decode back. ``sdpa`` is
 ``torch.nn.functional.scaled_dot_product_attention`` over the same K/V laid out contiguously
 (``[B, KV heads, kv, d]``, no page table): the dense baseline.
 """
@@ -35,7 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from treeserve._utils import flashinfer_available  # noqa: E402
 from treeserve.kvcache import AttentionMetadata, build_tree_mask, paged_attention  # noqa: E402
-from treeserve.kvcache._attention_triton import auto_splits, paged_attention_triton  # noqa: E402
+from treeserve.kvcache._attention_triton import auto_splits, paged_attention_triton, tiles  # noqa: E402
 from treeserve.kvcache.split_kv import MAX_SPLITS  # noqa: E402
 from treeserve.sampling import SamplingBatch, SamplingParams, sample, verify  # noqa: E402
 from treeserve.sampling.triton_kernels import thresholds_triton, walk_tree_triton  # noqa: E402
@@ -83,7 +85,7 @@ def record(kernel: str, backend: str, fn: Callable[[], object], nbytes: int, bw:
     ROWS.append((kernel, backend, f"{s * 1e6:9.1f}", f"{nbytes / s / 1e9:7.1f}", f"{100 * nbytes / s / bw:5.1f}%", note))
 
 
-def attention_case(bsz: int, kv_len: int, qo_len: int, tree: bool, bw: float) -> None:
+def attention_case(bsz: int, kv_len: int, qo_len: int, tree: bool, bw: float, tile_sweep: bool = False) -> None:
     hq, hkv, d, ps = (4, 2, 16, 4) if QUICK else (32, 8, 128, 16)
     name = f"{'tree' if tree else 'decode'} attn B={bsz} kv={kv_len}" + (f" nodes={qo_len}" if tree else "")
     dtype = torch.bfloat16 if CUDA else torch.float32
@@ -118,6 +120,11 @@ def attention_case(bsz: int, kv_len: int, qo_len: int, tree: bool, bw: float) ->
         fn = lambda s=s: paged_attention_triton(q, k, v, meta, scale, True, s)  # noqa: E731
         record(name, "triton" + (" auto" if s is None else f" s={s}"), fn, nbytes, bw,
                f"rule: s={chosen}" if s is None else "")
+    if tile_sweep:  # other decode tiles, unsplit (the AOT check compiles only the chosen one)
+        base = tiles(dtype, qo_len * hq // hkv, d, tree)
+        for t in (base._replace(block_n=16), base._replace(block_n=64), base._replace(num_warps=8)):
+            fn = lambda t=t: paged_attention_triton(q, k, v, meta, scale, True, 1, t)  # noqa: E731
+            record(name, f"triton n{t.block_n} w{t.num_warps}", fn, nbytes, bw)
     if CUDA and flashinfer_available():
         record(name, "flashinfer", lambda: paged_attention(q, k, v, meta, backend="flashinfer"), nbytes, bw)
 
@@ -180,8 +187,8 @@ def main() -> None:
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s ({DEV}{', ' + torch.cuda.get_device_name() if CUDA else ''})")
     cases = ((2, 64, 1, False), (2, 40, 4, True)) if QUICK else (
         (64, 2048, 1, False), (8, 4096, 1, False), (1, 16384, 1, False), (16, 1024, 16, True))
-    for bsz, kv, qo, tree in cases:
-        attention_case(bsz, kv, qo, tree, bw)
+    for i, (bsz, kv, qo, tree) in enumerate(cases):
+        attention_case(bsz, kv, qo, tree, bw, tile_sweep=i == 0)
     sampling_case(bw)
     verify_case(bw)
     print(f"{'kernel':36} {'backend':14} {'us':>9} {'GB/s':>7} {'of copy':>7}")

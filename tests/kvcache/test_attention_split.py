@@ -120,6 +120,26 @@ def test_static_metadata_with_shorter_contexts_leaves_splits_empty() -> None:
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tile", [tri.Tiles(16, 16, 16, 4), tri.Tiles(32, 64, 8, 8)])
+def test_tile_override_matches_reference(tile: tri.Tiles) -> None:
+    """The benchmarks' tile sweep computes the same attention (split and unsplit)."""
+    batch = make_batch(8, [1, 3], [70, 40], 4, 2, 3, 8, parents=[None, [-1, 0, 0]])
+    meta = build_meta(batch, device=DEV)
+    for splits in (1, 3):
+        out = tri.paged_attention_triton(batch.q.to(DEV), batch.k_cache.to(DEV), batch.v_cache.to(DEV), meta,
+                                         8**-0.5, True, splits, tile).cpu()
+        torch.testing.assert_close(out.double(), reference_attention(batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tile", [(16, 16, 16, 4), tri.Tiles(16, 16, 4, 4), tri.Tiles(8, 16, 16, 4)])
+def test_bad_tile_is_refused(tile: object) -> None:
+    batch = make_batch(0, [1], [3], 4, 1, 1, 8)
+    meta = build_meta(batch, device=DEV)
+    with pytest.raises(ValueError, match="tile must be a Tiles"):
+        tri.paged_attention_triton(batch.q.to(DEV), batch.k_cache.to(DEV), batch.v_cache.to(DEV), meta, 0.3, True,
+                                   1, tile)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True])
 def test_num_splits_must_be_a_positive_int(bad: object) -> None:
     batch = make_batch(0, [1], [3], 4, 1, 1, 8)

@@ -247,13 +247,15 @@ def paged_attention_triton(
     scale: float,
     causal: bool,
     num_splits: int | None = None,
+    tile: Tiles | None = None,
 ) -> torch.Tensor:
     """Triton backend of :func:`treeserve.kvcache.paged_attention` (inputs already validated).
 
     ``num_splits`` (an int >= 1) overrides the split rule :func:`~treeserve.kvcache.split_kv.kv_splits`
     (benchmarks and tests compare split with unsplit); ``None`` applies it to the metadata's host
     sizes (batch, ``max_qo_len``, ``max_kv_len``) and the device's SM count. Steps of ``2^31`` or
-    more output elements are never split.
+    more output elements are never split. ``tile`` overrides :func:`tiles` (benchmarks sweep it;
+    a tile the AOT check has not compiled may spill).
     """
     if q.dtype not in _DTYPES:
         raise TypeError(f"the triton attention backend supports {_DTYPES}, got {q.dtype}")
@@ -267,7 +269,9 @@ def paged_attention_triton(
         return out
     tree = meta.tree_mask
     has_tree = tree is not None
-    t = tiles(q.dtype, meta.max_qo_len * g, d, has_tree)
+    t = tiles(q.dtype, meta.max_qo_len * g, d, has_tree) if tile is None else tile
+    if not isinstance(t, Tiles) or t.block_d < d or min(t.block_m, t.block_n) < 16:
+        raise ValueError(f"tile must be a Tiles with block_m, block_n >= 16 and block_d >= head_dim {d}, got {t!r}")
     q_blocks = triton.cdiv(meta.max_qo_len * g, t.block_m)
     if num_splits is None:
         num_splits = auto_splits(meta, q.dtype, hkv, g, d, q.device)
