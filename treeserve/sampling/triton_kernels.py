@@ -3,7 +3,7 @@
 Both are sync-free and CUDA-graph friendly; on CPU they run under ``TRITON_INTERPRET=1`` (tests
 compare them with the torch reference given the same inputs / random numbers).
 
-Thresholds: the k-th largest value and the top-p pivot are found by bisection on the value
+Thresholds: the k-th largest value and the top-p pivot are found by a search on the value
 (``count(x >= t) >= k`` and ``mass(x >= t) >= top_p * mass(top-k set)`` are monotone in t),
 testing 16 thresholds per pass over the row (the bracket shrinks 17-fold a pass, where halving
 took ~4 times as many serial passes), stopping as soon as the bracket holds a single row value
