@@ -30,7 +30,7 @@ import triton.language as tl
 
 from treeserve._utils import interpreting
 from treeserve.kvcache.metadata import AttentionMetadata
-from treeserve.kvcache.split_kv import kv_splits
+from treeserve.kvcache.split_kv import MAX_SPLITS, kv_splits
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -323,6 +323,6 @@ def paged_attention_triton(
     if num_splits > 1:
         _merge_splits_kernel[(n, hq)](
             part, lse, out, num_splits, NUM_HEADS=hq, HEAD_DIM=d,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=t.block_d,
+            BLOCK_S=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_D=t.block_d,  # one variant
         )
     return out
