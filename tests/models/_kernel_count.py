@@ -58,9 +58,29 @@ def _count_triton(counts: Counter[str]) -> Iterator[None]:
             cls.run = run  # type: ignore[method-assign]
 
 
+_ACTIVE: list[Counter[str]] = []
+
+
 def count_kernels(fn: Callable[[], object]) -> Counter[str]:
     """The kernels ``fn()`` launches (see the module docstring), by operator / Triton kernel name."""
     counts: Counter[str] = Counter()
-    with _count_triton(counts), _AtenCounter(counts):
-        fn()
+    _ACTIVE.append(counts)
+    try:
+        with _count_triton(counts), _AtenCounter(counts):
+            fn()
+    finally:
+        _ACTIVE.pop()
     return counts
+
+
+def as_one_kernel(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+    """``fn`` counted as the one kernel ``name`` (what it is on CUDA; e.g. torch's RMSNorm, one
+    ``_fused_rms_norm`` there, which the CPU decomposes into seven operators)."""
+
+    def wrapped(*args: object, **kwargs: object) -> object:
+        if _ACTIVE:
+            _ACTIVE[-1][name] += 1
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return wrapped
