@@ -42,9 +42,10 @@ import triton.language as tl
 
 TARGETS = (80, 90)
 SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory one block may opt into
-HOT = ("_paged_attn_kernel", "_threshold_kernel", "_walk_kernel")  # spills fail the check here
+HOT = ("_paged_attn_kernel", "_threshold_kernel", "_walk_kernel",  # spills fail the check here
+       "_add_rms_norm_kernel", "_rope_store_kernel", "_silu_mul_kernel", "_head_bf16_kernel", "_head_rescore_kernel")
 KERNEL_MODULES = ("treeserve.kvcache._attention_triton", "treeserve.kvcache._triton_ops",
-                  "treeserve.sampling.triton_kernels")
+                  "treeserve.sampling.triton_kernels", "treeserve.models._triton_layers")
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
@@ -187,7 +188,41 @@ def _sampling_cases(rec: Recorder) -> None:
                                  torch.full((rows,), m, dtype=torch.int64), torch.empty(rows, m, dtype=work))
 
 
-CASES: tuple[Callable[[Recorder], None], ...] = (_attention_cases, _kv_op_cases, _sampling_cases)
+# (name, hidden, query heads, KV heads, head dim, intermediate, vocab) for the fused layer and the head.
+LAYER_SHAPES = (("smollm2-135m", 576, 9, 3, 64, 1536, 49152), ("llama-3.2-1b", 2048, 32, 8, 64, 8192, 128256),
+                ("llama-3-8b", 4096, 32, 8, 128, 14336, 128256), ("qwen2.5-1.5b", 1536, 12, 2, 128, 8960, 151936))
+
+
+def _layer_cases(rec: Recorder) -> None:
+    from treeserve.models._triton_layers import (add_rms_norm_triton, head_bf16_triton, head_bound_factor,
+                                                 head_rescore_triton, rope_store_triton, silu_mul_triton)
+
+    for name, hidden, hq, hkv, d, inter, vocab in LAYER_SHAPES:
+        for dtype in (torch.bfloat16, torch.float32) if name == "llama-3-8b" else (torch.bfloat16,):
+            tag = f"{name} {str(dtype)[6:]}"
+            x = torch.empty(4, hidden, dtype=dtype)
+            rec.case = f"{tag} norm"
+            add_rms_norm_triton(x, x, torch.empty(hidden, dtype=dtype), 1e-5)
+            add_rms_norm_triton(x, None, torch.empty(hidden, dtype=dtype), 1e-5)
+            rec.case = f"{tag} rope+store"
+            idx = torch.zeros(4, dtype=torch.int64)
+            for kv_dtype in {dtype, torch.bfloat16}:
+                cache = torch.empty(8, 16, hkv, d, dtype=kv_dtype)
+                rope_store_triton(torch.empty(4, (hq + 2 * hkv) * d, dtype=dtype), torch.empty(64, 2, d // 2), idx,
+                                  idx, cache, cache, hq, hkv)
+            rec.case = f"{tag} silu*up"
+            silu_mul_triton(torch.empty(4, 2 * inter, dtype=dtype))
+            for rows in (1, 64):  # the first pass's tile: 16 rows (decode) and 64 (batches, verify)
+                rec.case = f"{tag} head M={rows}"
+                f = head_bound_factor(hidden)
+                w = torch.empty(vocab, hidden)
+                xr = torch.empty(rows, hidden, dtype=dtype)
+                approx, partial, xn = head_bf16_triton(xr, torch.empty(vocab, hidden, dtype=torch.bfloat16),
+                                                       torch.empty(vocab), f)
+                head_rescore_triton(xr, w, torch.empty(vocab), approx, partial, xn, f)
+
+
+CASES: tuple[Callable[[Recorder], None], ...] = (_attention_cases, _kv_op_cases, _sampling_cases, _layer_cases)
 
 
 FP64_CASES = ("llama-3-8b",)

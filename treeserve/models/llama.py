@@ -222,6 +222,14 @@ class LlamaForCausalLM(nn.Module):
         return self._decode_plan
 
     @property
+    def plain_head_weight(self) -> torch.Tensor | None:
+        """The float32 weight of the LM head when it is this module's bias-free ``Linear`` (what
+        the bf16 exact head of ``triton_forward`` replaces on CUDA), else None."""
+        head = self.lm_head
+        plain = type(head) is Linear and head.bias is None and head.weight.dtype == torch.float32
+        return head.weight if plain else None
+
+    @property
     def dtype(self) -> torch.dtype:
         """Compute dtype of the decoder layers and KV (the LM head and logits are float32)."""
         return self.norm.weight.dtype

@@ -109,12 +109,8 @@ class TritonHead:
 def _head(model: torch.nn.Module) -> TritonHead | None:
     """``model``'s ``TritonHead`` (made on first use, remade when the head's weight changes), or
     None when its head is not a plain float32 linear map (it then runs as it is)."""
-    from treeserve.models.llama import Linear  # llama imports this module
-
-    head = model.lm_head
-    weight = getattr(head, "weight", None)
-    plain = type(head) is Linear and head.bias is None
-    if not plain or not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32:
+    weight = model.plain_head_weight
+    if weight is None:
         return None
     cached = _HEADS.get(weight)
     if cached is None or cached.key != TritonHead.key_of(weight):
@@ -138,15 +134,8 @@ def _check_values(positions: torch.Tensor, out_slots: torch.Tensor, positions_bo
             raise ValueError(f"{name} must lie in [0, {hi}), got values in [{lo_v}, {hi_v}]")
 
 
-def triton_forward(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    kv: KVPool,
-    out_slots: torch.Tensor,
-    meta: AttentionMetadata,
-    logits_indices: torch.Tensor,
-) -> torch.Tensor:
+def triton_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVPool,
+                   out_slots: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
     """``model.forward`` (same contract) through the fused kernels; inputs' shapes already checked."""
     k0 = kv.k_caches[0]
     _check_values(positions, out_slots, model.rope_cache.shape[0], k0.shape[0] * k0.shape[1])
