@@ -148,7 +148,7 @@ def triton_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
                               attn.num_heads, attn.num_kv_heads)
         o = paged_attention(q, k_cache, v_cache, meta, scale=attn.scale).to(x.dtype)
         norm = layer.post_attention_layernorm
-        residual, x = add_rms_norm_triton(attn.o_proj(o.view(o.shape[0], attn.q_size)), residual, norm.weight, norm.eps)
+        residual, x = add_rms_norm_triton(attn.o_proj(o.reshape(o.shape[0], attn.q_size)), residual, norm.weight, norm.eps)
         h = mlp.down_proj(silu_mul_triton(mlp.gate_up_proj(x)))
     _, x = add_rms_norm_triton(h[logits_indices], residual[logits_indices], model.norm.weight, model.norm.eps)
     head = _head(model)
