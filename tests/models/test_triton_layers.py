@@ -1,8 +1,9 @@
 """The fused Triton kernels of a layer and the bf16 exact head against the torch path.
 
 Under the interpreter (CPU) with the GPU's float32 -> bfloat16 rounding (``_triton_rounding``),
-or on CUDA tensors where CUDA is present. bfloat16 results equal the torch path's bit for bit;
-float32 ones agree to a few ulps (sums and multiply-adds in another order).
+or on CUDA tensors where CUDA is present. Under the interpreter bfloat16 results equal the torch
+path's bit for bit (on CUDA within one bf16 ulp: torch's CUDA reductions and ``exp`` round
+differently from NumPy's); float32 ones agree to a few ulps (sums and multiply-adds in another order).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from treeserve.models.rope import apply_rope
 from treeserve.models.triton_forward import TritonHead, uses_triton_layers
 
 DEV = backend_device("triton")
+BITWISE = DEV.type == "cpu"  # the interpreter, compared with torch's CPU kernels
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 FEW = settings(max_examples=8)
 
@@ -39,9 +41,11 @@ def _gpu_rounding():
 
 
 def assert_matches(ours: torch.Tensor, ref: torch.Tensor, scale: float = 1.0) -> None:
-    """bf16: bit for bit; float32: within 8 ulps of ``scale`` (the inputs' magnitude)."""
+    """bf16: bit for bit (one ulp on CUDA); float32: within 8 ulps of ``scale`` (the inputs' magnitude)."""
     assert ours.dtype == ref.dtype and ours.shape == ref.shape
-    if ref.dtype == torch.bfloat16:
+    if ref.dtype == torch.bfloat16 and not BITWISE:
+        torch.testing.assert_close(ours, ref, rtol=2**-7, atol=2**-7 * scale)
+    elif ref.dtype == torch.bfloat16:
         assert torch.equal(ours, ref), (ours.float() - ref.float()).abs().max()
     else:
         torch.testing.assert_close(ours, ref, rtol=2**-20, atol=8 * 2**-23 * scale)
@@ -201,7 +205,7 @@ def test_triton_forward_matches_the_torch_path(dtype: torch.dtype, kv_dtype: tor
     for layer in range(model.config.num_layers):
         for ours, theirs in ((fused_kv.k_caches[layer], ref_kv.k_caches[layer]),
                              (fused_kv.v_caches[layer], ref_kv.v_caches[layer])):
-            if dtype == torch.bfloat16:
+            if dtype == torch.bfloat16 and BITWISE:
                 assert torch.equal(ours, theirs)
             else:
                 torch.testing.assert_close(ours, theirs, rtol=2**-6, atol=1e-5)
