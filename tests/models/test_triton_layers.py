@@ -21,6 +21,7 @@ from treeserve.models import random_model, tiny_config
 from treeserve.models._norm_op import add_rms_norm_torch
 from treeserve.models._triton_layers import (
     add_rms_norm_triton,
+    head_bf16_triton,
     head_bound_factor,
     rope_store_triton,
     silu_mul_triton,
@@ -141,6 +142,23 @@ def test_bf16_head_argmax_equals_float64() -> None:
     # Every logit stays within the bound of the float32 head's.
     bound = head_bound_factor(hidden) * x.norm(dim=1, keepdim=True) * w.norm(dim=1)
     assert bool(((logits - x @ w.T).abs() <= bound + 1e-5).all())
+
+
+def test_head_bound_holds_on_worst_case_rounding() -> None:
+    """Every x_i and W_i just above 1 + 2^-8 rounds up by almost 2^-8 (bf16's unit roundoff, not
+    2^-9): the first pass's error reaches ~2^-7 |x| |W|, and the bound still covers it."""
+    hidden = 64
+    v = 1 + 2**-8 + 2**-20
+    x = torch.full((1, hidden), v)
+    w = torch.full((3, hidden), v)
+    w[1:] *= -1
+    approx, _, xnorm = head_bf16_triton(x.to(DEV), w.bfloat16().to(DEV), w.norm(dim=1).to(DEV),
+                                        head_bound_factor(hidden))
+    err = (approx.cpu().double() - x.double() @ w.double().T).abs()
+    scale = float(x.norm()) * w.norm(dim=1).double()
+    assert bool((err <= head_bound_factor(hidden) * scale).all())
+    assert bool((err > 2**-7 * 0.99 * scale).all())  # the bound is nearly tight here
+    assert float(xnorm) == pytest.approx(float(x.norm()), rel=2**-20)
 
 
 def test_bf16_head_bad_input() -> None:
