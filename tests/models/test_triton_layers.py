@@ -233,11 +233,21 @@ def test_triton_forward_matches_the_torch_path(dtype: torch.dtype, kv_dtype: tor
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0.02 * float(theirs.abs().max()))
 
 
-def test_layer_kernels_choice() -> None:
+def test_layer_kernels_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     model = random_model(tiny_config("llama"), seed=0)
     assert model.layer_kernels == "auto" and not uses_triton_layers(model)  # a CPU model: the torch path
+    monkeypatch.setenv("TREESERVE_LAYER_KERNELS", "triton")
+    if DEV.type == "cpu":  # the interpreter runs it on CPU tensors
+        assert uses_triton_layers(model)
+    else:
+        with pytest.raises(ValueError, match="needs a CUDA model or TRITON_INTERPRET=1"):
+            uses_triton_layers(model)
+    monkeypatch.setenv("TREESERVE_LAYER_KERNELS", "fast")
+    with pytest.raises(ValueError, match="TREESERVE_LAYER_KERNELS"):
+        uses_triton_layers(model)
+    monkeypatch.delenv("TREESERVE_LAYER_KERNELS")
     model.layer_kernels = "fused"
-    with pytest.raises(ValueError, match="layer_kernels must be one of"):
+    with pytest.raises(ValueError, match=r"layer_kernels \(or TREESERVE_LAYER_KERNELS\) must be one of"):
         uses_triton_layers(model)
     model.layer_kernels = "torch"
     assert not uses_triton_layers(model)

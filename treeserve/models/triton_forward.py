@@ -31,6 +31,7 @@ it (on CPU under ``TRITON_INTERPRET=1``, how the tests run it), ``"torch"`` turn
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -54,14 +55,17 @@ _NORM_ROWS = 8192
 
 
 def uses_triton_layers(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s forward takes this module's path now (see the module docstring).
+    """Whether ``model``'s forward takes this module's path now (see the module docstring);
+    ``TREESERVE_LAYER_KERNELS`` (``torch`` / ``triton``) overrides a model left at ``"auto"``.
 
     ``ValueError`` for a ``layer_kernels`` outside ``LAYER_KERNELS``, or ``"triton"`` where Triton
     cannot run (a CPU model without ``TRITON_INTERPRET=1``).
     """
     choice = model.layer_kernels
+    if choice == "auto":
+        choice = os.environ.get("TREESERVE_LAYER_KERNELS", "auto")
     if choice not in LAYER_KERNELS:
-        raise ValueError(f"layer_kernels must be one of {LAYER_KERNELS}, got {choice!r}")
+        raise ValueError(f"layer_kernels (or TREESERVE_LAYER_KERNELS) must be one of {LAYER_KERNELS}, got {choice!r}")
     if choice == "torch" or torch.compiler.is_compiling():
         return False
     device = model.device
