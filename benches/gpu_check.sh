@@ -85,7 +85,7 @@ SUMMARY+=("setup: ok ($(($(date +%s) - START))s)")
 mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)
 run_stage gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider --hypothesis-profile=ci -rfE \
     tests/kvcache/test_attention.py tests/kvcache/test_ops.py tests/sampling/test_sampling_triton.py "${GPU_TESTS[@]}" \
-    tests/models/test_triton_layers.py tests/models/test_kernel_counts.py \
+    tests/models/test_triton_layers.py tests/models/test_kernel_counts.py tests/runner/test_fused_step.py \
     tests/test_cpp_bad_input.py
 
 # ---------------------------------------------------------------- 2. kernel benchmarks
