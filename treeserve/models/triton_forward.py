@@ -1,8 +1,8 @@
 """The forward of ``LlamaForCausalLM`` on CUDA: hand-fused Triton kernels per layer, a bf16 exact head.
 
-The torch path of a decoder layer launches ~20 small kernels besides its four GEMMs and its
-attention (norm, residual add, five for RoPE, two contiguous copies and the KV store, SiLU, the
-multiply, the residual add). Here a layer is::
+The torch path of a decoder layer launches 14 small kernels besides its four GEMMs and its
+attention (two norms, two residual adds, five for RoPE, two contiguous copies and the KV store,
+SiLU, the multiply). Here a layer is::
 
     add_rms_norm (the previous layer's residual add folded in) -> qkv GEMM -> rope_store (RoPE on
     q and k, k and v stored at their slots) -> attention -> o GEMM -> add_rms_norm -> gate|up GEMM
@@ -24,8 +24,8 @@ copy (half the float32 bytes) plus the float32 rows of the few candidates; the f
 resident for them (the bf16 copy adds ``2 V K`` bytes of memory).
 
 :func:`uses_triton_layers` decides per call: ``model.layer_kernels`` ``"auto"`` (the default)
-picks this path on CUDA when Triton is usable, the model's layers are the stock modules and Dynamo
-is not tracing (a compiled forward keeps the torch path for inductor to fuse); ``"triton"`` forces
+picks this path on CUDA when Triton is usable, the model is not batch-invariant and Dynamo is
+not tracing (a compiled forward keeps the torch path for inductor to fuse); ``"triton"`` forces
 it (on CPU under ``TRITON_INTERPRET=1``, how the tests run it), ``"torch"`` turns it off.
 """
 
