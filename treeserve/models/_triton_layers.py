@@ -315,7 +315,7 @@ def head_bf16_triton(
         grid = (triton.cdiv(m, block_m), n_blocks)
         _head_bf16_kernel[grid](x, weight_bf16, row_norms, approx, partial, xnorm, m, v, k, x.stride(0), n_blocks,
                                 F=factor, BLOCK_M=block_m, BLOCK_V=HEAD_BLOCK_V, BLOCK_K=HEAD_BLOCK_K,
-                                BF16_DOT=not interpreting(), num_warps=4 if block_m <= 16 else 8, num_stages=2)
+                                BF16_DOT=not interpreting(), num_warps=8, num_stages=2)
     return approx, partial, xnorm
 
 
