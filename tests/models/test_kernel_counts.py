@@ -4,7 +4,8 @@ The forward runs its CUDA code path with the Triton kernels (under the interpret
 Triton attention backend; ``_kernel_count`` counts computing aten operators and Triton launches.
 Per layer = a 2-layer model's count minus its 1-layer truncation's (``truncated_copy``: same
 weights). The torch path is counted as CUDA runs it: torch's RMSNorm (the C++ CPU norm off; one
-``_fused_rms_norm`` kernel, which the CPU decomposes) and the Triton KV store. Debug checks (host reads) are off while counting, as in production.
+``_fused_rms_norm`` kernel, which the CPU decomposes) and the Triton KV store. Debug checks (host
+reads) are off while counting, as in production.
 Figures before/after: ``benches/RESULTS.md`` (issue 28 fused step).
 """
 

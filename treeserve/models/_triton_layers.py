@@ -191,7 +191,9 @@ def rope_store_triton(
     want = (num_kv_heads, 2 * half)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4 or tuple(c.shape[2:]) != want or not c.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous [pages, page_size, {want[0]}, {want[1]}], got {tuple(c.shape)}")
+            raise ValueError(
+                f"{name} must be a contiguous [pages, page_size, {want[0]}, {want[1]}], got {tuple(c.shape)}"
+            )
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
     n = qkv.shape[0]
@@ -267,7 +269,8 @@ def _head_bf16_kernel(x_ptr, w_ptr, rn_ptr, out_ptr, part_ptr, xnorm_ptr, M, V, 
         km = k0 + ks < K
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + (k0 + ks)[None, :],
                     mask=rm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + vs[:, None].to(tl.int64) * K + (k0 + ks)[None, :], mask=vm[:, None] & km[None, :], other=0.0)
+        w = tl.load(w_ptr + vs[:, None].to(tl.int64) * K + (k0 + ks)[None, :], mask=vm[:, None] & km[None, :],
+                    other=0.0)
         sq += tl.sum(x * x, axis=1)
         if BF16_DOT:
             acc = tl.dot(x.to(tl.bfloat16), tl.trans(w), acc)

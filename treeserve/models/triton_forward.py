@@ -39,19 +39,19 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from treeserve._utils import triton_usable
 from treeserve.kvcache import AttentionMetadata, KVPool, debug_checks_enabled, paged_attention
-from treeserve.models._triton_layers import (
-    add_rms_norm_triton,
-    head_bf16_triton,
-    head_bound_factor,
-    head_rescore_triton,
-    rope_store_triton,
-    silu_mul_triton,
-)
 
 __all__ = ["LAYER_KERNELS", "TritonHead", "triton_forward", "uses_triton_layers"]
 
 LAYER_KERNELS = ("auto", "torch", "triton")
 _NORM_ROWS = 8192
+
+
+def _kernels():  # type: ignore[no-untyped-def]
+    """``models._triton_layers``, imported on first use: importing triton costs ~0.4 s, which a
+    CPU engine's start never pays."""
+    import treeserve.models._triton_layers as kernels
+
+    return kernels
 
 
 def uses_triton_layers(model: torch.nn.Module) -> bool:
@@ -101,13 +101,13 @@ class TritonHead:
             raise ValueError(f"weight must be a contiguous [V, K], got {tuple(weight.shape)}")
         w = weight.detach()
         norms = torch.cat([rows.double().norm(dim=1) for rows in w.split(_NORM_ROWS)]).float()
-        return cls(w, w.to(torch.bfloat16), norms, head_bound_factor(w.shape[1]), cls.key_of(weight))
+        return cls(w, w.to(torch.bfloat16), norms, _kernels().head_bound_factor(w.shape[1]), cls.key_of(weight))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[M, V]`` of ``x [M, K]`` (float32 or bfloat16)."""
-        x = x.contiguous()
-        approx, partial, xnorm = head_bf16_triton(x, self.weight_bf16, self.row_norms, self.factor)
-        return head_rescore_triton(x, self.weight, self.row_norms, approx, partial, xnorm, self.factor)
+        x, ops = x.contiguous(), _kernels()
+        approx, partial, xnorm = ops.head_bf16_triton(x, self.weight_bf16, self.row_norms, self.factor)
+        return ops.head_rescore_triton(x, self.weight, self.row_norms, approx, partial, xnorm, self.factor)
 
 
 def _head(model: torch.nn.Module) -> TritonHead | None:
@@ -141,19 +141,20 @@ def _check_values(positions: torch.Tensor, out_slots: torch.Tensor, positions_bo
 def triton_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVPool,
                    out_slots: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
     """``model.forward`` (same contract) through the fused kernels; inputs' shapes already checked."""
-    k0 = kv.k_caches[0]
+    k0, ops = kv.k_caches[0], _kernels()
     _check_values(positions, out_slots, model.rope_cache.shape[0], k0.shape[0] * k0.shape[1])
     h = model.embed_tokens(input_ids).to(model.dtype)
     residual = None
     for layer, k_cache, v_cache in zip(model.layers, kv.k_caches, kv.v_caches):
         attn, mlp = layer.self_attn, layer.mlp
-        residual, x = add_rms_norm_triton(h, residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        q = rope_store_triton(attn.qkv_proj(x), model.rope_cache, positions, out_slots, k_cache, v_cache,
-                              attn.num_heads, attn.num_kv_heads)
+        residual, x = ops.add_rms_norm_triton(h, residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        q = ops.rope_store_triton(attn.qkv_proj(x), model.rope_cache, positions, out_slots, k_cache, v_cache,
+                                  attn.num_heads, attn.num_kv_heads)
         o = paged_attention(q, k_cache, v_cache, meta, scale=attn.scale).to(x.dtype)
         norm = layer.post_attention_layernorm
-        residual, x = add_rms_norm_triton(attn.o_proj(o.reshape(o.shape[0], attn.q_size)), residual, norm.weight, norm.eps)
-        h = mlp.down_proj(silu_mul_triton(mlp.gate_up_proj(x)))
-    _, x = add_rms_norm_triton(h[logits_indices], residual[logits_indices], model.norm.weight, model.norm.eps)
+        attn_out = attn.o_proj(o.reshape(o.shape[0], attn.q_size))
+        residual, x = ops.add_rms_norm_triton(attn_out, residual, norm.weight, norm.eps)
+        h = mlp.down_proj(ops.silu_mul_triton(mlp.gate_up_proj(x)))
+    _, x = ops.add_rms_norm_triton(h[logits_indices], residual[logits_indices], model.norm.weight, model.norm.eps)
     head = _head(model)
     return head(x) if head is not None else model.lm_head(x.float())
