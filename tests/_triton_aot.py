@@ -205,9 +205,9 @@ def _layer_cases(rec: Recorder) -> None:
             rec.case = f"{tag} norm"
             add_rms_norm_triton(x, x, torch.empty(hidden, dtype=dtype), 1e-5)
             add_rms_norm_triton(x, None, torch.empty(hidden, dtype=dtype), 1e-5)
-            rec.case = f"{tag} rope+store"
             idx = torch.zeros(4, dtype=torch.int64)
             for kv_dtype in {dtype, torch.bfloat16}:
+                rec.case = f"{tag} rope+store, {str(kv_dtype)[6:]} KV"
                 cache = torch.empty(8, 16, hkv, d, dtype=kv_dtype)
                 rope_store_triton(torch.empty(4, (hq + 2 * hkv) * d, dtype=dtype), torch.empty(64, 2, d // 2), idx,
                                   idx, cache, cache, hq, hkv)
