@@ -202,9 +202,11 @@ def _layer_cases(rec: Recorder) -> None:
         for dtype in (torch.bfloat16, torch.float32) if name == "llama-3-8b" else (torch.bfloat16,):
             tag = f"{name} {str(dtype)[6:]}"
             x = torch.empty(4, hidden, dtype=dtype)
-            rec.case = f"{tag} norm"
-            add_rms_norm_triton(x, x, torch.empty(hidden, dtype=dtype), 1e-5)
-            add_rms_norm_triton(x, None, torch.empty(hidden, dtype=dtype), 1e-5)
+            w = torch.empty(hidden, dtype=dtype)
+            for kind, res, rows in (("", None, None), (" + residual", x, None),
+                                    (" + residual, gathered rows", x, torch.zeros(2, dtype=torch.int64))):
+                rec.case = f"{tag} norm{kind}"
+                add_rms_norm_triton(x, res, w, 1e-5, rows=rows)
             idx = torch.zeros(4, dtype=torch.int64)
             for kv_dtype in {dtype, torch.bfloat16}:
                 rec.case = f"{tag} rope+store, {str(kv_dtype)[6:]} KV"

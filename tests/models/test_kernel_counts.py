@@ -26,7 +26,7 @@ from treeserve.models.llama import truncated_copy
 
 DEV = backend_device("triton")
 FUSED_PER_LAYER = 8  # norm, qkv, rope+store, o, add+norm, gate|up, silu*up, down; plus attention's
-FUSED_STEP_EXTRA = 7  # embedding, 2 row gathers, final norm, head: bf16 pass, threshold, re-scoring
+FUSED_STEP_EXTRA = 5  # embedding, final norm (gathering the logits rows), head: bf16 pass, threshold, re-scoring
 
 
 def _forward_counts(kernels: str) -> tuple[Counter[str], Counter[str], Counter[str]]:

@@ -57,15 +57,19 @@ def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype) -> torch.Tenso
 
 
 @FEW
-@given(n=st.integers(0, 4), h=st.integers(1, 300), dtype=DTYPES, residual=st.booleans(), seed=st.integers(0, 99))
-def test_add_rms_norm_matches_torch(n: int, h: int, dtype: torch.dtype, residual: bool, seed: int) -> None:
+@given(n=st.integers(0, 4), h=st.integers(1, 300), dtype=DTYPES, residual=st.booleans(), seed=st.integers(0, 99),
+       gather=st.booleans())
+def test_add_rms_norm_matches_torch(n: int, h: int, dtype: torch.dtype, residual: bool, seed: int, gather: bool) -> None:
     gen = torch.Generator().manual_seed(seed)
     x, w = _randn(gen, n, h, dtype=dtype), _randn(gen, h, dtype=dtype)
     r = _randn(gen, n, h, dtype=dtype) if residual else None
-    s, y = add_rms_norm_triton(x, r, w, 1e-6)
+    rows = torch.randint(0, max(n, 1), (3 if n else 0,), generator=gen).to(DEV) if gather else None
+    s, y = add_rms_norm_triton(x, r, w, 1e-6, rows=rows)
+    if rows is not None:  # the torch path gathers first
+        x, r = x[rows], (None if r is None else r[rows])
     s0, y0 = add_rms_norm_torch(x, r, w, 1e-6)
     assert torch.equal(s, s0)
-    assert_matches(y, y0, scale=float(y0.abs().max()) if n else 1.0)
+    assert_matches(y, y0, scale=float(y0.abs().max()) if y0.numel() else 1.0)
 
 
 @FEW
@@ -181,6 +185,8 @@ def test_kernels_refuse_bad_input() -> None:
         add_rms_norm_triton(x, torch.zeros(3, 8, device=DEV), torch.zeros(8, device=DEV), 1e-6)
     with pytest.raises(ValueError, match="eps must be a float > 0"):
         add_rms_norm_triton(x, None, torch.zeros(8, device=DEV), 0.0)
+    with pytest.raises(TypeError, match="rows must be a 1-D int32/int64 tensor"):
+        add_rms_norm_triton(x, None, torch.zeros(8, device=DEV), 1e-6, rows=torch.zeros(2, device=DEV))
     with pytest.raises(ValueError, match=r"gate_up must be \[N, 2I\]"):
         silu_mul_triton(torch.zeros(2, 7, device=DEV))
     cache = torch.zeros(2, 4, 1, 8, device=DEV)

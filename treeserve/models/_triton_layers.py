@@ -68,30 +68,36 @@ def _check_rows(name: str, t: torch.Tensor, cols: int) -> None:
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, x_stride, res_stride, n_cols,
-                         EPS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, rows_ptr, x_stride, res_stride, n_cols,
+                         EPS: tl.constexpr, HAS_RES: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    out_row = tl.program_id(0).to(tl.int64)
+    if GATHER:
+        row = tl.load(rows_ptr + out_row).to(tl.int64)
+    else:
+        row = out_row
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     s = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
         s = (s.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * n_cols + cols, s, mask=mask)
+        tl.store(sum_ptr + out_row * n_cols + cols, s, mask=mask)
     sf = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / n_cols + EPS)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, (sf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out_row * n_cols + cols, (sf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, y)``: ``s = x + residual`` (``x`` itself when ``residual`` is None) and
-    ``y = rms_norm(s) * weight``, both ``[N, H]`` in ``x``'s dtype; one kernel, one pass per row.
+    """``(s, y)``: ``s = x + residual`` (``x`` itself when ``residual`` is None and ``rows`` too)
+    and ``y = rms_norm(s) * weight``, both ``[N, H]`` in ``x``'s dtype; one kernel, one pass per row.
 
     ``x``, ``residual``: ``[N, H]`` float32/bfloat16 of one dtype with contiguous rows; ``weight``
-    ``[H]`` of that dtype, ``H <= 16384``; ``eps`` a float > 0.
+    ``[H]`` of that dtype, ``H <= 16384``; ``eps`` a float > 0. ``rows``: int ``[M]`` (each in
+    ``[0, N)``, not checked): only those rows, gathered, ``s`` and ``y`` then ``[M, H]`` (the
+    final norm of the logits rows, without a gather kernel before it).
     """
     _check_float("x", x)
     n, h = x.shape if x.dim() == 2 else (0, -1)
@@ -108,13 +114,23 @@ def add_rms_norm_triton(
             raise ValueError(f"residual must have x's {n} rows, got {residual.shape[0]}")
     if not isinstance(eps, float) or not eps > 0:
         raise ValueError(f"eps must be a float > 0, got {eps!r}")
-    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
-    s = x if residual is None else torch.empty_like(out)
-    if n:
+    if rows is not None:
+        if not isinstance(rows, torch.Tensor) or rows.dtype not in (torch.int32, torch.int64) or rows.dim() != 1:
+            raise TypeError("rows must be a 1-D int32/int64 tensor")
+        if rows.device != x.device:
+            raise ValueError(f"rows is on {rows.device} but x is on {x.device}")
+    m = n if rows is None else rows.shape[0]
+    out = torch.empty((m, h), dtype=x.dtype, device=x.device)
+    if residual is None:
+        s = x if rows is None else x[rows]
+    else:
+        s = torch.empty_like(out)
+    if m:
         block = triton.next_power_of_2(h)
         res = x if residual is None else residual
-        _add_rms_norm_kernel[(n,)](x, res, weight, s, out, x.stride(0), res.stride(0), h, EPS=eps,
-                                   HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block))
+        _add_rms_norm_kernel[(m,)](x, res, weight, s, out, x if rows is None else rows, x.stride(0), res.stride(0), h,
+                                   EPS=eps, HAS_RES=residual is not None, GATHER=rows is not None, BLOCK=block,
+                                   num_warps=_warps(block))
     return s, out
 
 

@@ -155,6 +155,6 @@ def triton_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
         attn_out = attn.o_proj(o.reshape(o.shape[0], attn.q_size))
         residual, x = ops.add_rms_norm_triton(attn_out, residual, norm.weight, norm.eps)
         h = mlp.down_proj(ops.silu_mul_triton(mlp.gate_up_proj(x)))
-    _, x = ops.add_rms_norm_triton(h[logits_indices], residual[logits_indices], model.norm.weight, model.norm.eps)
+    _, x = ops.add_rms_norm_triton(h, residual, model.norm.weight, model.norm.eps, rows=logits_indices)
     head = _head(model)
     return head(x) if head is not None else model.lm_head(x.float())
