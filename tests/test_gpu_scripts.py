@@ -38,5 +38,12 @@ def test_prefill_and_phases_report() -> None:
     assert "ms/step" in out and "host schedule" in out and "host input load (_load)" in out, out
 
 
+@pytest.mark.slow
+def test_kernels_report() -> None:
+    out = run("kernels")
+    assert re.search(r"^torch +\d+\.\d +-?\d+\.\d\d +nan$", out, re.M), out
+    assert len(re.findall(r"rows +\d+: float32 +[\d.]+ ms, bf16 exact +[\d.]+ ms .* same argmax: True", out)) == 2, out
+
+
 def test_gpu_check_script_parses() -> None:
     subprocess.run(["bash", "-n", str(ROOT / "benches" / "gpu_check.sh")], check=True)
