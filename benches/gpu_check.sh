@@ -10,7 +10,7 @@
 # optionally flashinfer-python): they are installed with --no-index --no-deps into a private
 # --target folder put on PYTHONPATH, so the image's own packages are never replaced. Models are
 # random weights of real shapes (benches/gpu_e2e.py): no checkpoint travels. Stages share a budget
-# of GPU_CHECK_BUDGET_S seconds (default 330: the whole check within 6 minutes); a stage that runs
+# of GPU_CHECK_BUDGET_S seconds (default 420: the whole check within 7.5 minutes); a stage that runs
 # out of time is cut and reported, and the next one still runs. Output: each stage's table on
 # stdout, full logs in $GPU_CHECK_OUT (default ./gpu_check_out).
 #
@@ -22,7 +22,7 @@ cd "$ROOT" || exit 1
 WHEELS=${1:-}
 [[ -z "$WHEELS" && -d .whl ]] && WHEELS=.whl
 OUT=${GPU_CHECK_OUT:-gpu_check_out}
-BUDGET=${GPU_CHECK_BUDGET_S:-330}
+BUDGET=${GPU_CHECK_BUDGET_S:-420}
 START=$(date +%s)
 mkdir -p "$OUT"
 declare -a SUMMARY=()
@@ -85,6 +85,7 @@ SUMMARY+=("setup: ok ($(($(date +%s) - START))s)")
 mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)
 run_stage gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider --hypothesis-profile=ci -rfE \
     tests/kvcache/test_attention.py tests/kvcache/test_attention_split.py tests/kvcache/test_ops.py tests/sampling/test_sampling_triton.py "${GPU_TESTS[@]}" \
+    tests/models/test_triton_layers.py tests/models/test_kernel_counts.py tests/runner/test_fused_step.py \
     tests/test_cpp_bad_input.py
 
 # ---------------------------------------------------------------- 2. kernel benchmarks
@@ -98,6 +99,10 @@ run_stage decode_8b 70 "$PY" benches/gpu_e2e.py decode --shape llama3-8b --modes
 run_stage prefill_8b 25 "$PY" benches/gpu_e2e.py prefill --shape llama3-8b
 run_stage phases_smollm2 20 "$PY" benches/gpu_e2e.py phases --shape smollm2 --batch 1
 run_stage phases_8b 25 "$PY" benches/gpu_e2e.py phases --shape llama3-8b --batch 1
+# Issue 28's fused step: kernels per step / per layer and GPU ms per replay, fused vs the torch
+# path, and the LM head alone (float32 vs the bf16 exact head).
+run_stage kernels_smollm2 40 "$PY" benches/gpu_e2e.py kernels --shape smollm2 --batch 1
+run_stage kernels_8b 50 "$PY" benches/gpu_e2e.py kernels --shape llama3-8b --batch 1
 
 echo
 echo "== gpu_check summary ($(($(date +%s) - START))s, logs in $OUT/)"

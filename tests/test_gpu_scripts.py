@@ -58,5 +58,12 @@ def test_kernel_table_has_every_backend() -> None:
     assert {k.split(" ")[0] for k, b in got if b == "triton" and "kernel" in k} == {"thresholds", "walk"}, proc.stdout
 
 
+@pytest.mark.slow
+def test_kernels_report() -> None:
+    out = run("kernels")
+    assert re.search(r"^torch +\d+\.\d +-?\d+\.\d\d +nan$", out, re.M), out
+    assert len(re.findall(r"rows +\d+: float32 +[\d.]+ ms, bf16 exact +[\d.]+ ms .* same argmax: True", out)) == 2, out
+
+
 def test_gpu_check_script_parses() -> None:
     subprocess.run(["bash", "-n", str(ROOT / "benches" / "gpu_check.sh")], check=True)
