@@ -42,7 +42,7 @@ import triton.language as tl
 
 TARGETS = (80, 90)
 SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory one block may opt into
-HOT = ("_paged_attn_kernel", "_threshold_kernel", "_walk_kernel",  # spills fail the check here
+HOT = ("_paged_attn_kernel", "_merge_splits_kernel", "_threshold_kernel", "_walk_kernel",  # spills fail the check here
        "_add_rms_norm_kernel", "_rope_store_kernel", "_silu_mul_kernel", "_head_bf16_kernel", "_head_rescore_kernel")
 KERNEL_MODULES = ("treeserve.kvcache._attention_triton", "treeserve.kvcache._triton_ops",
                   "treeserve.sampling.triton_kernels", "treeserve.models._triton_layers")
@@ -141,6 +141,9 @@ def _attention_cases(rec: Recorder) -> None:
         "decode": ([1, 1], [40, 17], None, True),
         "verify chain": ([5, 5], [45, 60], [[-1, 0, 1, 2, 3]] * 2, True),
         "verify tree": ([9], [60], [[-1, 0, 0, 1, 1, 2, 2, 3, 3]], True),
+        # long contexts at batch 1: the split rule (kvcache/split_kv.py) cuts the KV in 16 splits
+        "decode split": ([1], [4096], None, True),
+        "verify tree split": ([9], [2048], [[-1, 0, 0, 1, 1, 2, 2, 3, 3]], True),
         "prefill": ([64, 3], [64, 80], None, True),
         "encode": ([8], [8], None, False),
     }
