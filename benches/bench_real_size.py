@@ -14,7 +14,8 @@ temporary file, then, each in a fresh process (so resident memory is that load's
 - with the warm cache: single-stream greedy decode tok/s and a batch of 16 x 64 tokens (token-id
   prompts of 8; the rates include the prompt steps).
 
-llama-cpp-python on the same file in the same run when it is installed (``--peer``). The file is
+llama-cpp-python on the same file in the same run when it is installed (``--peer``: load, memory,
+single stream, and the batch as that many streams one after another). The file is
 deleted at the end unless ``--keep``. Run under ``flock /work/bench.lock`` where others benchmark.
 
     python benches/bench_real_size.py [--spec llama-3-8b] [--qtype Q4_0] [--configs lean,default]
@@ -72,19 +73,28 @@ def child(path: str, threads: int, single_tokens: int, batch: int, batch_tokens:
     return out
 
 
-def peer(path: str, threads: int, single_tokens: int) -> dict[str, float]:
-    """llama-cpp-python on the same file: load time, resident memory, single-stream tok/s."""
+def peer(path: str, threads: int, single_tokens: int, batch: int, batch_tokens: int) -> dict[str, float]:
+    """llama-cpp-python on the same file: load time, resident memory, single-stream tok/s, and
+    ``batch`` streams of ``batch_tokens`` one after another (its API has no batched decode)."""
     from llama_cpp import Llama
 
     t = time.perf_counter()
-    llm = Llama(path, n_threads=threads, n_ctx=PROMPT_LEN + single_tokens + 8, verbose=False)
+    llm = Llama(path, n_threads=threads, n_ctx=PROMPT_LEN + max(single_tokens, batch_tokens) + 8, verbose=False)
     out = {"load_s": time.perf_counter() - t, "rss_mb": _status_mb("VmRSS"), "peak_mb": _status_mb("VmHWM")}
-    prompt = [(13 * j) % 100000 + 257 for j in range(PROMPT_LEN)]
-    t = time.perf_counter()
-    for n, _ in enumerate(llm.generate(prompt, top_k=1), 1):  # endless: stop after single_tokens
-        if n == single_tokens:
-            break
-    out["single_tok_s"] = single_tokens / (time.perf_counter() - t)
+    prompts = [[(7 * i + 13 * j) % 100000 + 257 for j in range(PROMPT_LEN)] for i in range(batch)]
+
+    def tok_s(todo: list[list[int]], tokens: int) -> float:
+        t = time.perf_counter()
+        for prompt in todo:
+            llm.reset()
+            for n, _ in enumerate(llm.generate(prompt, top_k=1), 1):  # endless: stop after tokens
+                if n == tokens:
+                    break
+        return len(todo) * tokens / (time.perf_counter() - t)
+
+    out["single_tok_s"] = tok_s(prompts[:1], single_tokens)
+    out[f"batch{batch}_tok_s"] = tok_s(prompts, batch_tokens)
+    out["rss_after_decode_mb"] = _status_mb("VmRSS")
     return out
 
 
@@ -147,7 +157,7 @@ def main() -> None:
         print(json.dumps(child(args.path, args.threads, args.single_tokens, args.batch, args.batch_tokens)))
         return
     if args.child == "llama.cpp":
-        print(json.dumps(peer(args.path, args.threads, args.single_tokens)))
+        print(json.dumps(peer(args.path, args.threads, args.single_tokens, args.batch, args.batch_tokens)))
         return
 
     from treeserve.models.synthetic_gguf import write_synthetic_gguf
@@ -167,11 +177,15 @@ def main() -> None:
 
 def test_llama_3_2_1b_table(benchmark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """``make bench``: the table for Llama-3.2-1B shapes in Q4_0 (0.7 GB, written here), the lean
-    configuration (the GGUF operator for every batch), 8 tokens single stream and 16 x 8 batched."""
+    configuration (the GGUF operator for every batch), 8 tokens single stream and 16 x 8 batched;
+    llama-cpp-python on the same file in the same run where it is installed."""
+    import importlib.util
+
     from treeserve.models.synthetic_gguf import write_synthetic_gguf
 
     path = write_synthetic_gguf(tmp_path / "llama-3.2-1b-Q4_0.gguf", "llama-3.2-1b", "Q4_0", seed=0)
-    args = parser().parse_args(["--configs", "lean", "--single-tokens", "8", "--batch-tokens", "8"])
+    peer_flag = ["--peer"] if importlib.util.find_spec("llama_cpp") else []
+    args = parser().parse_args(["--configs", "lean", "--single-tokens", "8", "--batch-tokens", "8", *peer_flag])
     rows = benchmark.pedantic(table, args=(args, path), rounds=1, iterations=1)
     warm = rows["lean warm"]
     assert "error" not in warm, warm

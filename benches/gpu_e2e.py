@@ -3,6 +3,7 @@
     python benches/gpu_e2e.py decode  --shape smollm2|llama3-8b [--modes eager,graph,compile]
     python benches/gpu_e2e.py prefill --shape llama3-8b
     python benches/gpu_e2e.py phases  --shape smollm2|llama3-8b [--batch 1]
+    python benches/gpu_e2e.py kernels --shape smollm2|llama3-8b [--batch 1]
     (add --quick --device cpu for a smoke run of the script itself on a machine without CUDA)
 
 - ``decode``: ms per decode step and tok/s at batch 1..256, per mode (``eager``: no CUDA graph;
@@ -12,6 +13,11 @@
   copy bandwidth measured in the same run.
 - ``prefill``: prompt tokens per second for 1 x 2048 and 16 x 512, against the bf16 matmul peak
   measured in the same run (2 FLOPs per weight per token, attention excluded).
+- ``kernels``: the fused step (issue 28) against the torch path (``layer_kernels``): kernels per
+  decode step and per layer (torch profiler: CUDA kernels of generating LONG minus SHORT tokens,
+  per token; per layer from the model against its half-depth ``truncated_copy``), the graph's GPU
+  time per replay (CUDA events), and the LM head alone: the float32 head against the bf16 exact
+  head (``TritonHead``), ms per call at 1 and 64 rows and how often their argmaxes agree.
 - ``phases``: one decode step's wall time against the GPU time of the graph replay (CUDA events),
   with the host phases (schedule, input load, token read, update) timed around the engine's own
   methods.
@@ -23,6 +29,7 @@ drawn on the device (N(0, 0.02), norms 1), in bfloat16 with the float32 LM head 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from collections import defaultdict
@@ -208,16 +215,95 @@ def phases(args: argparse.Namespace) -> None:
         print(f"  host {name:28} {secs / steps * 1e3:7.3f} ms/step")
 
 
+def profiled_kernels(llm: LLM, batch: int, new: int, device: str) -> int:
+    """Kernels launched while generating ``new`` tokens for ``batch`` prompts of 64 tokens (CUDA:
+    device kernels, copies and fills excluded; CPU smoke runs: top-level aten operators)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        generate_seconds(llm, batch, 64, new, device)
+    events = prof.events()
+    if device == "cuda":
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not e.name.startswith(("Memcpy", "Memset")))
+    return sum(1 for e in events if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+
+def event_ms(fn: Callable[[], object], device: str, reps: int = 20) -> float:
+    """Median ms per call (CUDA events on CUDA, the wall clock elsewhere)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def kernels(args: argparse.Namespace) -> None:
+    from treeserve.models.llama import truncated_copy
+    from treeserve.models.triton_forward import TritonHead
+
+    model = make_model(args.shape, args.device)
+    layers = model.config.num_layers
+    half = truncated_copy(model, max(1, layers // 2))
+    short, long_ = (2, 4) if args.quick else (4, 20)
+    print(f"{args.shape} batch {args.batch}, graph mode: kernels per decode step (LONG - SHORT tokens)")
+    print(f"{'path':7} {'kernels/step':>12} {'kernels/layer':>13} {'GPU ms/replay':>14}")
+    # (A CPU smoke run skips the fused path: the interpreter would take minutes over an engine's steps.)
+    for path in ("torch",) if args.device == "cpu" else ("triton", "torch"):
+        per_step = {}
+        gpu_ms = float("nan")
+        for name, m in (("full", model), ("half", half)):
+            m.layer_kernels = path
+            llm = engine(m, args.device, "graph", max(args.batch, 8), 256)
+            generate_seconds(llm, args.batch, 64, short, args.device)  # warm-up
+            per_step[name] = (profiled_kernels(llm, args.batch, long_, args.device)
+                              - profiled_kernels(llm, args.batch, short, args.device)) / (long_ - short)
+            if name == "full" and args.device == "cuda":
+                timer = PhaseTimer()
+                undo = timer.wrap_replay()
+                generate_seconds(llm, args.batch, 64, long_, args.device)
+                undo()
+                gpu_ms = sum(s.elapsed_time(e) for s, e in timer.gpu) / max(len(timer.gpu), 1)
+            del llm
+        per_layer = (per_step["full"] - per_step["half"]) / (layers - half.config.num_layers)
+        print(f"{path:7} {per_step['full']:12.1f} {per_layer:13.2f} {gpu_ms:14.3f}", flush=True)
+    model.layer_kernels = "auto"
+    weight = model.lm_head.weight
+    head = TritonHead.of(weight) if args.device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else None
+    print(f"LM head {tuple(weight.shape)}: float32 vs bf16 exact (TritonHead)")
+    for rows in (1, 2) if args.quick else (1, 64):
+        x = torch.randn(rows, weight.shape[1], device=args.device, dtype=torch.bfloat16)
+        f32 = event_ms(lambda: torch.nn.functional.linear(x.float(), weight), args.device)
+        line = f"  rows {rows:3}: float32 {f32:8.3f} ms"
+        if head is not None:
+            ms = event_ms(lambda: head(x), args.device, reps=3 if args.quick else 20)
+            same = bool(torch.equal(head(x).argmax(1), torch.nn.functional.linear(x.float(), weight).argmax(1)))
+            line += f", bf16 exact {ms:8.3f} ms ({f32 / ms:.2f}x), same argmax: {same}"
+        print(line, flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("decode", "prefill", "phases"))
+    p.add_argument("what", choices=("decode", "prefill", "phases", "kernels"))
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     p.add_argument("--device", default="cuda")
     p.add_argument("--modes", default="graph,eager,compile")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of the script")
     args = p.parse_args()
-    {"decode": decode, "prefill": prefill, "phases": phases}[args.what](args)
+    {"decode": decode, "prefill": prefill, "phases": phases, "kernels": kernels}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,10 @@ import triton.language as tl
 
 TARGETS = (80, 90)
 SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory one block may opt into
-HOT = ("_paged_attn_kernel", "_threshold_kernel", "_walk_kernel")  # spills fail the check here
+HOT = ("_paged_attn_kernel", "_merge_splits_kernel", "_threshold_kernel", "_walk_kernel",  # spills fail the check here
+       "_add_rms_norm_kernel", "_rope_store_kernel", "_silu_mul_kernel", "_head_bf16_kernel", "_head_rescore_kernel")
 KERNEL_MODULES = ("treeserve.kvcache._attention_triton", "treeserve.kvcache._triton_ops",
-                  "treeserve.sampling.triton_kernels")
+                  "treeserve.sampling.triton_kernels", "treeserve.models._triton_layers")
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
@@ -140,6 +141,9 @@ def _attention_cases(rec: Recorder) -> None:
         "decode": ([1, 1], [40, 17], None, True),
         "verify chain": ([5, 5], [45, 60], [[-1, 0, 1, 2, 3]] * 2, True),
         "verify tree": ([9], [60], [[-1, 0, 0, 1, 1, 2, 2, 3, 3]], True),
+        # long contexts at batch 1: the split rule (kvcache/split_kv.py) cuts the KV in 16 splits
+        "decode split": ([1], [4096], None, True),
+        "verify tree split": ([9], [2048], [[-1, 0, 0, 1, 1, 2, 2, 3, 3]], True),
         "prefill": ([64, 3], [64, 80], None, True),
         "encode": ([8], [8], None, False),
     }
@@ -187,7 +191,45 @@ def _sampling_cases(rec: Recorder) -> None:
                                  torch.full((rows,), m, dtype=torch.int64), torch.empty(rows, m, dtype=work))
 
 
-CASES: tuple[Callable[[Recorder], None], ...] = (_attention_cases, _kv_op_cases, _sampling_cases)
+# (name, hidden, query heads, KV heads, head dim, intermediate, vocab) for the fused layer and the head.
+# (Llama-3.2-1B adds no new kind of signature to these three: left out to keep the cold check short.)
+LAYER_SHAPES = (("smollm2-135m", 576, 9, 3, 64, 1536, 49152), ("llama-3-8b", 4096, 32, 8, 128, 14336, 128256),
+                ("qwen2.5-1.5b", 1536, 12, 2, 128, 8960, 151936))
+
+
+def _layer_cases(rec: Recorder) -> None:
+    from treeserve.models._triton_layers import (add_rms_norm_triton, head_bf16_triton, head_bound_factor,
+                                                 head_rescore_triton, rope_store_triton, silu_mul_triton)
+
+    for name, hidden, hq, hkv, d, inter, vocab in LAYER_SHAPES:
+        for dtype in (torch.bfloat16, torch.float32) if name == "llama-3-8b" else (torch.bfloat16,):
+            tag = f"{name} {str(dtype)[6:]}"
+            x = torch.empty(4, hidden, dtype=dtype)
+            w = torch.empty(hidden, dtype=dtype)
+            for kind, res, rows in (("", None, None), (" + residual", x, None),
+                                    (" + residual, gathered rows", x, torch.zeros(2, dtype=torch.int64))):
+                rec.case = f"{tag} norm{kind}"
+                add_rms_norm_triton(x, res, w, 1e-5, rows=rows)
+            idx = torch.zeros(4, dtype=torch.int64)
+            for kv_dtype in {dtype, torch.bfloat16}:
+                rec.case = f"{tag} rope+store, {str(kv_dtype)[6:]} KV"
+                cache = torch.empty(8, 16, hkv, d, dtype=kv_dtype)
+                rope_store_triton(torch.empty(4, (hq + 2 * hkv) * d, dtype=dtype), torch.empty(64, 2, d // 2), idx,
+                                  idx, cache, cache, hq, hkv)
+            rec.case = f"{tag} silu*up"
+            silu_mul_triton(torch.empty(4, 2 * inter, dtype=dtype))
+            # The first pass's row tile: 16 (decode at batch <= 16) everywhere, 64 (larger batches, verify) on 8B.
+            for rows in (1, 64) if name == "llama-3-8b" else (1,):
+                rec.case = f"{tag} head M={rows}"
+                f = head_bound_factor(hidden)
+                w = torch.empty(vocab, hidden)
+                xr = torch.empty(rows, hidden, dtype=dtype)
+                approx, partial, xn = head_bf16_triton(xr, torch.empty(vocab, hidden, dtype=torch.bfloat16),
+                                                       torch.empty(vocab), f)
+                head_rescore_triton(xr, w, torch.empty(vocab), approx, partial, xn, f)
+
+
+CASES: tuple[Callable[[Recorder], None], ...] = (_attention_cases, _kv_op_cases, _sampling_cases, _layer_cases)
 
 
 FP64_CASES = ("llama-3-8b",)

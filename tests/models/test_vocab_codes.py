@@ -90,8 +90,30 @@ def test_codes_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: f
     head = CodesHead(w)
     logits = head(x)
     ref, noise = check_greedy_pick(logits, x, dense, margin)
-    bound = head.bound_factor * x.norm(dim=1, keepdim=True) * dense.double().norm(dim=1).float()
+    bound = head.row_bound(x) * dense.double().norm(dim=1).float()
     assert bool(((logits - ref).abs() <= bound + noise[:, None]).all())
+
+
+@requires_op
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**20), spread=st.sampled_from([1.0, 1e3, 1e6]), qtype=st.sampled_from(QTYPES))
+def test_the_first_pass_is_within_its_row_bound(seed: int, spread: float, qtype: str) -> None:
+    """Each block of x holds one element ``spread`` times the others (the int16 rounding's worst
+    case): the first pass, before re-scoring, is within ``row_bound(x) |W_j|`` of the float64
+    product, and Q4_0 / Q8_0 take the int16 operator (its bound is wider than float32's)."""
+    v, k, m = 96, 256, 4
+    gen = torch.Generator().manual_seed(seed)
+    w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, v, k, seed), (v, k))
+    x = torch.randn(m, k, generator=gen)
+    x[:, ::32] *= spread
+    head = CodesHead(w)
+    assert head.int16 == (qtype != "Q4_1")
+    op = torch.ops.treeserve.gguf_linear if head.int16 else torch.ops.treeserve.gguf_linear_exact
+    first = op(x, w.raw, qtype, k).double()
+    ref = x.double() @ w.dequantize().double().t()
+    bound = (head.row_bound(x) * head.row_norms).double()
+    assert bool(((first - ref).abs() <= bound).all())
+    assert bool((head.row_bound(x) >= head.bound_factor * x.norm(dim=1, keepdim=True)).all())
 
 
 @requires_op
@@ -146,6 +168,6 @@ def test_the_traced_rescoring_matches_the_eager_one(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(vc, "_tracing", lambda: True)
     traced = head(x)
     assert torch.equal(traced.argmax(1), eager.argmax(1))
-    bound = head.bound_factor * x.norm(dim=1, keepdim=True) * head.row_norms
+    bound = head.row_bound(x) * head.row_norms
     assert bool(((traced - eager).abs() <= 2 * bound).all())
     assert not torch.equal(traced, eager)  # the static path re-scored entries the eager one left

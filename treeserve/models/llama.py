@@ -26,6 +26,7 @@ from treeserve.models._norm_op import add_rms_norm
 from treeserve.models.config import ModelConfig
 from treeserve.models.quant import PackedLinear
 from treeserve.models.rope import apply_rope, rope_table
+from treeserve.models.triton_forward import triton_forward, uses_triton_layers
 
 __all__ = ["LlamaForCausalLM", "check_forward_inputs"]
 
@@ -168,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
     loader (``load``, ``load_hf_model``, ``load_gguf_model``) or ``random_model``.
 
     Decoder layers compute in ``dtype`` (float32 or bfloat16); the LM head is float32 whatever
-    ``dtype`` is, so logits keep full precision.
+    ``dtype`` is, so logits keep full precision (on CUDA: a bf16 pass whose argmax candidates are
+    re-scored in float32, ``triton_forward.TritonHead``).
 
     ``forward`` is the only entry point (see its docstring); the RoPE table is a non-persistent
     float32 buffer covering ``config.max_position_embeddings`` positions. With
@@ -198,6 +200,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cache", rope_table(config).to(device), persistent=False)
 
+    layer_kernels: str = "auto"
+    """``"auto"``: on CUDA the layers run hand-fused Triton kernels and the head the bf16 exact
+    head (``triton_forward``); ``"triton"`` forces that path (CPU tests, under the interpreter),
+    ``"torch"`` keeps the torch path everywhere."""
+
     _decode_plan: DecodePlan | None | bool = False
     """The fused decode operator's plan (``_decode_op``), ``None`` when it cannot serve this
     model, ``False`` until first needed (reset whenever tensors move: ``_apply``)."""
@@ -213,6 +220,14 @@ class LlamaForCausalLM(nn.Module):
         if self._decode_plan is False:
             self._decode_plan = decode_plan(list(self.layers), Linear)
         return self._decode_plan
+
+    @property
+    def plain_head_weight(self) -> torch.Tensor | None:
+        """The float32 weight of the LM head when it is this module's bias-free ``Linear`` (what
+        the bf16 exact head of ``triton_forward`` replaces on CUDA), else None."""
+        head = self.lm_head
+        plain = type(head) is Linear and head.bias is None and head.weight.dtype == torch.float32
+        return head.weight if plain else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -246,6 +261,8 @@ class LlamaForCausalLM(nn.Module):
         check_forward_inputs(input_ids, positions, out_slots, logits_indices)
         if len(kv.k_caches) != len(self.layers):
             raise ValueError(f"kv has {len(kv.k_caches)} layers, the model has {len(self.layers)}")
+        if uses_triton_layers(self):
+            return triton_forward(self, input_ids, positions, kv, out_slots, meta, logits_indices)
         dtype = self.dtype
         h = self.embed_tokens(input_ids).to(dtype)
         # Decode steps of a float32 CPU model: one C++ call for all layers (eager only;
@@ -294,5 +311,6 @@ def truncated_copy(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM
     draft.layers = nn.ModuleList(list(model.layers)[:num_layers])
     draft.norm = model.norm
     draft.lm_head = model.lm_head
+    draft.layer_kernels = model.layer_kernels
     draft.register_buffer("rope_cache", model.rope_cache, persistent=False)
     return draft

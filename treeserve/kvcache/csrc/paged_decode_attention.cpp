@@ -96,6 +96,14 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
+// Tasks per parallel chunk: a step with under ~256k multiply-adds of attention in all (short contexts, a
+// few requests) runs on the calling thread, where waking the pool would cost more than it saves (and,
+// on a shared machine, a time slice per call). Every task computes the same values either way.
+inline int64_t task_grain(const int32_t* indptr, int64_t batch, int64_t hq, int64_t dim, int64_t page_size) {
+  const int64_t macs = static_cast<int64_t>(indptr[batch] - indptr[0]) * page_size * hq * dim;
+  return macs < (int64_t{1} << 18) ? std::max<int64_t>(1, batch * hq) : 1;
+}
+
 // DIM > 0: head_dim known at compile time (the row loops unroll); 0: dim at run time.
 template <typename T, int64_t DIM>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* indptr, const int32_t* pages,
@@ -103,7 +111,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
                       int64_t page_size, float scale) {
   const int64_t dim = DIM > 0 ? DIM : dim_rt;
   const int64_t groups = hq / hkv;
-  at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, batch * hkv, task_grain(indptr, batch, hq, dim, page_size), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(groups * dim), acc(groups * dim), scores(groups * BLOCK);
     std::vector<float> run_max(groups), run_sum(groups);
     std::vector<int64_t> offsets(BLOCK);
@@ -293,7 +301,7 @@ void decode_attention_avx512(const T* q, const T* k_cache, const T* v_cache, con
                              int64_t hkv, int64_t page_size, float scale) {
   constexpr int64_t GMAX = 256 / D;  // GMAX * D / 16 = 16 accumulator registers
   const int64_t groups = hq / hkv;
-  at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, batch * hkv, task_grain(indptr, batch, hq, D, page_size), [&](int64_t begin, int64_t end) {
     alignas(64) float slots[GMAX * 256];
     alignas(64) float scores[GMAX * WBLOCK];
     std::vector<float> qf(groups * D);
