@@ -136,7 +136,9 @@ def test_bad_inputs_name_the_field(monkeypatch) -> None:
     monkeypatch.setenv("TREESERVE_EXACT_HEAD", "f32")
     w = torch.randn(4, 32)
     head = ExactHead(torch.nn.Parameter(w))
-    assert head.bf16_max_rows == 0 and torch.equal(head(torch.ones(2, 32)), F.linear(torch.ones(2, 32), w))
+    x = torch.ones(2, 32)
+    assert head.bf16_max_rows == 0 and torch.equal(head(x), head._float32(x))  # the float32 head itself
+    torch.testing.assert_close(head(x), F.linear(x, w))
     monkeypatch.setenv("TREESERVE_EXACT_HEAD", "bf16")
     assert ExactHead(torch.nn.Parameter(w)).bf16_max_rows >= 2**40  # every batch size
 
@@ -361,21 +363,24 @@ def test_head_rows_is_float32_per_row_whatever_the_row_count(m: int, k: int, v: 
 
 @pytest.mark.skipif(not quant._rows_op_available(), reason="C++ few-row head unavailable")
 def test_exact_head_serves_a_few_rows_through_head_rows(monkeypatch) -> None:
-    """With the float32 head serving (no first pass), 2 .. rows_max_rows rows go through
-    ``head_rows`` and one row through ``F.linear`` (decode logits bitwise as before); bad operands
-    are refused by name."""
+    """With the float32 head serving (no first pass), ``rows_min_rows .. rows_max_rows`` rows go
+    through ``head_rows``, others through ``F.linear``; the measured range is a candidate range;
+    bad operands are refused by name."""
     monkeypatch.setenv("TREESERVE_EXACT_HEAD", "f32")
     monkeypatch.setenv("TREESERVE_HEAD_ROWS_MAX_ROWS", "4")
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(97, 40, generator=gen)
     head = ExactHead(torch.nn.Parameter(w, requires_grad=False))
-    assert head.rows_max_rows == 4 and head.bf16_max_rows == 0
+    assert (head.rows_min_rows, head.rows_max_rows, head.bf16_max_rows) == (1, 4, 0)
     for m in (1, 2, 4, 5):
         x = torch.randn(m, 40, generator=gen)
-        want = torch.ops.treeserve.head_rows(x, w) if 1 < m <= 4 else F.linear(x, w)
+        want = torch.ops.treeserve.head_rows(x, w) if m <= 4 else F.linear(x, w)
         assert torch.equal(head(x), want), m
     monkeypatch.setenv("TREESERVE_HEAD_ROWS_MAX_ROWS", "0")
     assert ExactHead(torch.nn.Parameter(w, requires_grad=False)).rows_max_rows == 0
+    monkeypatch.delenv("TREESERVE_HEAD_ROWS_MAX_ROWS")
+    lo, hi = ExactHead(torch.nn.Parameter(w, requires_grad=False))._rows_range()
+    assert lo in (1, 2) and hi in (0, 1, 2, 4, 8, 16, 32, 64, 128) and (lo == 2 or hi >= 1)
     with pytest.raises(ValueError, match=r"need x \[M, K\] and weight \[V, K\]"):
         torch.ops.treeserve.head_rows(torch.zeros(2, 39), w)
     with pytest.raises(TypeError, match="contiguous float32 CPU tensors"):

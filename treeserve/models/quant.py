@@ -553,6 +553,7 @@ class ExactHead(nn.Module):
         w16 = weight.detach().to(torch.bfloat16)  # measured with, then kept where it is used
         self.register_buffer("weight_bf16", w16, persistent=False)
         self._w16_packed = _prepack_bf16(w16)  # oneDNN's layout of it, or None
+        self.rows_min_rows, self.rows_max_rows = self._rows_range()  # the float32 head the passes are measured against
         self.bf16_max_rows = self._bf16_rows()
         if self.qtype is not None:
             self.packed_max_rows = self._packed_rows()
@@ -562,7 +563,6 @@ class ExactHead(nn.Module):
             self._w16_packed = None
         if not self.bf16_max_rows or self._w16_packed is not None:  # eager reads the reordered copy only
             del self.weight_bf16
-        self.rows_max_rows = self._rows_rows() if self.bf16_max_rows < _ALL_ROWS else 0
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.treeserve.gguf_linear_exact(x, self.raw, self.qtype, self.weight.shape[1])
@@ -584,24 +584,36 @@ class ExactHead(nn.Module):
             self.register_buffer("weight_bf16", self.weight.detach().to(torch.bfloat16), persistent=False)
         return self.weight_bf16
 
-    def _rows_rows(self) -> int:
-        """Rows (from 2) up to which ``treeserve::head_rows`` (every weight row read once for all
-        rows; each logit the same float32 dot product whatever the row count) beats ``F.linear``,
-        whose few-row GEMM re-reads or repacks the weight (measured 3.6x its one-row time at 4-8
-        rows on an AVX2 EPYC); 0 when it never does or is not built. One row keeps ``F.linear``
-        (a GEMV, as fast). ``TREESERVE_HEAD_ROWS_MAX_ROWS`` overrides."""
+    def _rows_range(self) -> tuple[int, int]:
+        """``(lo, hi)``: the row counts ``lo .. hi`` that ``treeserve::head_rows`` serves (every
+        weight row read once for all rows; each logit the same float32 dot product whatever the
+        row count), measured once per host against ``F.linear``, whose few-row GEMM re-reads or
+        repacks the weight (3.6x its one-row time at 4-8 rows on an AVX2 EPYC). ``lo`` is 1 where
+        it also beats the one-row GEMV (2 threads on that EPYC: 18 ms against ~13), else 2;
+        ``hi`` 0 when it never wins or is not built. ``TREESERVE_HEAD_ROWS_MAX_ROWS`` sets ``hi``
+        (``lo`` 1)."""
+        if not _rows_op_available():
+            return 2, 0
         env = _env_rows("TREESERVE_HEAD_ROWS_MAX_ROWS")
         if env is not None:
-            return env if _rows_op_available() else 0
-        if not _rows_op_available():
-            return 0
-        return _crossover("head-rows", tuple(self.weight.shape), self.weight.shape[1], torch.float32,
-                          lambda x: torch.ops.treeserve.head_rows(x, self.weight),
-                          lambda x: F.linear(x, self.weight), counts=_CROSSOVER_ROWS[1:])
+            return 1, env
+        shape, k = tuple(self.weight.shape), self.weight.shape[1]
+
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.treeserve.head_rows(x, self.weight)
+
+        def blas(x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, self.weight)
+
+        hi = _crossover("head-rows", shape, k, torch.float32, rows, blas)
+        if hi:
+            return 1, hi
+        return 2, _crossover("head-rows-multi", shape, k, torch.float32, rows, blas, counts=_CROSSOVER_ROWS[1:])
 
     def _float32(self, x: torch.Tensor) -> torch.Tensor:
-        """The float32 head ``x @ W^T``: ``head_rows`` for ``2 .. rows_max_rows`` rows (eager), else ``F.linear``."""
-        if 1 < x.shape[0] <= self.rows_max_rows and not _tracing():
+        """The float32 head ``x @ W^T``: ``head_rows`` for ``rows_min_rows .. rows_max_rows`` rows
+        (eager), else ``F.linear``."""
+        if self.rows_min_rows <= x.shape[0] <= self.rows_max_rows and not _tracing():
             return torch.ops.treeserve.head_rows(x.contiguous(), self.weight)
         return F.linear(x, self.weight)
 
@@ -611,12 +623,12 @@ class ExactHead(nn.Module):
         env = _env_rows("TREESERVE_HEAD_PACKED_MAX_ROWS")
         if env is not None:
             return env
-        key = (*self.weight.shape, self.qtype, self.bf16_max_rows)
+        key = (*self.weight.shape, self.qtype, self.bf16_max_rows, self.rows_min_rows, self.rows_max_rows)
         return _crossover("head-packed-rows", key, self.weight.shape[1], torch.float32, self._packed,
-                          lambda x: self._bf16(x) if x.shape[0] <= self.bf16_max_rows else F.linear(x, self.weight))
+                          lambda x: self._bf16(x) if x.shape[0] <= self.bf16_max_rows else self._float32(x))
 
     def _bf16_rows(self) -> int:
-        """Rows up to which the bf16 first pass (``_bf16``) beats the float32 head on this machine
+        """Rows up to which the bf16 first pass (``_bf16``) beats the float32 head (``_float32``: ``head_rows`` where it serves) on this machine
         (measured once per host per shape and thread count over 1 ... 128 rows, kept on disk; winning at 128
         counts for every size). Native bf16 dot products (AVX-512 BF16, AMX) win at every size, an
         AVX2 CPU at a few rows at most, and CPU contention moves it.
@@ -626,9 +638,9 @@ class ExactHead(nn.Module):
             if env not in ("bf16", "f32"):
                 raise ValueError(f"TREESERVE_EXACT_HEAD must be 'bf16' or 'f32', got {env!r}")
             return _ALL_ROWS if env == "bf16" else 0
-        key = (*self.weight.shape, self._w16_packed is not None)
+        key = (*self.weight.shape, self._w16_packed is not None, self.rows_min_rows, self.rows_max_rows)
         rows = _crossover("head-bf16-rows", key, self.weight.shape[1], torch.float32, lambda x: self._bf16(x).float(),
-                          lambda x: F.linear(x, self.weight))
+                          self._float32)
         return _ALL_ROWS if rows == _CROSSOVER_ROWS[-1] else rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
