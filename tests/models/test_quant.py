@@ -136,7 +136,9 @@ def test_bad_inputs_name_the_field(monkeypatch) -> None:
     monkeypatch.setenv("TREESERVE_EXACT_HEAD", "f32")
     w = torch.randn(4, 32)
     head = ExactHead(torch.nn.Parameter(w))
-    assert head.bf16_max_rows == 0 and torch.equal(head(torch.ones(2, 32)), F.linear(torch.ones(2, 32), w))
+    x = torch.ones(2, 32)
+    assert head.bf16_max_rows == 0 and torch.equal(head(x), head._float32(x))  # the float32 head itself
+    torch.testing.assert_close(head(x), F.linear(x, w))
     monkeypatch.setenv("TREESERVE_EXACT_HEAD", "bf16")
     assert ExactHead(torch.nn.Parameter(w)).bf16_max_rows >= 2**40  # every batch size
 
@@ -319,6 +321,70 @@ def test_rescore_op_flags_full_rows_and_names_bad_operands() -> None:
         torch.ops.treeserve.exact_head_rescore(approx16.double(), into, x, w, w.norm(dim=1), 1e-2, 8)
     with pytest.raises(ValueError, match="need approx and out"):
         torch.ops.treeserve.exact_head_rescore(approx16, into[:, :10].contiguous(), x, w, w.norm(dim=1), 1e-2, 8)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN unavailable in this torch build")
+@pytest.mark.parametrize("k", [1, 64])
+def test_exact_head_bf16_bound_covers_worst_case_roundings(k: int) -> None:
+    """x = W = 1 + 2^-8 + 2^-20 rounds up by ~2^-8 relative (bf16 keeps 8 significant bits) in x,
+    in W and again in the bf16 product: the bf16 pass's error reaches ~3 2^-8 |x| |W|, which the
+    bound must cover (the former 2^-8 + 2^-9 did not: 0.0078 against 0.0059 at K = 1)."""
+    v = 1.0 + 2.0**-8 + 2.0**-20
+    w = torch.full((3, k), v)
+    x = torch.full((1, k), v)
+    with mock.patch.dict(os.environ, {"TREESERVE_EXACT_HEAD": "bf16"}):
+        head = ExactHead(torch.nn.Parameter(w, requires_grad=False))
+    err = (head._bf16(x).double() - x.double() @ w.double().T).abs()
+    bound = head.bound_factor * x.double().norm() * w.double().norm(dim=1)
+    assert bool((err <= bound).all()), (err.max().item(), bound.min().item())
+    assert float(err.max()) > (2.0**-8 + 2.0**-9) * k * v * v  # the case is really worst: the old factor fails
+
+
+@pytest.mark.skipif(not quant._rows_op_available(), reason="C++ few-row head unavailable")
+@given(m=st.integers(1, 11), k=st.integers(1, 70), v=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_head_rows_is_float32_per_row_whatever_the_row_count(m: int, k: int, v: int, seed: int) -> None:
+    """``treeserve::head_rows``: within float32 summation error of the float64 product; each row's
+    logits bit-equal to that row computed alone (the rows of a verify step are those of a decode
+    step), and to the re-scoring's dot product (a re-scored candidate keeps its value)."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(v, k, generator=gen)
+    y = torch.ops.treeserve.head_rows(x, w)
+    ref = x.double() @ w.double().T
+    bound = (k + 2) * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    assert y.dtype == torch.float32 and y.shape == (m, v)
+    assert bool(((y.double() - ref).abs() <= bound).all())
+    for r in {0, m - 1}:
+        assert torch.equal(torch.ops.treeserve.head_rows(x[r : r + 1].contiguous(), w)[0], y[r])
+    if quant._rescore_op_available():  # every entry a candidate: the re-scoring writes dot(x, W_j)
+        out = torch.zeros(m, v)
+        torch.ops.treeserve.exact_head_rescore(out, out, x, w, torch.ones(v), 1e30, v)
+        assert torch.equal(out, y)
+
+
+@pytest.mark.skipif(not quant._rows_op_available(), reason="C++ few-row head unavailable")
+def test_exact_head_serves_a_few_rows_through_head_rows(monkeypatch) -> None:
+    """With the float32 head serving (no first pass), ``rows_min_rows .. rows_max_rows`` rows go
+    through ``head_rows``, others through ``F.linear``; the measured range is a candidate range;
+    bad operands are refused by name."""
+    monkeypatch.setenv("TREESERVE_EXACT_HEAD", "f32")
+    monkeypatch.setenv("TREESERVE_HEAD_ROWS_MAX_ROWS", "4")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(97, 40, generator=gen)
+    head = ExactHead(torch.nn.Parameter(w, requires_grad=False))
+    assert (head.rows_min_rows, head.rows_max_rows, head.bf16_max_rows) == (1, 4, 0)
+    for m in (1, 2, 4, 5):
+        x = torch.randn(m, 40, generator=gen)
+        want = torch.ops.treeserve.head_rows(x, w) if m <= 4 else F.linear(x, w)
+        assert torch.equal(head(x), want), m
+    monkeypatch.setenv("TREESERVE_HEAD_ROWS_MAX_ROWS", "0")
+    assert ExactHead(torch.nn.Parameter(w, requires_grad=False)).rows_max_rows == 0
+    monkeypatch.delenv("TREESERVE_HEAD_ROWS_MAX_ROWS")
+    lo, hi = ExactHead(torch.nn.Parameter(w, requires_grad=False))._rows_range()
+    assert lo in (1, 2) and hi in (0, 1, 2, 4, 8, 16, 32, 64, 128) and (lo == 2 or hi >= 1)
+    with pytest.raises(ValueError, match=r"need x \[M, K\] and weight \[V, K\]"):
+        torch.ops.treeserve.head_rows(torch.zeros(2, 39), w)
+    with pytest.raises(TypeError, match="contiguous float32 CPU tensors"):
+        torch.ops.treeserve.head_rows(torch.zeros(2, 40, dtype=torch.float64), w)
 
 
 def test_bf16_kv_cache_tracks_the_float32_cache(smol) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from scipy import stats
 from tests.sampling._sampling_ref import process_row, softmax
 from tests.sampling._verify_law import random_parents, table_logits
 from treeserve.sampling import SamplingBatch, SamplingParams, sample, verify
+from treeserve.sampling.tree_walk import walk_tree
+from treeserve.sampling.verify import assemble, final_tokens, prepare_tree, verify_uniforms
 
 
 def pack(trees: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,11 +70,14 @@ tree_st = st.lists(st.integers(0, 6), max_size=6).flatmap(
        penalty=st.sampled_from([1.0, 1.5]))
 def test_greedy_accepts_longest_argmax_path(trees, salt: int, penalty: float) -> None:
     vocab = 5
-    params = SamplingParams(temperature=0, repetition_penalty=penalty, top_k=3)
+    params = SamplingParams(temperature=0, repetition_penalty=penalty, top_k=3, logprobs=0)
     tokens, parents, nd = pack(trees)
     b = len(trees)
     batch = SamplingBatch.build([params] * b, list(range(b)), [[1]] * b, vocab, num_generated=[0] * b)
     out = verify(tree_logits(trees, vocab, salt), batch, tokens, parents, nd, torch.zeros(b, dtype=torch.int64))
+    quiet = SamplingBatch.build([replace(params, logprobs=None)] * b, list(range(b)), [[1]] * b, vocab, num_generated=[0] * b)
+    unasked = verify(tree_logits(trees, vocab, salt), quiet, tokens, parents, nd, torch.zeros(b, dtype=torch.int64))
+    assert torch.equal(unasked.tokens, out.tokens) and unasked.logprobs.isnan().all()  # as ``sample``: not computed
     want = greedy_reference(trees, vocab, salt, params, [1])
     for i, (w, lps) in enumerate(want):
         assert out.tokens[i, : out.num_tokens[i]].tolist() == w
@@ -82,6 +88,37 @@ def test_greedy_accepts_longest_argmax_path(trees, salt: int, penalty: float) ->
         assert [trees[i][0][k] for k in path] == w[:-1]
         assert int(out.last_node[i]) == (path[-1] if path else -1)
         assert all(trees[i][1][c] == p for p, c in zip([-1, *path], path))
+
+
+def _general_verify(target, batch, tokens, parents, nd, pos):
+    """``verify`` through the general path (laws, ``walk_tree``, the residual's argmax)."""
+    prep = prepare_tree(target, batch, tokens, parents, nd)
+    walk = walk_tree(prep.target, prep.draft, tokens, parents, nd, verify_uniforms(batch, pos, prep.depth))
+    return assemble(prep, walk, final_tokens(prep, walk, batch.greedy, torch.zeros(batch.num_rows)), batch.any_logprobs)
+
+
+@settings(max_examples=40)
+@given(trees=st.lists(tree_st, min_size=1, max_size=4), seed=st.integers(0, 2**31 - 1),
+       nan_row=st.integers(-1, 20), penalty=st.sampled_from([1.0, 1.3]), logprobs=st.sampled_from([None, 0]))
+def test_all_greedy_fast_path_equals_the_general_walk(trees, seed: int, nan_row: int, penalty: float,
+                                                      logprobs: int | None) -> None:
+    """All-greedy batches with point-mass drafts skip the laws (``greedy_walk``); every output
+    equals the general walk's, invalid (NaN) requests and duplicated sibling tokens included."""
+    vocab = 5
+    gen = torch.Generator().manual_seed(seed)
+    tokens, parents, nd = pack(trees)
+    b = len(trees)
+    target = torch.randn(int((1 + nd).sum()), vocab, generator=gen).round(decimals=1)  # ties happen
+    if 0 <= nan_row < target.shape[0]:
+        target[nan_row, 1] = float("nan")
+    params = SamplingParams(temperature=0, repetition_penalty=penalty, logprobs=logprobs)
+    batch = SamplingBatch.build([params] * b, list(range(b)), [[1, 2]] * b, vocab)
+    assert batch.all_greedy
+    pos = torch.arange(b, dtype=torch.int64)
+    fast, ref = verify(target, batch, tokens, parents, nd, pos), _general_verify(target, batch, tokens, parents, nd, pos)
+    for name in ("tokens", "num_tokens", "accept_len", "last_node", "path", "valid"):
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    torch.testing.assert_close(fast.logprobs, ref.logprobs, equal_nan=True, rtol=0, atol=0)
 
 
 def test_zero_drafts_equals_sample_and_rows_are_batch_invariant() -> None:

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import pytest
+import torch
 
 from treeserve import SamplingParams
 from treeserve.server.engine_client import AsyncLLMEngine
 from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 
 from ..engine.test_engine import PoisonedModel
-from ._helpers import MODEL, assert_engine_drained, http, running, scripted_llm, sse_events, synthetic_llm
+from ._helpers import MODEL, assert_engine_drained, async_wait_until, http, running, scripted_llm, sse_events, synthetic_llm
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Name a colour."}]
 
@@ -351,18 +353,30 @@ def test_full_queue_gets_503_with_retry_after() -> None:
         assert_engine_drained(eng)
 
 
+class PacedModel(torch.nn.Module):
+    """Wraps a model; every forward takes at least 10 ms, so a long stream outlives any scheduling delay."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def forward(self, *args):
+        time.sleep(0.01)
+        return self.inner(*args)
+
+
 def test_shutdown_ends_streams_and_refuses_new_requests() -> None:
-    eng = AsyncLLMEngine(synthetic_llm())
+    # Paced: the 400-token stream takes >= 4 s, so it is still running when shutdown comes
+    # even on a loaded machine (unpaced, it could finish first and end with [DONE]).
+    eng = AsyncLLMEngine(synthetic_llm(wrap=PacedModel))
     eng.start()
 
     async def go():
         async with http(eng) as c:
             task = asyncio.create_task(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 400,
                                                                        "ignore_eos": True, "stream": True}))  # fmt: skip
-            for _ in range(500):
-                if eng._streams:
-                    break
-                await asyncio.sleep(0.01)
+            await async_wait_until(lambda: bool(eng._streams), what="the stream to start")
             await asyncio.to_thread(eng.shutdown)
             body = (await task).text
             assert "engine_unavailable" in body and "[DONE]" not in body

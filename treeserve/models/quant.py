@@ -380,15 +380,15 @@ def _env_rows(name: str) -> int | None:
 
 
 def _crossover(kind: str, key: tuple[object, ...], k: int, dtype: torch.dtype, packed: Callable[[torch.Tensor], object],
-               dense: Callable[[torch.Tensor], object]) -> int:
-    """The largest row count of ``_CROSSOVER_ROWS`` up to which ``packed(x)`` is at least as fast as
+               dense: Callable[[torch.Tensor], object], counts: Sequence[int] = _CROSSOVER_ROWS) -> int:
+    """The largest row count of ``counts`` up to which ``packed(x)`` is at least as fast as
     ``dense(x)`` (``x [rows, k]``), 0 when never; measured once per host and ``key``
     (``treeserve._tuning.measured``: kept on disk)."""
 
     def measure() -> int:
         best = 0
         with torch.inference_mode():
-            for rows in _CROSSOVER_ROWS:
+            for rows in counts:
                 x = torch.randn(rows, k, dtype=dtype)
                 if _best_seconds(lambda: packed(x)) > _best_seconds(lambda: dense(x)):
                     break
@@ -494,6 +494,18 @@ def _rescore_op_available() -> bool:
     return load_cpp_op(source, "exact_head_rescore", "C++ exact-head re-scoring", _rescore_fake) is None
 
 
+def _rows_fake(x, weight):  # type: ignore[no-untyped-def]
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@cpp_op_loader
+def _rows_op_available() -> bool:
+    """Whether ``treeserve::head_rows`` (``csrc/exact_head.cpp``: the float32 head for a few rows,
+    the weight read once) is built."""
+    source = Path(__file__).with_name("csrc") / "exact_head.cpp"
+    return load_cpp_op(source, "head_rows", "C++ few-row head", _rows_fake) is None
+
+
 _NORM_ROWS = 8192
 
 
@@ -508,8 +520,10 @@ class ExactHead(nn.Module):
     - bfloat16 (``W`` rounded once), for the larger ``M`` up to ``bf16_max_rows`` (the rows up
       to which it measured faster than float32 on this machine; on an AVX-512 BF16 EPYC, batch 64:
       8.6 ms against 31 ms float32 and 21 ms packed): bound ``c |x| |W_j|`` (rounding of x and W to
-      bf16, relative 2^-9 each, float32 accumulation, and the product rounded to bf16, relative
-      2^-9: oneDNN's bf16 GEMM returns bf16, widened by the re-scoring while it reads the row);
+      bf16, relative 2^-8 each (bf16's unit roundoff: 8 significant bits), float32 accumulation,
+      and the product rounded to bf16, relative 2^-8: oneDNN's bf16 GEMM returns bf16, widened by
+      the re-scoring while it reads the row; ``c = 3 2^-8 + 2^-14 + 2 (K + 2) 2^-24`` covers the
+      three roundings, their cross terms and the accumulation);
     - else the float32 head itself.
 
     After an approximate pass every entry ``j`` the bound cannot exclude from the argmax is
@@ -530,7 +544,7 @@ class ExactHead(nn.Module):
         norms = [rows.double().norm(dim=1) for rows in weight.detach().split(_NORM_ROWS)]  # float64 a chunk at a time
         self.register_buffer("row_norms", torch.cat(norms).float(), persistent=False)
         k = weight.shape[1]
-        self.bound_factor = 2.0**-8 + 2.0**-9 + 2.0**-16 + 2 * (k + 2) * 2.0**-24
+        self.bound_factor = 3 * 2.0**-8 + 2.0**-14 + 2 * (k + 2) * 2.0**-24
         self.packed_bound_factor = 2 * (k + 2) * 2.0**-24
         self.packed_max_rows = 0
         self.qtype = None if packed is None or not gguf_op_available() else packed.qtype
@@ -539,6 +553,7 @@ class ExactHead(nn.Module):
         w16 = weight.detach().to(torch.bfloat16)  # measured with, then kept where it is used
         self.register_buffer("weight_bf16", w16, persistent=False)
         self._w16_packed = _prepack_bf16(w16)  # oneDNN's layout of it, or None
+        self.rows_min_rows, self.rows_max_rows = self._rows_range()  # the float32 head the passes are measured against
         self.bf16_max_rows = self._bf16_rows()
         if self.qtype is not None:
             self.packed_max_rows = self._packed_rows()
@@ -569,18 +584,51 @@ class ExactHead(nn.Module):
             self.register_buffer("weight_bf16", self.weight.detach().to(torch.bfloat16), persistent=False)
         return self.weight_bf16
 
+    def _rows_range(self) -> tuple[int, int]:
+        """``(lo, hi)``: the row counts ``lo .. hi`` that ``treeserve::head_rows`` serves (every
+        weight row read once for all rows; each logit the same float32 dot product whatever the
+        row count), measured once per host against ``F.linear``, whose few-row GEMM re-reads or
+        repacks the weight (3.6x its one-row time at 4-8 rows on an AVX2 EPYC). ``lo`` is 1 where
+        it also beats the one-row GEMV (2 threads on that EPYC: 18 ms against ~13), else 2;
+        ``hi`` 0 when it never wins or is not built. ``TREESERVE_HEAD_ROWS_MAX_ROWS`` sets ``hi``
+        (``lo`` 1)."""
+        if not _rows_op_available():
+            return 2, 0
+        env = _env_rows("TREESERVE_HEAD_ROWS_MAX_ROWS")
+        if env is not None:
+            return 1, env
+        shape, k = tuple(self.weight.shape), self.weight.shape[1]
+
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.treeserve.head_rows(x, self.weight)
+
+        def blas(x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, self.weight)
+
+        hi = _crossover("head-rows", shape, k, torch.float32, rows, blas)
+        if hi:
+            return 1, hi
+        return 2, _crossover("head-rows-multi", shape, k, torch.float32, rows, blas, counts=_CROSSOVER_ROWS[1:])
+
+    def _float32(self, x: torch.Tensor) -> torch.Tensor:
+        """The float32 head ``x @ W^T``: ``head_rows`` for ``rows_min_rows .. rows_max_rows`` rows
+        (eager), else ``F.linear``."""
+        if self.rows_min_rows <= x.shape[0] <= self.rows_max_rows and not _tracing():
+            return torch.ops.treeserve.head_rows(x.contiguous(), self.weight)
+        return F.linear(x, self.weight)
+
     def _packed_rows(self) -> int:
         """Rows up to which the packed first pass beats the head that serves the rows above it
         (the bf16 pass or the float32 head, ``bf16_max_rows``); ``TREESERVE_HEAD_PACKED_MAX_ROWS`` overrides."""
         env = _env_rows("TREESERVE_HEAD_PACKED_MAX_ROWS")
         if env is not None:
             return env
-        key = (*self.weight.shape, self.qtype, self.bf16_max_rows)
+        key = (*self.weight.shape, self.qtype, self.bf16_max_rows, self.rows_min_rows, self.rows_max_rows)
         return _crossover("head-packed-rows", key, self.weight.shape[1], torch.float32, self._packed,
-                          lambda x: self._bf16(x) if x.shape[0] <= self.bf16_max_rows else F.linear(x, self.weight))
+                          lambda x: self._bf16(x) if x.shape[0] <= self.bf16_max_rows else self._float32(x))
 
     def _bf16_rows(self) -> int:
-        """Rows up to which the bf16 first pass (``_bf16``) beats the float32 head on this machine
+        """Rows up to which the bf16 first pass (``_bf16``) beats the float32 head (``_float32``: ``head_rows`` where it serves) on this machine
         (measured once per host per shape and thread count over 1 ... 128 rows, kept on disk; winning at 128
         counts for every size). Native bf16 dot products (AVX-512 BF16, AMX) win at every size, an
         AVX2 CPU at a few rows at most, and CPU contention moves it.
@@ -590,9 +638,9 @@ class ExactHead(nn.Module):
             if env not in ("bf16", "f32"):
                 raise ValueError(f"TREESERVE_EXACT_HEAD must be 'bf16' or 'f32', got {env!r}")
             return _ALL_ROWS if env == "bf16" else 0
-        key = (*self.weight.shape, self._w16_packed is not None)
+        key = (*self.weight.shape, self._w16_packed is not None, self.rows_min_rows, self.rows_max_rows)
         rows = _crossover("head-bf16-rows", key, self.weight.shape[1], torch.float32, lambda x: self._bf16(x).float(),
-                          lambda x: F.linear(x, self.weight))
+                          self._float32)
         return _ALL_ROWS if rows == _CROSSOVER_ROWS[-1] else rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -602,7 +650,7 @@ class ExactHead(nn.Module):
         elif x.shape[0] <= self.bf16_max_rows:
             approx, factor = self._bf16(x), self.bound_factor
         else:
-            return F.linear(x, self.weight)
+            return self._float32(x)
         if not _tracing() and _rescore_op_available():
             out = approx if approx.dtype == torch.float32 else torch.empty(approx.shape, dtype=torch.float32)
             full = torch.ops.treeserve.exact_head_rescore(approx, out, x.contiguous(), self.weight, self.row_norms,
@@ -629,7 +677,7 @@ class ExactHead(nn.Module):
         if not bool(full.any()):
             return None
         rows = full.nonzero()[:, 0]
-        approx[rows] = F.linear(x[rows], self.weight)
+        approx[rows] = self._float32(x[rows])
         return rows
 
     def _rescore_static(self, x: torch.Tensor, approx: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:

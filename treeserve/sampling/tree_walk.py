@@ -36,6 +36,34 @@ class TreeWalk(NamedTuple):
     accept_probs: torch.Tensor
 
 
+class AcceptedPath:
+    """A walk's bookkeeping for B requests of at most M nodes: the accepted tokens and node
+    indices in order, their count and the deepest accepted node (``cur``, -1 = root); no host sync."""
+
+    def __init__(self, b: int, m: int, device: torch.device) -> None:
+        self.m = m
+        self.rows = torch.arange(b, device=device)
+        self.cur = torch.full((b,), -1, dtype=torch.int64, device=device)
+        self.count = torch.zeros(b, dtype=torch.int64, device=device)
+        self.tokens = torch.full((b, m), -1, dtype=torch.int64, device=device)
+        self.nodes = torch.full_like(self.tokens, -1)
+
+    def considered(self, k: int, parents: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool: node k is a real node whose parent is the deepest accepted node."""
+        return (parents[:, k] == self.cur) & (k < num_draft)
+
+    def take(self, k: int, accept: torch.Tensor, token: torch.Tensor) -> None:
+        """Append node k (token ``token [B]``) to the requests where ``accept [B]``."""
+        rows, slot = self.rows, torch.where(accept, self.count, self.m - 1)
+        self.tokens[rows, slot] = torch.where(accept, token, self.tokens[rows, slot])
+        self.nodes[rows, slot] = torch.where(accept, k, self.nodes[rows, slot])
+        self.count = self.count + accept.to(torch.int64)
+        self.cur = torch.where(accept, k, self.cur)
+
+    def walk(self, residual: torch.Tensor, pristine: torch.Tensor, accept_probs: torch.Tensor) -> TreeWalk:
+        return TreeWalk(self.tokens, self.nodes, self.count, self.cur, residual, pristine, accept_probs)
+
+
 def one_hot(idx: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Tensor:
     """``[..., num_classes]`` rows with 1 at ``idx`` (values in range, unchecked), built by a scatter:
     unlike ``F.one_hot`` it never validates the values on the host, so it is safe in a CUDA graph."""
@@ -59,17 +87,13 @@ def walk_tree(
     token (the caller's job). No host sync; M iterations of batched work.
     """
     b, m = tokens.shape
-    rows = torch.arange(b, device=tokens.device)
-    cur = torch.full((b,), -1, dtype=torch.int64, device=tokens.device)
-    n_acc = torch.zeros(b, dtype=torch.int64, device=tokens.device)
-    accepted = torch.full((b, m), -1, dtype=torch.int64, device=tokens.device)
-    path = torch.full_like(accepted, -1)
+    acc = AcceptedPath(b, m, tokens.device)
     accept_probs = torch.full((b, m), float("nan"), dtype=target.dtype, device=tokens.device)
     r = target[:, 0]
     pristine = torch.ones(b, dtype=torch.bool, device=tokens.device)
     for k in range(m):
         x = tokens[:, k].clamp(min=0)  # padding entries are never considered
-        considered = (parents[:, k] == cur) & (k < num_draft)
+        considered = acc.considered(k, parents, num_draft)
         px = r.gather(1, x[:, None])[:, 0]
         if draft is None:
             q_row = one_hot(x, r.shape[1], r.dtype)
@@ -86,10 +110,5 @@ def walk_tree(
         r = torch.where(update, resid / mass.clamp(min=torch.finfo(r.dtype).tiny), r)
         r = torch.where(accept[:, None], target[:, k + 1], r)
         pristine = (pristine & ~update[:, 0]) | accept
-
-        slot = torch.where(accept, n_acc, m - 1)
-        accepted[rows, slot] = torch.where(accept, x, accepted[rows, slot])
-        path[rows, slot] = torch.where(accept, k, path[rows, slot])
-        n_acc = n_acc + accept.to(torch.int64)
-        cur = torch.where(accept, k, cur)
-    return TreeWalk(accepted, path, n_acc, cur, r, pristine, accept_probs)
+        acc.take(k, accept, x)
+    return acc.walk(r, pristine, accept_probs)

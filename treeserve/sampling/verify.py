@@ -37,7 +37,7 @@ from treeserve.sampling.batch import SamplingBatch
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
 from treeserve.sampling.sampler import inverse_cdf, inverse_cdf_weights
-from treeserve.sampling.tree_walk import TreeWalk, one_hot, walk_tree
+from treeserve.sampling.tree_walk import AcceptedPath, TreeWalk, one_hot, walk_tree
 
 
 class VerifyUniforms(NamedTuple):
@@ -53,7 +53,7 @@ class VerifyOutput(NamedTuple):
     ``tokens [B, M+1]``: the emitted tokens (accepted drafts, then the bonus/correction token),
     -1 padded; ``logprobs [B, M+1]`` float32: each emitted token's log-probability under the
     processed distribution of the position it was emitted at (``sample``'s definition), NaN
-    padded; ``num_tokens [B]`` = ``accept_len + 1`` (0 for an invalid request);
+    padded, and all NaN when no row of the batch asked for logprobs (as ``sample``); ``num_tokens [B]`` = ``accept_len + 1`` (0 for an invalid request);
     ``accept_len [B]`` accepted draft tokens; ``last_node [B]`` index of the last accepted node
     (-1 = root; KV compaction keeps the nodes in ``path``); ``path [B, M]`` accepted node indices
     root-to-leaf, -1 padded; ``valid [B]`` False when a target or draft row of the request had
@@ -161,6 +161,48 @@ def _expanded_batch(
     return batch.expand_rows(reps, row_depth, extra_rows, extra_tokens, weight.reshape(-1).float())
 
 
+def _processed_rows(
+    target_logits: torch.Tensor,
+    batch: SamplingBatch,
+    draft_tokens: torch.Tensor,
+    draft_parents: torch.Tensor,
+    num_draft: torch.Tensor,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(processed [B, M+1, V], depth [B, M], valid [B])``: the target rows padded to M + 1 per
+    request and processed as ``sample`` would (histories extended along each node's path); a
+    request is invalid when one of its real rows is NaN after processing."""
+    b, m = draft_tokens.shape
+    j = torch.arange(m + 1, device=draft_tokens.device)
+    real_rows = j <= num_draft[:, None]  # [B, M+1]
+    row_start = torch.cumsum(1 + num_draft, 0) - (1 + num_draft)
+    src = torch.where(real_rows, row_start[:, None] + j, row_start[:, None])
+    depth, anc = tree_depth(draft_parents)
+    expanded = _expanded_batch(batch, draft_tokens, num_draft, depth, anc)
+    # T == B * (M + 1) (a shape, no sync) means every request has M nodes: no padding to gather.
+    rows = target_logits if target_logits.shape[0] == b * (m + 1) else target_logits[src.reshape(-1)]
+    processed = process_logits(rows, expanded, backend).reshape(b, m + 1, batch.vocab_size)
+    valid = ~(torch.isnan(processed[:, :, 0]) & real_rows).any(1)  # padding rows do not count
+    return processed, depth, valid
+
+
+def greedy_walk(best: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, num_draft: torch.Tensor) -> TreeWalk:
+    """``walk_tree`` for greedy requests with point-mass drafts, from ``best [B, M+1]`` (the argmax
+    of each processed row) alone: node k is accepted iff its parent is the deepest accepted node
+    and its token is that node's argmax (with one-hot target and draft rows that is exactly
+    ``walk_tree``'s rule, siblings in index order). ``residual`` is left empty ``[B, 0]``: the final
+    token is ``best`` after the last accepted node; ``pristine`` is all True."""
+    b, m = tokens.shape
+    acc = AcceptedPath(b, m, tokens.device)
+    accept_probs = torch.full((b, m), float("nan"), device=tokens.device)
+    for k in range(m):
+        considered = acc.considered(k, parents, num_draft)
+        accept = considered & (tokens[:, k] == best[acc.rows, acc.cur + 1])
+        accept_probs[:, k] = torch.where(considered, accept.float(), float("nan"))
+        acc.take(k, accept, tokens[:, k])
+    return acc.walk(best.new_empty((b, 0)), torch.ones(b, dtype=torch.bool, device=tokens.device), accept_probs)
+
+
 def prepare_tree(
     target_logits: torch.Tensor,
     batch: SamplingBatch,
@@ -174,20 +216,12 @@ def prepare_tree(
 
     Rows of invalid requests are left as they are (NaN included): the walk runs on them without
     failing and ``assemble`` masks their outputs."""
+    processed, depth, valid = _processed_rows(target_logits, batch, draft_tokens, draft_parents, num_draft, backend)
     b, m = draft_tokens.shape
     v = batch.vocab_size
     dev = draft_tokens.device
     j = torch.arange(m + 1, device=dev)
-    real_rows = j <= num_draft[:, None]  # [B, M+1]
     row_start = torch.cumsum(1 + num_draft, 0) - (1 + num_draft)
-    src = torch.where(real_rows, row_start[:, None] + j, row_start[:, None])
-    depth, anc = tree_depth(draft_parents)
-    expanded = _expanded_batch(batch, draft_tokens, num_draft, depth, anc)
-    # T == B * (M + 1) (a shape, no sync) means every request has M nodes: no padding to gather.
-    rows = target_logits if target_logits.shape[0] == b * (m + 1) else target_logits[src.reshape(-1)]
-    processed = process_logits(rows, expanded, backend).reshape(b, m + 1, v)
-    valid = ~(torch.isnan(processed[:, :, 0]) & real_rows).any(1)  # padding rows do not count
-
     greedy = batch.greedy[:, None, None]
     target = torch.softmax(processed, dim=-1)
     if batch.any_greedy:
@@ -258,6 +292,13 @@ def verify(
         raise ValueError("verify takes no token_bitmask: grammar-constrained requests decode without drafts")
     _check_inputs(target_logits, batch, draft_tokens, draft_parents, num_draft, positions, draft_probs)
     backend = resolve_backend(backend, target_logits.device)
+    want_logprobs = batch.any_logprobs or batch.num_logprobs > 0
+    if batch.all_greedy and draft_probs is None:  # argmaxes only: no law is built
+        processed, depth, valid = _processed_rows(target_logits, batch, draft_tokens, draft_parents, num_draft, backend)
+        best = processed.argmax(-1)  # [B, M+1]
+        walk = greedy_walk(best, draft_tokens, draft_parents, num_draft)
+        final = best.gather(1, (walk.last_node + 1)[:, None])[:, 0]
+        return assemble(PreparedTree(processed, processed, None, depth, valid), walk, final, want_logprobs)
     prep = prepare_tree(target_logits, batch, draft_tokens, draft_parents, num_draft, draft_probs, backend)
     u_accept = verify_uniforms(batch, positions, prep.depth) if uniforms is None else uniforms.accept
     walk_fn = walk_tree
@@ -270,11 +311,12 @@ def verify(
         u_final = uniform(batch.seeds, positions + last_depth, Purpose.SAMPLE)
     else:
         u_final = uniforms.final
-    return assemble(prep, walk, final_tokens(prep, walk, batch.greedy, u_final))
+    return assemble(prep, walk, final_tokens(prep, walk, batch.greedy, u_final), want_logprobs)
 
 
-def assemble(prep: PreparedTree, walk: TreeWalk, final: torch.Tensor) -> VerifyOutput:
-    """Pack the walk and the final token into ``VerifyOutput`` (invalid requests masked)."""
+def assemble(prep: PreparedTree, walk: TreeWalk, final: torch.Tensor, logprobs: bool = True) -> VerifyOutput:
+    """Pack the walk and the final token into ``VerifyOutput`` (invalid requests masked);
+    ``logprobs=False`` leaves them NaN (no log-normalizer over the rows is computed)."""
     b, m = walk.accepted.shape
     valid = prep.valid
     tokens = torch.cat([walk.accepted, walk.accepted.new_full((b, 1), -1)], 1)
@@ -282,14 +324,17 @@ def assemble(prep: PreparedTree, walk: TreeWalk, final: torch.Tensor) -> VerifyO
     tokens = tokens.masked_fill(~valid[:, None], -1)
     accept_len = walk.accept_len.masked_fill(~valid, 0)
     # Emitted token d was drawn at the root (d = 0) or after the path's node d - 1.
-    rows = torch.cat([walk.path.new_zeros(b, 1), walk.path + 1], 1).clamp(min=0)
-    v = prep.processed.shape[2]
-    chosen = prep.processed.reshape(b, -1).gather(1, rows * v + tokens.clamp(min=0))
-    lse = torch.logsumexp(prep.processed, 2, keepdim=False).gather(1, rows)
-    logprobs = (chosen.to(torch.float64) - lse.to(torch.float64)).to(torch.float32)
+    if logprobs:
+        rows = torch.cat([walk.path.new_zeros(b, 1), walk.path + 1], 1).clamp(min=0)
+        v = prep.processed.shape[2]
+        chosen = prep.processed.reshape(b, -1).gather(1, rows * v + tokens.clamp(min=0))
+        lse = torch.logsumexp(prep.processed, 2, keepdim=False).gather(1, rows)
+        lps = (chosen.to(torch.float64) - lse.to(torch.float64)).to(torch.float32).masked_fill(tokens < 0, float("nan"))
+    else:
+        lps = torch.full(tokens.shape, float("nan"), device=tokens.device)
     return VerifyOutput(
         tokens=tokens,
-        logprobs=logprobs.masked_fill(tokens < 0, float("nan")),
+        logprobs=lps,
         num_tokens=(accept_len + 1).masked_fill(~valid, 0),
         accept_len=accept_len,
         last_node=walk.last_node.masked_fill(~valid, -1),

@@ -8,6 +8,12 @@
 // lower bound max_i (approx_i - b_i) is recomputed in float32 (x_m . W_j). A row with more than
 // max_candidates such entries keeps the first pass's values in out and is flagged in the returned
 // bool [M]: the caller computes it in float32 entirely (one GEMM over those rows).
+//
+// treeserve::head_rows: y [M, V] = x [M, K] @ weight [V, K]^T in float32 for a few rows of x (a
+// speculative verify step, a small decode batch), reading each weight row once for all of them;
+// every y[m, j] is exactly dot(x_m, W_j) below (the value the re-scoring computes), whatever M is.
+// BLAS turns a few-row product into a GEMM that re-reads or repacks the weight (~3.6x the one-row
+// time at 4-8 rows on an AVX2 EPYC, the vocabulary head being 113 MB of float32 for SmolLM2).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -41,6 +47,39 @@ float dot(const float* a, const float* b, int64_t k) {
 #endif
   for (; j < k; ++j) s += a[j] * b[j];
   return s;
+}
+
+// y[m * ldy] = dot(x_m, w) for the MC rows x_m = x + m k: the weight row is read once and each row's
+// sum follows dot's order exactly (two 8-lane chains over 16-float steps, the lanes summed in order,
+// then the tail).
+template <int MC>
+void dot_rows(const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
+  int64_t j = 0;
+  float s[MC];
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0[MC], acc1[MC];
+  for (int m = 0; m < MC; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+  for (; j + 16 <= k; j += 16) {
+    const __m256 w0 = _mm256_loadu_ps(w + j), w1 = _mm256_loadu_ps(w + j + 8);
+    for (int m = 0; m < MC; ++m) {
+      acc0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + j), w0, acc0[m]);
+      acc1[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + j + 8), w1, acc1[m]);
+    }
+  }
+  for (int m = 0; m < MC; ++m) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_add_ps(acc0[m], acc1[m]));
+    s[m] = 0.f;
+    for (float v : lanes) s[m] += v;
+  }
+#else
+  for (int m = 0; m < MC; ++m) s[m] = 0.f;
+#endif
+  for (int m = 0; m < MC; ++m) {
+    float t = s[m];
+    for (int64_t i = j; i < k; ++i) t += x[m * k + i] * w[i];
+    y[m * ldy] = t;
+  }
 }
 
 // max_j (a[j] - fx rn[j]) (NaN entries ignored, as std::max(threshold, NaN) does).
@@ -128,11 +167,45 @@ at::Tensor exact_head_rescore(const at::Tensor& approx, const at::Tensor& out, c
   return full;
 }
 
+
+at::Tensor head_rows(const at::Tensor& x, const at::Tensor& weight) {
+  for (const at::Tensor* t : {&x, &weight})
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous(),
+                     "x and weight must be contiguous float32 CPU tensors");
+  TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+                    "need x [M, K] and weight [V, K]; got ", x.sizes(), " and ", weight.sizes());
+  const int64_t m = x.size(0), k = x.size(1), v = weight.size(0);
+  at::Tensor y = at::empty({m, v}, x.options());
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = weight.const_data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Rows of x four at a time (eight accumulators fit the 16 AVX2 registers); the weight row stays
+  // in L1 between the groups.
+  at::parallel_for(0, v, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t r = 0; r < m; r += 4) {
+        const float* xr = xp + r * k;
+        float* yr = yp + r * v + j;
+        switch (std::min<int64_t>(4, m - r)) {
+          case 1: dot_rows<1>(xr, wp + j * k, k, yr, v); break;
+          case 2: dot_rows<2>(xr, wp + j * k, k, yr, v); break;
+          case 3: dot_rows<3>(xr, wp + j * k, k, yr, v); break;
+          default: dot_rows<4>(xr, wp + j * k, k, yr, v);
+        }
+      }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(treeserve, m) {
   m.def("exact_head_rescore(Tensor approx, Tensor(a!) out, Tensor x, Tensor weight, Tensor row_norms, "
         "float factor, int max_candidates) -> Tensor");
+  m.def("head_rows(Tensor x, Tensor weight) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(treeserve, CPU, m) { m.impl("exact_head_rescore", &exact_head_rescore); }
+TORCH_LIBRARY_IMPL(treeserve, CPU, m) {
+  m.impl("exact_head_rescore", &exact_head_rescore);
+  m.impl("head_rows", &head_rows);
+}
