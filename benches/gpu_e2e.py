@@ -138,8 +138,9 @@ def decode(args: argparse.Namespace) -> None:
         generate_seconds(llm, 2, prompt, short, args.device)  # warm-up (and compile)
         print(f"# {mode}: engine + warm-up {time.perf_counter() - t0:.1f} s", flush=True)
         for b in batches:
-            step = (generate_seconds(llm, b, prompt, long_, args.device)
-                    - generate_seconds(llm, b, prompt, short, args.device)) / (long_ - short)
+            # best of 3 each: the difference of two single runs can even come out negative on a busy host
+            step = (min(generate_seconds(llm, b, prompt, long_, args.device) for _ in range(3))
+                    - min(generate_seconds(llm, b, prompt, short, args.device) for _ in range(3))) / (long_ - short)
             ideal = roofline_bytes(model, b, prompt + (short + long_) // 2) / bw
             print(f"{mode:8} {b:5} {step * 1e3:8.2f} {b / step:9.0f} {100 * ideal / step:8.1f}%", flush=True)
         del llm
