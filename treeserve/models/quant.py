@@ -589,7 +589,7 @@ class ExactHead(nn.Module):
         weight row read once for all rows; each logit the same float32 dot product whatever the
         row count), measured once per host against ``F.linear``, whose few-row GEMM re-reads or
         repacks the weight (3.6x its one-row time at 4-8 rows on an AVX2 EPYC). ``lo`` is 1 where
-        it also beats the one-row GEMV (2 threads on that EPYC: 18 ms against ~13), else 2;
+        it also beats the one-row GEMV (2 threads on that EPYC: 8 ms against 18), else 2;
         ``hi`` 0 when it never wins or is not built. ``TREESERVE_HEAD_ROWS_MAX_ROWS`` sets ``hi``
         (``lo`` 1)."""
         if not _rows_op_available():
@@ -628,8 +628,9 @@ class ExactHead(nn.Module):
                           lambda x: self._bf16(x) if x.shape[0] <= self.bf16_max_rows else self._float32(x))
 
     def _bf16_rows(self) -> int:
-        """Rows up to which the bf16 first pass (``_bf16``) beats the float32 head (``_float32``: ``head_rows`` where it serves) on this machine
-        (measured once per host per shape and thread count over 1 ... 128 rows, kept on disk; winning at 128
+        """Rows up to which the bf16 first pass (``_bf16``) beats the float32 head (``_float32``:
+        ``head_rows`` where it serves) on this machine (measured once per host per shape and thread
+        count over 1 ... 128 rows, kept on disk; winning at 128
         counts for every size). Native bf16 dot products (AVX-512 BF16, AMX) win at every size, an
         AVX2 CPU at a few rows at most, and CPU contention moves it.
         ``TREESERVE_EXACT_HEAD=bf16|f32`` overrides."""

@@ -53,7 +53,8 @@ class VerifyOutput(NamedTuple):
     ``tokens [B, M+1]``: the emitted tokens (accepted drafts, then the bonus/correction token),
     -1 padded; ``logprobs [B, M+1]`` float32: each emitted token's log-probability under the
     processed distribution of the position it was emitted at (``sample``'s definition), NaN
-    padded, and all NaN when no row of the batch asked for logprobs (as ``sample``); ``num_tokens [B]`` = ``accept_len + 1`` (0 for an invalid request);
+    padded, and all NaN when no row of the batch asked for logprobs (as ``sample``);
+    ``num_tokens [B]`` = ``accept_len + 1`` (0 for an invalid request);
     ``accept_len [B]`` accepted draft tokens; ``last_node [B]`` index of the last accepted node
     (-1 = root; KV compaction keeps the nodes in ``path``); ``path [B, M]`` accepted node indices
     root-to-leaf, -1 padded; ``valid [B]`` False when a target or draft row of the request had

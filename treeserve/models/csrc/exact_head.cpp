@@ -32,26 +32,9 @@
 
 namespace {
 
-float dot(const float* a, const float* b, int64_t k) {
-  int64_t j = 0;
-  float s = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (; j + 16 <= k; j += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
-  for (float v : lanes) s += v;
-#endif
-  for (; j < k; ++j) s += a[j] * b[j];
-  return s;
-}
-
-// y[m * ldy] = dot(x_m, w) for the MC rows x_m = x + m k: the weight row is read once and each row's
-// sum follows dot's order exactly (two 8-lane chains over 16-float steps, the lanes summed in order,
-// then the tail).
+// y[m * ldy] = x_m . w for the MC rows x_m = x + m k, the weight row read once for all of them; each
+// row's sum in one fixed order, whatever MC is (two 8-lane chains over 16-float steps, the lanes summed
+// in order, then the tail), so a row's value does not depend on the rows beside it.
 template <int MC>
 void dot_rows(const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
   int64_t j = 0;
@@ -80,6 +63,13 @@ void dot_rows(const float* x, const float* w, int64_t k, float* y, int64_t ldy) 
     for (int64_t i = j; i < k; ++i) t += x[m * k + i] * w[i];
     y[m * ldy] = t;
   }
+}
+
+// a . b in dot_rows' order (the re-scoring's value equals head_rows').
+float dot(const float* a, const float* b, int64_t k) {
+  float s;
+  dot_rows<1>(a, b, k, &s, 0);
+  return s;
 }
 
 // max_j (a[j] - fx rn[j]) (NaN entries ignored, as std::max(threshold, NaN) does).
@@ -166,7 +156,6 @@ at::Tensor exact_head_rescore(const at::Tensor& approx, const at::Tensor& out, c
   });
   return full;
 }
-
 
 at::Tensor head_rows(const at::Tensor& x, const at::Tensor& weight) {
   for (const at::Tensor* t : {&x, &weight})
