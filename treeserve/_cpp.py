@@ -13,7 +13,9 @@ callers use their torch path: a missing compiler costs speed, never correctness.
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
+import sys
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -23,7 +25,7 @@ import torch
 
 from treeserve._utils import log_once
 
-__all__ = ["INCLUDE", "build_name", "cpp_op_loader", "cpu_flags", "load_all_cpp_ops", "load_cpp_op"]
+__all__ = ["INCLUDE", "build_name", "built_library", "cpp_op_loader", "cpu_flags", "load_all_cpp_ops", "load_cpp_op"]
 
 INCLUDE = Path(__file__).with_name("csrc")
 """Headers shared by the operators (``#include "treeserve_vec.h"``)."""
@@ -90,14 +92,48 @@ def build_name(source: Path) -> str:
     return f"treeserve_{source.stem}_{hashlib.sha1(blob).hexdigest()[:12]}"
 
 
+def built_library(name: str) -> Path:
+    """Where torch's ``load`` puts the library ``name``: ``<root>/<name>/<name>.so``, the root
+    ``TORCH_EXTENSIONS_DIR`` or torch's user cache folder per Python and accelerator (what
+    ``cpp_extension._get_build_directory`` computes, without importing ``cpp_extension``, which
+    imports setuptools: ~0.3 s per start)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch import _appdirs
+
+        accel = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None
+                 else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+        folder = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{accel}"
+        root = str(Path(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))) / folder)
+    return Path(root) / name / f"{name}.so"
+
+
+def _load_built(name: str) -> bool:
+    """Load the library ``name`` when a previous process built it, skipping torch's rebuild check
+    (importing ``cpp_extension``, hashing the sources, running ninja); the name is the hash of
+    everything the build depends on, so an existing library is this source's. False when there is
+    none or it does not load (``load`` then builds it as usual)."""
+    built = built_library(name)
+    if not built.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(built))
+    except OSError:  # truncated or foreign: rebuilt by ``load``
+        return False
+    return True
+
+
 def _build(source: Path, op_name: str, what: str) -> str | None:
     if hasattr(torch.ops.treeserve, op_name):
+        return None
+    name = build_name(source)
+    if _load_built(name) and hasattr(torch.ops.treeserve, op_name):
         return None
     try:
         from torch.utils.cpp_extension import load
 
         load(
-            name=build_name(source),
+            name=name,
             sources=[str(source)],
             extra_include_paths=[str(INCLUDE)],
             extra_cflags=_CFLAGS,

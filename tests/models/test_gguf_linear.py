@@ -127,11 +127,29 @@ def test_int16_path_zero_and_non_finite_blocks() -> None:
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_dequantize_is_gguf_reference_bit_exactly(qtype: str) -> None:
-    n, k = 7, 96
+    """Both dequantizations, the C++ operator's (``GGUFWeight.dequantize`` where it is built: rows
+    split across threads) and the torch one (``dequantize_blocks``), are ``gguf.quants``' values bit
+    for bit (Q4_1's product then sum: no fused multiply-add)."""
+    n, k = 301, 96
     raw = random_blocks(qtype, n, k, seed=1)
-    ref = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
-    got = GGUFWeight.from_bytes(qtype, raw, (n, k)).dequantize()
-    np.testing.assert_array_equal(got.numpy(), ref.astype(np.float32))
+    ref = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k).astype(np.float32)
+    w = GGUFWeight.from_bytes(qtype, raw, (n, k))
+    np.testing.assert_array_equal(gguf_op.dequantize_blocks(qtype, w.raw, k).numpy(), ref)
+    np.testing.assert_array_equal(w.dequantize().numpy(), ref)
+    np.testing.assert_array_equal(w.dequantize(torch.bfloat16).float().numpy(), torch.from_numpy(ref).bfloat16().float().numpy())
+    if gguf_op.gguf_op_available():
+        np.testing.assert_array_equal(torch.ops.treeserve.gguf_dequantize(w.raw, qtype, k).numpy(), ref)
+
+
+@requires_op
+def test_dequantize_op_bad_inputs() -> None:
+    raw = torch.from_numpy(random_blocks("Q4_0", 2, 64, seed=0)).reshape(2, -1)
+    with pytest.raises(RuntimeError, match="qtype"):
+        torch.ops.treeserve.gguf_dequantize(raw, "Q5_K", 64)
+    with pytest.raises(RuntimeError, match="K must be"):
+        torch.ops.treeserve.gguf_dequantize(raw, "Q4_0", 48)
+    with pytest.raises(RuntimeError, match="w must be"):
+        torch.ops.treeserve.gguf_dequantize(raw, "Q4_1", 64)
 
 
 def test_bad_inputs_name_the_field() -> None:
@@ -149,8 +167,6 @@ def test_bad_inputs_name_the_field() -> None:
         gguf_linear(torch.zeros(1, 64, dtype=torch.float64), w)
     with pytest.raises(ValueError, match=r"x must have shape \[M, 64\]"):
         gguf_linear(torch.zeros(1, 32), w)
-    with pytest.raises(ValueError, match="share qtype and K"):
-        GGUFWeight.cat_rows([w, GGUFWeight.from_bytes("Q8_0", random_blocks("Q8_0", 1, 64, 0), (1, 64))])
     with pytest.raises(ValueError, match="packed must have"):
         ExactHead(torch.nn.Parameter(torch.zeros(3, 64)), packed=w)
 
@@ -262,11 +278,13 @@ def test_scalar_fallback_within_bound(tmp_path) -> None:
             for exact in (True, False):
                 y = run_op(x, w, exact, "treeserve_scalar")
                 assert bool(((y.double() - ref).abs() <= error_bound(x, w, exact)).all())
+            assert torch.equal(torch.ops.treeserve_scalar.gguf_dequantize(w.raw, qtype, k), w.dequantize())
 
 
 @requires_op
-@pytest.mark.parametrize("name", ["gguf_linear", "gguf_linear_exact"])
+@pytest.mark.parametrize("name", ["gguf_linear", "gguf_linear_exact", "gguf_dequantize"])
 def test_opcheck(name: str) -> None:
-    """Schema, fake (tracing) implementation and dispatch of both operators agree."""
+    """Schema, fake (tracing) implementation and dispatch of the operators agree."""
     w = GGUFWeight.from_bytes("Q4_1", random_blocks("Q4_1", 5, 64, 7), (5, 64))
-    torch.library.opcheck(getattr(torch.ops.treeserve, name).default, (torch.randn(3, 64), w.raw, "Q4_1", 64))
+    args = (w.raw, "Q4_1", 64) if name == "gguf_dequantize" else (torch.randn(3, 64), w.raw, "Q4_1", 64)
+    torch.library.opcheck(getattr(torch.ops.treeserve, name).default, args)

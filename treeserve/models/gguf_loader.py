@@ -127,10 +127,18 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Invert llama.cpp's Q/K row permutation: per head, rows ``(pair, 2)`` -> ``(2, pair)``.
 
     llama.cpp interleaves the two rotate-half halves of each head so that its RoPE can rotate
-    adjacent elements; works for weights ``[rows, cols]`` and biases ``[rows]``.
-    """
+    adjacent elements; works for weights ``[rows, cols]`` and biases ``[rows]`` (a new array)."""
+    out = np.empty_like(w)
+    unpermute_into(out, w, n_heads)
+    return out
+
+
+def unpermute_into(out: np.ndarray, w: np.ndarray, n_heads: int) -> None:
+    """``out[...] = unpermute_qk(w, n_heads)`` in one copy (``out`` of ``w``'s shape, e.g. a slice of
+    a preallocated buffer)."""
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    pair = rows // n_heads // 2
+    np.copyto(out.reshape(n_heads, 2, pair, *w.shape[1:]), w.reshape(n_heads, pair, 2, *w.shape[1:]).swapaxes(1, 2))
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -210,10 +218,7 @@ def load_gguf_model(
         raw = np.asarray(t.data).view(np.ndarray)
         heads = heads_of(hf)
         if use_op:
-            rows = raw.view(np.uint8).reshape(shape[0], -1)
-            if heads is not None:
-                rows = unpermute_qk(rows, heads)
-            return GGUFWeight.from_bytes(qtype, np.ascontiguousarray(rows), shape)
+            return blocks_for([hf])
         planes = planes_from_gguf(qtype, raw, shape)
         if heads is not None:
             planes = planes.permute_rows(lambda a, h=heads: unpermute_qk(a, h))
@@ -222,11 +227,11 @@ def load_gguf_model(
     head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
 
     def get(hf: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """``hf`` dequantized (a copy); its pages of the file leave the resident set unless the
-        head's first pass reads them as codes."""
+        """``hf`` dequantized (a copy); its pages of the file leave the resident set (the head's
+        codes, where a first pass reads them, come back page by page when it does: a head whose
+        measured passes never read them costs no resident memory for them)."""
         w = _get(hf, rows)
-        if not (use_op and hf == head_name):
-            release_pages(by_hf[hf])
+        release_pages(by_hf[hf])
         return w
 
     def _get(hf: str, rows: tuple[int, int] | None) -> torch.Tensor:
@@ -252,13 +257,37 @@ def load_gguf_model(
 
     sources = dict(fused_names(config))
 
-    def planes_for(name: str) -> Int4Planes | GGUFWeight | None:
-        parts = [codes_of(hf) for hf in sources[name + ".weight"]]
-        if any(p is None for p in parts) or len({type(p) for p in parts}) != 1:
+    def blocks_for(hfs: list[str]) -> GGUFWeight | None:
+        """The fused codes of ``hfs`` (one qtype of ``BLOCK_BYTES``, one K) for the C++ operator, else
+        None: each tensor's rows written once, unpermuted on the way, into one buffer straight from
+        the mapped file; a single tensor without a permutation is the file's pages (no copy)."""
+        tensors = [by_hf[hf] for hf in hfs]
+        qtypes = {t.tensor_type.name for t in tensors}
+        if len(qtypes) != 1 or not qtypes <= BLOCK_BYTES.keys() or len({file_shape(hf)[1] for hf in hfs}) != 1:
             return None
-        if isinstance(parts[0], GGUFWeight):
-            return GGUFWeight.cat_rows(parts) if len({p.qtype for p in parts}) == 1 else None
-        return Int4Planes.cat_rows(parts)
+        (qtype,), k = qtypes, file_shape(hfs[0])[1]
+        rows = [np.asarray(t.data).view(np.ndarray).view(np.uint8).reshape(file_shape(hf)[0], -1)
+                for hf, t in zip(hfs, tensors)]
+        if len(hfs) == 1 and heads_of(hfs[0]) is None:
+            return GGUFWeight.from_bytes(qtype, rows[0], (rows[0].shape[0], k))
+        out = torch.empty(sum(r.shape[0] for r in rows), rows[0].shape[1], dtype=torch.uint8)
+        start = 0
+        for hf, part in zip(hfs, rows):
+            dest, heads = out[start : start + part.shape[0]].numpy(), heads_of(hf)
+            start += part.shape[0]
+            if heads is None:
+                np.copyto(dest, part)
+            else:
+                unpermute_into(dest, part, heads)
+        return GGUFWeight.from_bytes(qtype, out, (out.shape[0], k))
+
+    def planes_for(name: str) -> Int4Planes | GGUFWeight | None:
+        if use_op:
+            return blocks_for(sources[name + ".weight"])
+        parts = [codes_of(hf) for hf in sources[name + ".weight"]]
+        if any(p is None for p in parts):
+            return None
+        return Int4Planes.cat_rows(parts)  # type: ignore[arg-type]
 
     # Projections whose codes the C++ operator multiplies are built from the codes alone, one at a
     # time (``pack_model``): their dense weights are never loaded (a tensor of the wrong shape is

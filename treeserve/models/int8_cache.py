@@ -64,7 +64,7 @@ def _rounding_hash() -> str:
 
 def _read(path: Path, key: list[str], shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
     try:
-        entry = torch.load(path, weights_only=True)
+        entry = torch.load(path, weights_only=True, mmap=True)  # the codes stay the file's pages until prepacked
     except Exception:  # missing, truncated or not a torch file: build it again
         return None
     if not isinstance(entry, dict) or entry.get("version") != _VERSION or entry.get("key") != key:
@@ -74,7 +74,7 @@ def _read(path: Path, key: list[str], shape: tuple[int, int]) -> tuple[torch.Ten
             and isinstance(scales, torch.Tensor) and scales.dtype == torch.float32
             and tuple(scales.shape) == shape[:1]):  # fmt: skip
         return None
-    return codes, scales
+    return codes, scales.clone()  # a copy: the map (and the codes' pages) goes once the codes are prepacked
 
 
 def int8_weight(source: str | None, name: str, shape: tuple[int, int], dense: Callable[[], torch.Tensor]) -> Int8Weight:

@@ -413,6 +413,46 @@ at::Tensor gguf_linear_impl(const at::Tensor& x, const at::Tensor& w, const std:
   return y;
 }
 
+// w [N, K/32 * block bytes] as float32 [N, K] with gguf.quants' arithmetic, one float32 rounding per
+// operation (Q4_0 d * (q - 8), Q4_1 the product d * q then + m, Q8_0 q * d): bitwise the torch path
+// (dequantize_blocks). No FMA: ISO C++ (-std=c++XX) leaves GCC's fp-contract off. Parallel over N.
+at::Tensor gguf_dequantize(const at::Tensor& w, std::string qtype, int64_t K) {
+  const QType t = parse_qtype(qtype);
+  TORCH_CHECK(K > 0 && K % GROUP == 0, "gguf_dequantize: K must be a positive multiple of 32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / GROUP * block_bytes(t),
+              "gguf_dequantize: w must be uint8 [N, K/32 * block bytes]");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = w.size(0), nb = K / GROUP, bb = block_bytes(t);
+  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
+    for (int64_t i = n0 * nb; i < n1 * nb; ++i) {
+      const uint8_t* blk = wp + i * bb;
+      float* o = op + i * GROUP;
+      const float d = half_at(blk);
+      if (t == QType::Q8_0) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+        for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * d;
+      } else if (t == QType::Q4_0) {
+        const uint8_t* qs = blk + 2;
+        for (int j = 0; j < 16; ++j) {
+          o[j] = d * static_cast<float>((qs[j] & 15) - 8);
+          o[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+        }
+      } else {
+        const float m = half_at(blk + 2);
+        const uint8_t* qs = blk + 4;
+        for (int j = 0; j < 16; ++j) {
+          o[j] = d * static_cast<float>(qs[j] & 15) + m;
+          o[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // int16 activations: the quantized decoder layers' path (PackedLinear, decode_layers).
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, std::string qtype, int64_t K) {
   return gguf_linear_impl(x, w, qtype, K, false);
@@ -435,9 +475,11 @@ at::Tensor gguf_linear_exact(const at::Tensor& x, const at::Tensor& w, std::stri
 GGUF_FRAGMENT(GGUF_LIBRARY, m) {
   m.def("gguf_linear(Tensor x, Tensor w, str qtype, int K) -> Tensor");
   m.def("gguf_linear_exact(Tensor x, Tensor w, str qtype, int K) -> Tensor");
+  m.def("gguf_dequantize(Tensor w, str qtype, int K) -> Tensor");
 }
 
 GGUF_IMPL(GGUF_LIBRARY, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_linear_exact", &gguf_linear_exact);
+  m.impl("gguf_dequantize", &gguf_dequantize);
 }
