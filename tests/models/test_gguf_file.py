@@ -9,10 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treeserve.models import resolve_model_path
+from treeserve.models import gguf_file
 from treeserve.models.gguf_file import read_gguf
 
 
 def assert_same_as_reference(path) -> None:
+    """Parsed, and read back from the header cache (the second read), both equal to ``GGUFReader``'s."""
+    assert_read_is_reference(path)
+    assert_read_is_reference(path)
+
+
+def assert_read_is_reference(path) -> None:
     metadata, tensors = read_gguf(path)
     ref = GGUFReader(path)
     expected = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
@@ -94,3 +101,33 @@ def test_bad_headers(tmp_path) -> None:
     path.write_bytes(b"GGML" + bytes(40))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf(path)
+
+
+def test_the_header_cache_parses_once_and_rebuilds_a_bad_or_stale_entry(tmp_path, monkeypatch) -> None:
+    """A second read of a file takes its header from the cache (no parse); a damaged entry, and a file
+    rewritten in place (same size: a new modification time and first MiB), are parsed again."""
+    monkeypatch.setenv("TREESERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_uint32("x.count", 7)
+    w.add_array("x.tokens", ["a", "b", "\u00e9"])
+    w.add_tensor("t", np.arange(64, dtype=np.float32).reshape(2, 32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    parses = []
+    real = gguf_file._parse_header
+    monkeypatch.setattr(gguf_file, "_parse_header", lambda *a: parses.append(1) or real(*a))
+    first = read_gguf(path)
+    second = read_gguf(path)
+    assert len(parses) == 1 and second[0] == first[0] and second[0]["x.tokens"] == ["a", "b", "\u00e9"]
+    assert np.array_equal(second[1]["t"].data, first[1]["t"].data)
+    (entry,) = (tmp_path / "cache" / "headers").iterdir()
+    entry.write_bytes(entry.read_bytes()[:100])
+    assert read_gguf(path)[0] == first[0] and len(parses) == 2
+    assert read_gguf(path)[0] == first[0] and len(parses) == 2  # rewritten whole
+    data = bytearray(path.read_bytes())
+    data[data.index(b"x.count") + len(b"x.count") + 4] = 9  # the uint32 7 -> 9, same size
+    path.write_bytes(bytes(data))
+    assert read_gguf(path)[0]["x.count"] == 9 and len(parses) == 3

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from treeserve.models.file_cache import cached_header
+
 __all__ = ["GGUFTensor", "read_gguf", "release_pages"]
 
 _MAGIC = b"GGUF"
@@ -118,19 +120,12 @@ class _Cursor:
         return self.unpack(_SCALARS[vtype][0])
 
 
-def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
-    """``(metadata, tensors by name)`` of the GGUF file at ``path`` (tensor data not read yet).
+_Info = tuple[str, tuple[int, ...], int, int]  # name, dims, ggml type, offset from the data start
 
-    Raises ``ValueError`` for a file that is not little-endian GGUF v2/v3, is truncated (a
-    header field or a tensor's data past the end), or repeats a tensor name.
-    """
-    path = Path(path)
-    with path.open("rb") as f:
-        size = path.stat().st_size
-        if size < 24:
-            raise ValueError(f"{path} is too short ({size} bytes) to be a GGUF file")
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    cur = _Cursor(memoryview(mapped))
+
+def _parse_header(buf: memoryview, path: Path) -> tuple[dict[str, Any], list[_Info], int]:
+    """``(metadata, tensor infos, data start)`` of the GGUF bytes ``buf`` (module docstring)."""
+    cur = _Cursor(buf)
     if bytes(cur.buf[:4]) != _MAGIC:
         raise ValueError(f"{path} is not a GGUF file (magic {bytes(cur.buf[:4])!r})")
     cur.pos = 4
@@ -148,7 +143,24 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
         dims = tuple(cur.unpack("<Q") for _ in range(cur.unpack("<I")))
         infos.append((name, dims, cur.unpack("<I"), cur.unpack("<Q")))
     align = int(metadata.get("general.alignment", 32))
-    start = -(-cur.pos // align) * align
+    return metadata, infos, -(-cur.pos // align) * align
+
+
+def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    """``(metadata, tensors by name)`` of the GGUF file at ``path`` (tensor data not read yet).
+
+    The parsed header is kept in the cache folder per file (``file_cache``: a warm start reads it as
+    JSON instead of walking a vocabulary and its merges string by string); the tensors are checked
+    against the file either way. Raises ``ValueError`` for a file that is not little-endian GGUF
+    v2/v3, is truncated (a header field or a tensor's data past the end), or repeats a tensor name.
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        size = path.stat().st_size
+        if size < 24:
+            raise ValueError(f"{path} is too short ({size} bytes) to be a GGUF file")
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    metadata, infos, start = cached_header(path, mapped, lambda: _parse_header(memoryview(mapped), path))
     whole = np.frombuffer(mapped, np.uint8)
     tensors: dict[str, GGUFTensor] = {}
     for name, dims, raw_type, offset in infos:
