@@ -182,24 +182,30 @@ def test_stream_and_step_api(llm) -> None:
     assert text == llm.generate(["Answer:"], sp, use_tqdm=False)[0].outputs[0].text
 
 
+@pytest.fixture(scope="module")
+def greedy_plain(llm) -> list[list[int]]:
+    """The default engine's greedy token ids of every kind (jump-forward on, no speculation)."""
+    before = llm.metrics.jump_forward_tokens
+    outs = run_kinds(llm, n=1, temperature=0.0)
+    assert llm.metrics.jump_forward_tokens > before  # the schema's keys and punctuation are forced
+    return [o.outputs[0].token_ids for o in outs]
+
+
 SPECULATIVE = [dict(speculative="ngram", num_speculative_tokens=3), dict(speculative="draft:self:1", num_speculative_tokens=3)]
 
 
 @pytest.mark.parametrize("kw", [*SPECULATIVE, dict(cuda_graph=True), dict(jump_forward_tokens=0)],
                          ids=["ngram", "draft_model", "static", "no_jump_forward"])  # fmt: skip
-def test_speculation_jump_forward_and_static_runner_stay_exact(kw) -> None:
+def test_speculation_jump_forward_and_static_runner_stay_exact(kw, greedy_plain) -> None:
     """Greedy constrained outputs are the same tokens with jump-forward (the default) or
     without, with n-gram or draft-model speculation (drafts checked by the matcher, verified
     under each position's mask) and with the static runner (whose constrained batches take
     the eager path)."""
-    base = synthetic()
-    plain = run_kinds(base, n=1, temperature=0.0)
     other = synthetic(**kw)
     outs = run_kinds(other, n=1, temperature=0.0)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
-    assert base.metrics.jump_forward_tokens > 0  # the schema's keys and punctuation are forced
+    assert [o.outputs[0].token_ids for o in outs] == greedy_plain
     if kw.get("jump_forward_tokens") == 0:
-        assert other.metrics.jump_forward_proposed == 0 and other.metrics.steps > base.metrics.steps
+        assert other.metrics.jump_forward_proposed == 0
     if "speculative" in kw:
         assert other.metrics.draft_tokens > 0 and other.metrics.jump_forward_tokens > 0
 
@@ -229,7 +235,7 @@ def test_jump_forward_saves_forward_passes_and_reports_them() -> None:
 def test_sampled_constrained_speculation_is_valid(kw) -> None:
     """Sampled (temperature 1) constrained requests with speculation: every output valid."""
     llm = synthetic(**kw)
-    run_kinds(llm, n=2, temperature=1.0)
+    run_kinds(llm, n=1, temperature=1.0)
     assert llm.metrics.jump_forward_tokens > 0
 
 
