@@ -76,11 +76,11 @@ def llm() -> LLM:
     return synthetic()
 
 
-def run_kinds(llm: LLM, n: int = 2, **params) -> list:
+def run_kinds(llm: LLM, n: int = 2, kinds: list = KINDS, **params) -> list:
     """One ``generate`` of every kind (``n`` samples each, seeded); checks and returns the outputs."""
-    sps = [SamplingParams(structured=spec, n=n, seed=i, max_new_tokens=160, **params) for i, (spec, _) in enumerate(KINDS)]
-    outs = llm.generate(["Answer:"] * len(KINDS), sps, use_tqdm=False)
-    for out, (_, kind) in zip(outs, KINDS):
+    sps = [SamplingParams(structured=spec, n=n, seed=i, max_new_tokens=160, **params) for i, (spec, _) in enumerate(kinds)]
+    outs = llm.generate(["Answer:"] * len(kinds), sps, use_tqdm=False)
+    for out, (_, kind) in zip(outs, kinds):
         assert out.error is None and len(out.outputs) == n
         for o in out.outputs:
             assert o.finish_reason == "stop", (kind, o.text, o.finish_reason)
@@ -233,9 +233,10 @@ def test_jump_forward_saves_forward_passes_and_reports_them() -> None:
 
 @pytest.mark.parametrize("kw", SPECULATIVE, ids=["ngram", "draft_model"])
 def test_sampled_constrained_speculation_is_valid(kw) -> None:
-    """Sampled (temperature 1) constrained requests with speculation: every output valid."""
+    """Sampled (temperature 1) constrained requests with speculation: every output valid (the
+    schema and the grammar: the random model's draws are mostly refused, so every step verifies)."""
     llm = synthetic(**kw)
-    run_kinds(llm, n=1, temperature=1.0)
+    run_kinds(llm, n=1, kinds=[KINDS[0], KINDS[3]], temperature=1.0)
     assert llm.metrics.jump_forward_tokens > 0
 
 
