@@ -218,10 +218,9 @@ class Scheduler:
             budget -= len(running)
         else:
             budget = self._schedule_running(items, running, budget)
-        if budget > 0 and self.waiting:
-            cfg = self.config
-            budget = admit(self.queues, batch, budget, cfg.max_running, cfg.lpm_window, cfg.min_shared_prefix)
         cfg = self.config
+        if budget > 0 and self.waiting:
+            budget = admit(self.queues, batch, budget, cfg.max_running, cfg.lpm_window, cfg.min_shared_prefix)
         if budget > 0 and (cfg.num_speculative_tokens or (cfg.jump_forward_tokens and self._saw_structured)):
             self._ask_for_drafts(batch, budget)
         return batch
@@ -318,7 +317,7 @@ class Scheduler:
         items = batch.items
         limit = cfg.speculative_max_batch
         if limit and sum(it.start == it.req.seq_len - 1 for it in items) > limit:
-            k = 0  # a batch-heavy step: plain decoding is faster (forced tokens still pay)
+            k = 0  # a batch-heavy step: plain decoding is faster (forced tokens are still drafted)
         for j, it in enumerate(items):
             if budget <= 0:
                 return
