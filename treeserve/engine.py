@@ -734,8 +734,9 @@ class LLM:
             return
         try:
             batch = sched.schedule()
-            if self.drafter is not None or self.config.jump_forward_tokens:
-                batch = fill_drafts(batch, self.drafter, self.config.jump_forward_tokens)
+            jump = self.config.jump_forward_tokens if self._grammars is not None else 0  # none before a grammar
+            if self.drafter is not None or jump:
+                batch = fill_drafts(batch, self.drafter, jump)
         except Exception as exc:
             self._fail(list(sched.running), exc)
             raise
