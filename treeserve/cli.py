@@ -27,6 +27,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--speculative", default=None, help="ngram, draft:<model> or draft:self:<N> (default: none)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--jump-forward-tokens", type=int, default=16,
+                   help="structured output: tokens a grammar forces, proposed as one draft (0 = off)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="each request's output independent of its batch (slower; see README)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -58,6 +60,7 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_running=args.max_running,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        jump_forward_tokens=args.jump_forward_tokens,
         batch_invariant=args.batch_invariant,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_host_tokens=args.kv_host_tokens,

@@ -112,6 +112,11 @@ class EngineConfig:
     ``speculative_max_batch``: steps with more decoding requests than this draft nothing (0 = no
     limit; None = the measured rule: :data:`CPU_SPECULATIVE_MAX_BATCH` for a model loaded by name
     on CPU, which is what it was measured on; no limit on CUDA or for a given module).
+    ``jump_forward_tokens``: a structured-output request whose grammar forces its next tokens
+    (``{"name": "`` in a schema) proposes up to this many of them as a draft each step, verified
+    like any draft (a forced token is accepted with probability 1, so the output law is
+    unchanged) whether or not ``speculative`` is set: one forward pass for the whole run
+    instead of one per token (0 = off; ``GrammarState.jump_forward``).
     ``batch_invariant``: every request's tokens and logprobs are bitwise the same whatever else
     runs in its batch, in any dtype: projections on fixed row tiles, attention one request at a
     time, the plain float32 LM head (``treeserve.models.invariant``); costs speed (see
@@ -149,6 +154,7 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     speculative_max_batch: int | None = None
+    jump_forward_tokens: int = 16
     batch_invariant: bool = False
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0
@@ -181,6 +187,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        jft = self.jump_forward_tokens
+        if isinstance(jft, bool) or not isinstance(jft, int) or jft < 0:
+            raise ValueError(f"jump_forward_tokens must be an int >= 0 (0 = off), got {jft!r}")
         smb = self.speculative_max_batch
         if smb is not None and (isinstance(smb, bool) or not isinstance(smb, int) or smb < 0):
             raise ValueError(f"speculative_max_batch must be None or an int >= 0, got {smb!r}")
@@ -327,6 +336,8 @@ class EngineMetrics:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
+    jump_forward_proposed: int = 0
+    jump_forward_tokens: int = 0
     kv_tiers: TierStats = field(default_factory=TierStats)  # the KV tiers' hits and bytes moved
 
     @property
@@ -456,6 +467,7 @@ class LLM:
                 max_model_len=max_len,
                 num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0,
                 speculative_max_batch=cfg.draft_batch_limit(loaded=isinstance(model, str)),
+                jump_forward_tokens=cfg.jump_forward_tokens,
             ),
             self.kv.allocator,
             self.radix,
@@ -722,8 +734,9 @@ class LLM:
             return
         try:
             batch = sched.schedule()
-            if self.drafter is not None:
-                batch = fill_drafts(batch, self.drafter)
+            jump = self.config.jump_forward_tokens if self._grammars is not None else 0  # none before a grammar
+            if self.drafter is not None or jump:
+                batch = fill_drafts(batch, self.drafter, jump)
         except Exception as exc:
             self._fail(list(sched.running), exc)
             raise
@@ -767,6 +780,7 @@ class LLM:
         m.preemptions = sched.num_preemptions
         spec = sched.spec
         m.draft_tokens, m.accepted_tokens, m.verify_steps = spec.proposed, spec.accepted, spec.steps
+        m.jump_forward_proposed, m.jump_forward_tokens = spec.forced_proposed, spec.forced_accepted
         alloc = self.kv.allocator
         m.kv_usage = 1.0 - alloc.num_free / alloc.capacity
 

@@ -1,6 +1,7 @@
 """Structured output through the engine: the commit path feeds each sample's matcher, every step
 masks the next token, requests end when the grammar does; with n > 1, preemption, stop strings,
-logprobs, speculative decoding and the static (CUDA-graph) runner.
+logprobs, speculative decoding (drafts checked by the matcher, verified under per-position
+masks), jump-forward and the static (CUDA-graph) runner.
 
 Fast engines (a seeded random 2-layer model, a scripted one) over the embedded SmolLM2
 tokenizer; ``test_smollm2_structured`` runs the real SmolLM2 once, every kind in one batch.
@@ -75,11 +76,11 @@ def llm() -> LLM:
     return synthetic()
 
 
-def run_kinds(llm: LLM, n: int = 2, **params) -> list:
+def run_kinds(llm: LLM, n: int = 2, kinds: list = KINDS, **params) -> list:
     """One ``generate`` of every kind (``n`` samples each, seeded); checks and returns the outputs."""
-    sps = [SamplingParams(structured=spec, n=n, seed=i, max_new_tokens=160, **params) for i, (spec, _) in enumerate(KINDS)]
-    outs = llm.generate(["Answer:"] * len(KINDS), sps, use_tqdm=False)
-    for out, (_, kind) in zip(outs, KINDS):
+    sps = [SamplingParams(structured=spec, n=n, seed=i, max_new_tokens=160, **params) for i, (spec, _) in enumerate(kinds)]
+    outs = llm.generate(["Answer:"] * len(kinds), sps, use_tqdm=False)
+    for out, (_, kind) in zip(outs, kinds):
         assert out.error is None and len(out.outputs) == n
         for o in out.outputs:
             assert o.finish_reason == "stop", (kind, o.text, o.finish_reason)
@@ -116,8 +117,8 @@ def test_preemption_resumes_the_matcher() -> None:
     assert small.metrics.preemptions > 0
     for out in outs:
         o = out.outputs[0]
-        if o.finish_reason == "stop":
-            jsonschema.validate(json.loads(o.text), SCHEMA)
+        if o.finish_reason == "stop":  # strict=False: xgrammar's JSON strings admit raw control characters
+            jsonschema.validate(json.loads(o.text, strict=False), SCHEMA)
         else:  # cut by max_new_tokens: still a prefix the grammar accepted
             assert o.finish_reason == "length", (o.finish_reason, out.error)
     assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= 6
@@ -181,16 +182,62 @@ def test_stream_and_step_api(llm) -> None:
     assert text == llm.generate(["Answer:"], sp, use_tqdm=False)[0].outputs[0].text
 
 
-@pytest.mark.parametrize("kw", [dict(speculative="ngram", num_speculative_tokens=3), dict(cuda_graph=True)])
-def test_speculation_and_static_runner_stay_exact(kw) -> None:
-    """Constrained requests decode without drafts (verify takes no mask) and the static runner
-    sends their batches to the eager path: the same tokens as the plain engine."""
-    plain = run_kinds(synthetic(), n=1, temperature=0.0)
+@pytest.fixture(scope="module")
+def greedy_plain(llm) -> list[list[int]]:
+    """The default engine's greedy token ids of every kind (jump-forward on, no speculation)."""
+    before = llm.metrics.jump_forward_tokens
+    outs = run_kinds(llm, n=1, temperature=0.0)
+    assert llm.metrics.jump_forward_tokens > before  # the schema's keys and punctuation are forced
+    return [o.outputs[0].token_ids for o in outs]
+
+
+SPECULATIVE = [dict(speculative="ngram", num_speculative_tokens=3), dict(speculative="draft:self:1", num_speculative_tokens=3)]
+
+
+@pytest.mark.parametrize("kw", [*SPECULATIVE, dict(cuda_graph=True), dict(jump_forward_tokens=0)],
+                         ids=["ngram", "draft_model", "static", "no_jump_forward"])  # fmt: skip
+def test_speculation_jump_forward_and_static_runner_stay_exact(kw, greedy_plain) -> None:
+    """Greedy constrained outputs are the same tokens with jump-forward (the default) or
+    without, with n-gram or draft-model speculation (drafts checked by the matcher, verified
+    under each position's mask) and with the static runner (whose constrained batches take
+    the eager path)."""
     other = synthetic(**kw)
     outs = run_kinds(other, n=1, temperature=0.0)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in outs] == greedy_plain
+    if kw.get("jump_forward_tokens") == 0:
+        assert other.metrics.jump_forward_proposed == 0
     if "speculative" in kw:
-        assert other.metrics.draft_tokens == 0
+        assert other.metrics.draft_tokens > 0 and other.metrics.jump_forward_tokens > 0
+
+
+def test_jump_forward_saves_forward_passes_and_reports_them() -> None:
+    """A schema whose text is mostly forced: greedy output equal with and without jump-forward,
+    each accepted jump-forward token one step fewer, counted in ``LLM.metrics``."""
+    schema = {"type": "object", "properties": {k: {"type": "boolean"} for k in ("first_key", "second_key", "third")},
+              "required": ["first_key", "second_key", "third"], "additionalProperties": False}  # fmt: skip
+    sp = SamplingParams(structured={"json_schema": schema}, temperature=0.0, max_new_tokens=80)
+    runs = []
+    for jump in (0, 16):
+        llm = synthetic(jump_forward_tokens=jump)
+        (out,) = llm.generate(["Answer:"], sp, use_tqdm=False)[0].outputs
+        assert out.finish_reason == "stop" and set(json.loads(out.text)) == set(schema["properties"])
+        runs.append((out.token_ids, llm.metrics))
+        assert_drained(llm)
+    (ids_off, off), (ids_on, on) = runs
+    assert ids_on == ids_off
+    assert off.jump_forward_proposed == off.jump_forward_tokens == 0
+    assert 0 < on.jump_forward_tokens <= on.jump_forward_proposed
+    assert on.steps == off.steps - on.jump_forward_tokens
+    assert on.draft_tokens == on.verify_steps == 0  # no speculation asked: forced tokens only
+
+
+@pytest.mark.parametrize("kw", SPECULATIVE, ids=["ngram", "draft_model"])
+def test_sampled_constrained_speculation_is_valid(kw) -> None:
+    """Sampled (temperature 1) constrained requests with speculation: every output valid (the
+    schema and the grammar: the random model's draws are mostly refused, so every step verifies)."""
+    llm = synthetic(**kw)
+    run_kinds(llm, n=1, kinds=[KINDS[0], KINDS[3]], temperature=1.0)
+    assert llm.metrics.jump_forward_tokens > 0
 
 
 @pytest.mark.slow

@@ -154,3 +154,53 @@ def test_draft_pool_tokens() -> None:
         draft_pool_tokens(0, 100, 5, 100)
     with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 0"):
         draft_pool_tokens(1, 100, -1, 100)
+
+
+def _constrained(rid: int, regex: str) -> Request:
+    """A request under ``regex`` over a vocabulary whose tokens 1..4 are "a", "b", "c", "d"."""
+    from treeserve.sampling import GrammarCompiler, StructuredOutput
+
+    names = ["<eos>", "a", "b", "c", "d"] + [f"<{i}>" for i in range(VOCAB - 5)]
+    spec = StructuredOutput(regex=regex)
+    req = Request(rid, [7, 8], SamplingParams(temperature=0.0, structured=spec), seed=0)
+    req.grammar = GrammarCompiler(names, VOCAB, [0], vocab_type="raw").new_state(spec)
+    return req
+
+
+class StatefulDrafter(FixedDrafter):
+    """Like ``FixedDrafter`` but keeps per-request state: never asked past uncommitted tokens."""
+
+
+class StatelessDrafter(FixedDrafter):
+    stateless = True
+
+
+def test_grammar_drafts_are_forced_tokens_then_the_drafter_cut_by_the_grammar() -> None:
+    """Under "abc(a|d)+": jump-forward proposes the forced "abc"; a stateless drafter continues
+    after it (asked with them in its context) and its refused token is cut with what follows;
+    the draft carries the masks of the root and of every kept node."""
+    req = _constrained(0, "abc(a|d)+")
+    batch = ScheduledBatch([ScheduledItem(req, 1, 1, True, None, 6)])
+    drafter = StatelessDrafter([4, 2, 1])  # "d" ok, then "b" refused, "a" under it
+    out = fill_drafts(batch, drafter, jump_forward_tokens=8)
+    (asked,) = drafter.calls
+    assert list(asked[0].tokens) == [7, 8, 1, 2, 3] and asked[0].max_tokens == 3
+    draft = out.items[0].draft
+    assert draft.tokens == [1, 2, 3, 4] and draft.parents == [-1, 0, 1, 2] and draft.num_forced == 3
+    assert out.items[0].num_scheduled_tokens == 5
+    assert draft.bitmask.shape[0] == 5
+    check = req.grammar.check_draft([1, 2, 3, 4], [-1, 0, 1, 2], sampled=False)
+    assert torch.equal(draft.bitmask, check.masks)
+
+
+def test_a_stateful_drafter_drafts_only_when_nothing_is_forced() -> None:
+    forced, free = _constrained(0, "abc(a|d)+"), _constrained(1, "(a|d)+")
+    batch = ScheduledBatch([ScheduledItem(forced, 1, 1, True, None, 4), ScheduledItem(free, 1, 1, True, None, 4)])
+    drafter = StatefulDrafter([1, 4, 2])
+    out = fill_drafts(batch, drafter, jump_forward_tokens=8)
+    (asked,) = drafter.calls
+    assert [r.key for r in asked] == [1]
+    assert out.items[0].draft.tokens == [1, 2, 3] and out.items[0].draft.num_forced == 3
+    assert out.items[1].draft.tokens == [1, 4] and out.items[1].draft.num_forced == 0  # "b" cut
+    off = fill_drafts(batch, None, jump_forward_tokens=0)
+    assert [it.draft for it in off.items] == [None, None]  # nothing forced, no drafter: plain decodes

@@ -5,19 +5,26 @@ The walk's randomness is integrated out exactly: node k's coin only matters thro
 split node by node into an accept branch (``u_k = 0``, weight ``a_k``) and a reject branch
 (``u_k = a_k``, weight ``1 - a_k``), and the last token has the law of the final residual.
 Stochastic drafts are integrated by enumerating every token assignment of the tree.
+
+With a ``grammar`` (a tiny-vocabulary regex), the target law is the constrained sampler's
+(disallowed tokens -inf before processing, the masks from a fresh xgrammar matcher per
+context), and each drafted tree goes through the engine's path: ``GrammarState.check_draft``
+cuts it and gives the per-position masks ``verify`` applies.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tests.sampling._sampling_ref import process_row, softmax
-from treeserve.sampling import SamplingBatch, SamplingParams
+from treeserve.sampling import GrammarCompiler, SamplingBatch, SamplingParams, StructuredOutput, unpack_bitmask
 from treeserve.sampling.tree_walk import walk_tree
 from treeserve.sampling.verify import prepare_tree
 
@@ -43,14 +50,37 @@ class Case:
     draft_params: SamplingParams | None = None  # the drafter's processing of its logits (None: raw softmax)
     without_replacement: bool = False  # siblings drawn without replacement (each told its own law)
     misreport_siblings: bool = False  # negative control: such siblings told their parent's whole law
+    grammar: str | None = None  # a regex over GRAMMAR_VOCAB (vocab must then be its length)
+    unmasked_verify: bool = False  # negative control: verify without the grammar's masks
+
+    def compiler(self) -> Any:
+        return _compiler(self.vocab)
+
+    def allowed(self, ctx: tuple[int, ...]) -> list[bool]:
+        """Tokens the grammar allows after ``ctx`` (a fresh matcher; all after a stop token, whose
+        next token the engine discards; none after a refused token, which has probability 0)."""
+        if self.grammar is None:
+            return [True] * self.vocab
+        state = self.compiler().new_state(StructuredOutput(regex=self.grammar))
+        for t in ctx:
+            if not state.accept(t):
+                return [False] * self.vocab
+            if t == 0:
+                return [True] * self.vocab
+        return unpack_bitmask(state.bitmask[None], self.vocab)[0].tolist()
 
     def target_law(self) -> Law:
         memo: dict[tuple[int, ...], list[float]] = {}
 
         def law(ctx: tuple[int, ...]) -> list[float]:
             if ctx not in memo:
+                allowed = self.allowed(ctx)
+                if not any(allowed):
+                    memo[ctx] = [1.0 / self.vocab] * self.vocab  # unreachable: a refused token came before
+                    return memo[ctx]
+                raw = table_logits(ctx, self.vocab, self.salt).tolist()
                 row = process_row(
-                    table_logits(ctx, self.vocab, self.salt).tolist(), self.params,
+                    [x if ok else float("-inf") for x, ok in zip(raw, allowed)], self.params,
                     self.history + list(ctx), len(ctx), eos=(0,),
                 )
                 if self.params.greedy:
@@ -119,16 +149,25 @@ def emitted_law(case: Case) -> dict[tuple[int, ...], float]:
         probs = [x for i in kept for x in probs[i * m : (i + 1) * m]]
         weights = [weights[i] for i in kept]
     r = len(assignments)
-    tokens = torch.tensor(assignments, dtype=torch.int64).reshape(r, m)
-    parents = torch.tensor([case.parents] * r, dtype=torch.int64).reshape(r, m)
-    num_draft = torch.full((r,), m, dtype=torch.int64)
+    trees = [_checked_tree(case, toks, case.stochastic) for toks in assignments]
+    pad = [[-1] * (m - len(p)) for _, p, _ in trees]
+    tokens = torch.tensor([[toks[k] for k in keep] + [0] * len(z) for (keep, _, _), toks, z in zip(trees, assignments, pad)])
+    parents = torch.tensor([par + z for (_, par, _), z in zip(trees, pad)], dtype=torch.int64).reshape(r, m)
+    num_draft = torch.tensor([len(keep) for keep, _, _ in trees], dtype=torch.int64)
+    # Rows of a cut tree: the kept nodes' rows in order, then padding (ignored by verify).
+    rows = [[0, *[1 + k for k in keep], *[0] * len(z)] for (keep, _, _), z in zip(trees, pad)]
+    logits = [logits[i * (m + 1) + j] for i, row in enumerate(rows) for j in row]
+    probs = [probs[i * m + j - 1] if j else [1.0] * v for i, row in enumerate(rows) for j in row[1:]]
+    bitmask = None
+    if case.grammar is not None and not case.unmasked_verify:
+        bitmask = torch.stack([torch.cat([mk, mk.new_full((m + 1 - mk.shape[0], mk.shape[1]), -1)]) for *_, mk in trees])
     batch = SamplingBatch.build(
         [case.params] * r, [0] * r, [case.history] * r, v, eos_token_ids=[0], num_generated=[0] * r
     )
     draft_probs = torch.tensor(probs, dtype=torch.float64).reshape(r * m, v) if case.stochastic else None
     if case.misreport_draft and draft_probs is not None:
         draft_probs = torch.ones_like(draft_probs)
-    prep = prepare_tree(torch.stack(logits), batch, tokens, parents, num_draft, draft_probs)
+    prep = prepare_tree(torch.stack(logits), batch, tokens, parents, num_draft, draft_probs, draft_bitmask=bitmask)
     assert prep.valid.all()
 
     idx = torch.arange(r)
@@ -158,6 +197,27 @@ def emitted_law(case: Case) -> dict[tuple[int, ...], float]:
             if res[t] > 0:
                 law[prefix + (t,)] += float(w[s]) * res[t]
     return law
+
+
+GRAMMAR_VOCAB = ("", "a", "b", "c", "ab")  # token 0: the stop token (EOS)
+
+
+@functools.cache
+def _compiler(vocab: int) -> GrammarCompiler:
+    assert vocab == len(GRAMMAR_VOCAB), "grammar cases use GRAMMAR_VOCAB"
+    return GrammarCompiler(GRAMMAR_VOCAB, vocab, [0], vocab_type="raw")
+
+
+def _checked_tree(case: Case, toks: Sequence[int], sampled: bool) -> tuple[list[int], list[int], torch.Tensor | None]:
+    """``(kept nodes, their parents renumbered, masks)``: the whole tree without a grammar,
+    else what ``GrammarState.check_draft`` keeps of it."""
+    m = len(case.parents)
+    if case.grammar is None:
+        return list(range(m)), list(case.parents), None
+    state = case.compiler().new_state(StructuredOutput(regex=case.grammar))
+    check = state.check_draft(toks[:m], case.parents, sampled)
+    new = {k: j for j, k in enumerate(check.keep)}
+    return check.keep, [-1 if case.parents[k] < 0 else new[case.parents[k]] for k in check.keep], check.masks
 
 
 def max_deviation(case: Case) -> float:

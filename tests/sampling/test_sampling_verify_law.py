@@ -92,3 +92,57 @@ def test_law_check_detects_a_wrong_draft_law() -> None:
     """Negative control: verifying against a misreported draft law is measurably lossy."""
     case = Case(4, [-1, -1, 0], SamplingParams(), [], 3, stochastic=True, misreport_draft=True)
     assert max_deviation(case) > 1e-3
+
+
+# --- grammar-constrained verification (issue 31): the law is the constrained sampler's ----------
+
+grammar_filters = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.7, 1.0, 1.6]),
+    top_k=st.sampled_from([-1, 2]),
+    top_p=st.sampled_from([1.0, 0.8]),
+    repetition_penalty=st.sampled_from([1.0, 1.4]),
+)
+regexes = st.sampled_from(["(ab|ba)c*a?", "a(b|c)+", "(a|b)(c|ab)*", "abc?"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    choices=st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    tokens=st.lists(st.integers(0, 4), min_size=6, max_size=6),
+    regex=regexes,
+    params=grammar_filters,
+    salt=st.integers(0, 10**6),
+)
+def test_grammar_point_mass_tree_law_is_exact(choices: list[int], tokens: list[int], regex: str, params, salt: int) -> None:
+    """n-gram-like deterministic drafts (any tokens, refused ones included: those are cut with
+    their subtrees), verified under each position's grammar mask."""
+    parents = random_parents(choices)
+    case = Case(5, parents, params, [1, 2], salt, stochastic=False, tokens=tokens[: len(parents)], grammar=regex)
+    assert max_deviation(case) < TOL
+
+
+@settings(max_examples=12, deadline=None)
+@given(length=st.integers(1, 3), regex=regexes, params=grammar_filters, draft=grammar_filters,
+       salt=st.integers(0, 10**6))
+def test_grammar_sampled_chain_law_is_exact(length: int, regex: str, params, draft, salt: int) -> None:
+    """Draft-model chains drawn from the drafter's own (unmasked) processed law: refused tokens
+    are kept and told their real law, and the constrained target rejects them."""
+    case = Case(5, list(range(-1, length - 1)), params, [2], salt, stochastic=True, draft_params=draft, grammar=regex)
+    assert max_deviation(case) < TOL
+
+
+@settings(max_examples=6, deadline=None)
+@given(choices=st.lists(st.integers(0, 6), min_size=2, max_size=3), regex=regexes, params=grammar_filters,
+       salt=st.integers(0, 10**6))
+def test_grammar_sampled_tree_without_replacement_law_is_exact(choices: list[int], regex: str, params, salt: int) -> None:
+    """Draft-model trees (siblings without replacement) under a grammar."""
+    case = Case(5, random_parents(choices), params, [1], salt, stochastic=True, without_replacement=True, grammar=regex)
+    assert max_deviation(case) < TOL
+
+
+def test_law_check_detects_verification_without_the_grammar_masks() -> None:
+    """Negative control: the same drafts verified against the unmasked target are lossy."""
+    case = Case(5, [-1, 0], SamplingParams(temperature=1.0), [], 3, stochastic=True, grammar="(ab|ba)c*a?",
+                unmasked_verify=True)
+    assert max_deviation(case) > 1e-3

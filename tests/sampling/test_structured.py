@@ -140,8 +140,24 @@ def test_verify_refuses_a_token_bitmask() -> None:
     batch = SamplingBatch.build([SamplingParams(temperature=0)], [0], [[]], 8)
     batch = replace(batch, token_bitmask=torch.full((1, 1), -1, dtype=torch.int32))
     z = torch.zeros(1, 1, dtype=torch.long)
-    with pytest.raises(ValueError, match="decode without drafts"):
+    with pytest.raises(ValueError, match="give grammar masks per tree position as draft_bitmask"):
         verify(torch.zeros(2, 8), batch, z, z - 1, torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+
+
+def test_verify_applies_a_mask_per_tree_position() -> None:
+    """float32 logits (the engine's path): node 0's token is the root's masked argmax, and the
+    bonus token after it is the argmax under node 0's own mask, not the raw one."""
+    batch = SamplingBatch.build([SamplingParams(temperature=0)], [0], [[]], 8)
+    logits = torch.tensor([[0.0, 1, 2, 3, 4, 5, 6, 9], [9.0, 1, 2, 3, 4, 5, 6, 7]])
+    masks = torch.tensor([[[0b0100_0000]], [[0b0000_0110]]], dtype=torch.int32).reshape(1, 2, 1)
+    tokens, parents = torch.tensor([[6]]), torch.tensor([[-1]])
+    one, zero = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    out = verify(logits, batch, tokens, parents, one, zero, draft_bitmask=masks)
+    assert out.tokens[0].tolist() == [6, 2]
+    assert verify(logits, batch, tokens, parents, one, zero).tokens[0].tolist() == [7, -1]  # unmasked: 6 rejected
+    for bad in (masks[:, :1], masks.to(torch.int64)):
+        with pytest.raises(ValueError, match=r"draft_bitmask must be int32 \[1, 2, W\]"):
+            verify(logits, batch, tokens, parents, one, zero, draft_bitmask=bad)
 
 
 def test_mask_applies_before_temperature_and_logprobs_are_masked() -> None:

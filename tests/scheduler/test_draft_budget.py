@@ -10,7 +10,7 @@ import pytest
 
 from treeserve.kvcache import RadixCache, ReqToTokenTable
 from treeserve.sampling import SamplingParams
-from treeserve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, StopChecker
+from treeserve.scheduler import SampledToken, ScheduledBatch, Scheduler, SchedulerConfig, StopChecker
 
 from .fake_runner import FakeRunner, make_pool
 from .test_scheduler import EOS, VOCAB, expected_output, random_prompts
@@ -125,3 +125,37 @@ def test_batch_heavy_steps_ask_for_no_drafts(limit: int) -> None:
 def test_speculative_max_batch_is_checked() -> None:
     with pytest.raises(ValueError, match="speculative_max_batch must be >= 0"):
         SchedulerConfig(num_speculative_tokens=2, speculative_max_batch=-1)
+
+
+@pytest.mark.parametrize(("jump", "spec_k", "expect"), [(4, 0, 2), (1, 0, 1), (0, 0, 0), (4, 5, 5), (0, 2, 2)])
+def test_a_grammar_that_forces_tokens_asks_for_a_jump_forward_draft(jump: int, spec_k: int, expect: int) -> None:
+    """A structured request whose grammar forces its next 2 tokens asks for a draft of
+    ``max(num_speculative_tokens, forced)`` with jump-forward on (capped by
+    ``jump_forward_tokens``), speculation or not; an unconstrained request only for speculation."""
+    from treeserve.sampling import GrammarCompiler, StructuredOutput
+
+    names = ["<eos>", "a", "b", "c", "d"] + [f"t{i}" for i in range(VOCAB - 5)]
+    compiler = GrammarCompiler(names, VOCAB, [0], vocab_type="raw")
+    kv = make_pool(200, 1)
+    radix = RadixCache(kv.allocator, 1)
+    table = ReqToTokenTable(4, 64)
+    config = SchedulerConfig(256, 4, 64, num_speculative_tokens=spec_k, jump_forward_tokens=jump)
+    sched = Scheduler(config, kv.allocator, radix, table, StopChecker([EOS], None))
+    spec = StructuredOutput(regex="abc(a|d)+")
+    (constrained,) = sched.new_request([1, 2, 3], SamplingParams(max_new_tokens=20, structured=spec), 1, VOCAB)
+    constrained.grammar = compiler.new_state(spec)
+    (free,) = sched.new_request([2, 2, 3], SamplingParams(max_new_tokens=20, ignore_eos=True), 1, VOCAB)
+    batch = sched.schedule()  # the prefills, each committing one token: "a" for the grammar
+    assert [it.draft_budget for it in batch.items] == [0, 0]
+    sched.update(batch, [SampledToken(1, 0.0, None), SampledToken(5, 0.0, None)])
+    assert constrained.grammar.jump_forward(8) == [2, 3]  # "bc" is forced
+    batch = sched.schedule()
+    assert [it.draft_budget for it in batch.items] == [expect, spec_k]
+    sched.abort(constrained)
+    sched.abort(free)
+    sched.check_invariants()
+
+
+def test_jump_forward_tokens_is_checked() -> None:
+    with pytest.raises(ValueError, match="jump_forward_tokens must be >= 0"):
+        SchedulerConfig(jump_forward_tokens=-1)

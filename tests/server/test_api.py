@@ -64,7 +64,8 @@ def test_info_endpoints(engine) -> None:
                          "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
                          "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                          "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
-                         "vllm:spec_decode_num_drafts_total"):  # fmt: skip
+                         "vllm:spec_decode_num_drafts_total", "treeserve:jump_forward_proposed_tokens_total",
+                         "treeserve:jump_forward_tokens_total"):  # fmt: skip
                 assert f"\n{name}{{" in metrics.text, name
             assert 'vllm:generation_tokens_total{model_name="tiny-synthetic"} 3.0' in metrics.text
             steps = re.search(r'^treeserve:engine_steps_total{model_name="tiny-synthetic"} (\S+)$', metrics.text, re.M)

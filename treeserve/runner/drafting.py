@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from treeserve.sampling import SamplingParams
-from treeserve.scheduler import DraftTree, ScheduledBatch
+from treeserve.sampling import GrammarState, SamplingParams
+from treeserve.scheduler import DraftTree, ScheduledBatch, ScheduledItem
 
 __all__ = ["DraftRequest", "Drafter", "draft_pool_tokens", "fill_drafts"]
 
@@ -36,7 +36,8 @@ class DraftRequest(NamedTuple):
 
 class Drafter(Protocol):
     """Proposes draft trees; ``release(key)`` drops per-request state when a request stops
-    running (finished or paused)."""
+    running (finished or paused). A drafter with a true ``stateless`` attribute (nothing kept
+    per request) may be asked to draft past tokens not yet committed (jump-forward tokens)."""
 
     def propose_batch(self, requests: Sequence[DraftRequest]) -> list[DraftTree | None]:
         """One draft (None or empty: no draft) of at most ``max_tokens`` nodes per request."""
@@ -45,28 +46,86 @@ class Drafter(Protocol):
     def release(self, key: int) -> None: ...
 
 
-def fill_drafts(batch: ScheduledBatch, drafter: Drafter) -> ScheduledBatch:
-    """``batch`` with every item that asks for a draft (``draft_budget > 0``) given the drafter's
-    proposal (the item then computes ``1 + len(draft)`` tokens); items without a proposal stay
-    plain decodes. ``ValueError`` when a drafter breaks its budget."""
+def fill_drafts(batch: ScheduledBatch, drafter: Drafter | None, jump_forward_tokens: int = 0) -> ScheduledBatch:
+    """``batch`` with every item that asks for a draft (``draft_budget > 0``) given its draft
+    (the item then computes ``1 + len(draft)`` tokens); items without one stay plain decodes.
+    ``ValueError`` when a drafter breaks its budget.
+
+    A grammar-constrained request (``Request.grammar``) drafts in three parts:
+
+    - jump-forward (``jump_forward_tokens > 0``): the tokens its grammar forces next
+      (``GrammarState.jump_forward``) open the draft as a chain (``DraftTree.num_forced``);
+    - the drafter continues after them when it keeps no per-request state (``stateless``: the
+      n-gram lookup, asked with the forced tokens appended to the context); a stateful drafter
+      (a draft model, whose KV follows only committed tokens) drafts only when nothing is forced;
+    - ``GrammarState.check_draft`` then cuts what the grammar refuses and fills the per-position
+      masks verification applies (``DraftTree.bitmask``).
+    """
     asks = [i for i, it in enumerate(batch.items) if it.draft_budget > 0]
     if not asks:
         return batch
     items = list(batch.items)
-    requests = []
+    forced = {i: _forced(items[i], jump_forward_tokens) for i in asks}
+    stateless = getattr(drafter, "stateless", False)
+    requests, asked = [], []
     for i in asks:
-        req = items[i].req
-        requests.append(DraftRequest(req.rid, req.all_ids, items[i].draft_budget, req.params, req.seed, len(req.output_ids)))
-    drafts = drafter.propose_batch(requests)
-    if len(drafts) != len(asks):
-        raise ValueError(f"the drafter returned {len(drafts)} drafts for {len(asks)} requests")
-    for i, draft in zip(asks, drafts):
+        req, extra = items[i].req, forced[i]
+        room = items[i].draft_budget - len(extra)
+        if drafter is not None and room > 0 and (not extra or stateless):
+            ids = req.all_ids if not extra else [*req.all_ids, *extra]
+            requests.append(DraftRequest(req.rid, ids, room, req.params, req.seed, len(req.output_ids) + len(extra)))
+            asked.append(i)
+    drafts = drafter.propose_batch(requests) if requests else []
+    if len(drafts) != len(asked):
+        raise ValueError(f"the drafter returned {len(drafts)} drafts for {len(asked)} requests")
+    proposed: dict[int, DraftTree | None] = dict(zip(asked, drafts))
+    for i in asks:
+        draft = _after_forced(forced[i], proposed.get(i))
+        if draft and len(draft) > items[i].draft_budget:
+            raise ValueError(f"a draft of {len(draft)} nodes exceeds its budget of {items[i].draft_budget}")
+        grammar = items[i].req.grammar
+        if draft and grammar is not None:
+            draft = _checked(grammar, draft)
         if not draft:
             continue
-        if len(draft) > items[i].draft_budget:
-            raise ValueError(f"a draft of {len(draft)} nodes exceeds its budget of {items[i].draft_budget}")
         items[i] = items[i]._replace(draft=draft, num_scheduled_tokens=1 + len(draft))
     return ScheduledBatch(items)
+
+
+def _forced(item: ScheduledItem, jump_forward_tokens: int) -> list[int]:
+    grammar = item.req.grammar
+    if grammar is None or jump_forward_tokens <= 0:
+        return []
+    return grammar.jump_forward(min(jump_forward_tokens, item.draft_budget))
+
+
+def _after_forced(forced: list[int], draft: DraftTree | None) -> DraftTree | None:
+    """The chain ``forced`` with ``draft`` (proposed after it) hung under its last node."""
+    if not forced:
+        return draft
+    n = len(forced)
+    if not draft:
+        return DraftTree(list(forced), list(range(-1, n - 1)), num_forced=n)
+    if draft.probs is not None:
+        raise ValueError("a drafter with sampled drafts must not be asked to continue jump-forward tokens")
+    parents = [n - 1 if p < 0 else n + p for p in draft.parents]
+    return DraftTree([*forced, *draft.tokens], [*range(-1, n - 1), *parents], num_forced=n)
+
+
+def _checked(grammar: GrammarState, draft: DraftTree) -> DraftTree:
+    """``draft`` as ``grammar`` keeps it (``GrammarState.check_draft``), with its masks."""
+    check = grammar.check_draft(draft.tokens, draft.parents, sampled=draft.probs is not None)
+    keep = check.keep
+    if len(keep) == len(draft):
+        return DraftTree(draft.tokens, draft.parents, draft.probs, check.masks, draft.num_forced)
+    new = {k: j for j, k in enumerate(keep)}
+    return DraftTree(
+        [draft.tokens[k] for k in keep],
+        [-1 if draft.parents[k] < 0 else new[draft.parents[k]] for k in keep],
+        None if draft.probs is None else draft.probs[keep],
+        check.masks,
+        sum(k < draft.num_forced for k in keep),
+    )
 
 
 def draft_pool_tokens(max_running: int, max_model_len: int, num_speculative_tokens: int, target_kv_tokens: int) -> int:

@@ -21,13 +21,13 @@ from treeserve.runner.inputs import (
     admit_requests,
     build_step_inputs,
     draft_arrays,
+    draft_bitmasks,
     draft_laws,
-    requests_sampling_batch,
     step_token_ids,
     with_grammar_masks,
 )
 from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
-from treeserve.sampling import SamplingBatch, SamplingRows, greedy_tokens, sample, verify
+from treeserve.sampling import SamplingRows, greedy_tokens, sample, verify
 from treeserve.scheduler import Request, SampledToken, ScheduledBatch, ScheduledItem
 
 __all__ = ["CausalLM", "ModelRunner"]
@@ -157,9 +157,6 @@ class ModelRunner:
         )
         return step, logit_rows
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        return requests_sampling_batch(self.sampling_rows, reqs)
-
     def _sample(
         self,
         logits: torch.Tensor,
@@ -192,14 +189,16 @@ class ModelRunner:
         draft_slots = self.table.table.view(-1)[drafts.slot_index.to(dev)]
         num_draft = drafts.num_draft.to(dev)
         positions = torch.tensor([r.seq_len for r in reqs], dtype=torch.long, device=dev)
+        admit_requests(self.sampling_rows, reqs)  # grammar masks go per tree position instead
         out = verify(
             logits,
-            self._sampling_batch(reqs),
+            self.sampling_rows.batch([r.row for r in reqs], [r.output_ids for r in reqs]),
             drafts.tokens.to(dev),
             drafts.parents.to(dev),
             num_draft,
             positions,
             draft_laws([it.draft for it in items], self.vocab_size, dev),
+            draft_bitmask=draft_bitmasks(items, drafts.tokens.shape[1], self.vocab_size, dev),
         )
         plan = rollback_slots(draft_slots, num_draft, out.path)
         if plan.src_slots.numel() and self.compact_kv is not None:

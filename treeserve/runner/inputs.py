@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from treeserve.kvcache import AttentionMetadata, KernelBackend, KVPool
-from treeserve.sampling import SamplingBatch, SamplingRows, stack_bitmasks
+from treeserve.sampling import SamplingBatch, SamplingRows, bitmask_words, stack_bitmasks
 from treeserve.scheduler import DraftTree, Request, ScheduledItem
 
 __all__ = [
@@ -34,7 +34,6 @@ __all__ = [
     "build_step_inputs",
     "draft_arrays",
     "draft_laws",
-    "requests_sampling_batch",
     "with_grammar_masks",
     "step_index",
     "step_token_ids",
@@ -324,6 +323,19 @@ def draft_laws(drafts: Sequence[DraftTree | None], vocab_size: int, device: torc
     return torch.cat(rows)
 
 
+def draft_bitmasks(items: Sequence[ScheduledItem], k: int, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """``verify``'s ``draft_bitmask [B, K + 1, W]``: each drafted grammar-constrained item's
+    ``DraftTree.bitmask`` (root row, then one per node), all ``-1`` elsewhere; None when no
+    item's draft has one (no cost for unconstrained steps)."""
+    if all(it.draft is None or it.draft.bitmask is None for it in items):
+        return None
+    out = torch.full((len(items), k + 1, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    for i, it in enumerate(items):
+        if it.draft is not None and it.draft.bitmask is not None:
+            out[i, : it.draft.bitmask.shape[0]] = it.draft.bitmask
+    return out.to(device, non_blocking=True)
+
+
 def step_token_ids(reqs: Sequence[Request], starts: Sequence[int], qo_lens: Sequence[int]) -> list[int]:
     """The flat input ids of a causal step: tokens ``[starts[b], starts[b] + qo_lens[b])`` of
     each ``reqs[b]``, request by request.
@@ -346,14 +358,6 @@ def admit_requests(rows: SamplingRows, reqs: Sequence[Request]) -> None:
     for r in reqs:
         if not holds(r.row, r, r.params):
             rows.admit(r.row, r, r.params, r.seed, r.prompt_ids)
-
-
-def requests_sampling_batch(rows: SamplingRows, reqs: Sequence[Request]) -> SamplingBatch:
-    """The sampling rows of ``reqs`` for this step, gathered from the resident ``rows``
-    (admitting first the requests that need it, ``admit_requests``), with their grammar masks
-    (``with_grammar_masks``)."""
-    admit_requests(rows, reqs)
-    return with_grammar_masks(rows.batch([r.row for r in reqs], [r.output_ids for r in reqs]), reqs)
 
 
 def with_grammar_masks(batch: SamplingBatch, reqs: Sequence[Request]) -> SamplingBatch:

@@ -27,6 +27,8 @@ class NgramDrafter:
     siblings), at most ``max_tokens`` nodes in all.
     """
 
+    stateless = True  # may draft past uncommitted (jump-forward) tokens: see fill_drafts
+
     def __init__(self, max_n: int = 4, min_n: int = 2, width: int = 1) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n} max_n={max_n}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from treeserve.sampling.batch import SamplingBatch
 from treeserve.sampling.bitmask import apply_token_bitmask, apply_token_bitmask_, bitmask_words, stack_bitmasks, unpack_bitmask
 from treeserve.sampling.draft_sampling import DraftDraw, draw_siblings
-from treeserve.sampling.grammar import GrammarCompiler, GrammarState
+from treeserve.sampling.grammar import DraftCheck, GrammarCompiler, GrammarState
 from treeserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
@@ -21,6 +21,7 @@ from treeserve.sampling.verify import VerifyOutput, VerifyUniforms, verify
 
 __all__ = [
     "DraftDraw",
+    "DraftCheck",
     "GrammarCompiler",
     "GrammarState",
     "MAX_LOGPROBS",

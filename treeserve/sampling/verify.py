@@ -12,7 +12,11 @@ Inputs for B requests, request i with ``n_i = num_draft[i]`` draft nodes (0 allo
 - ``draft_probs [N, V]`` or None, N = sum(n_i) rows in the same order: the law node k's token was
   drawn from (siblings are independent draws; rows need not be normalized). None means
   deterministic drafts (n-gram, top-k children): the point-mass form is used;
-- ``positions [B]``: absolute position of the token the root row predicts.
+- ``positions [B]``: absolute position of the token the root row predicts;
+- ``draft_bitmask [B, M+1, W]`` int32 or None: grammar masks per tree position (row 0 the
+  root's, row k+1 node k's; ``sampling.bitmask`` layout, all ``-1`` for an unconstrained
+  position), applied to each target row where ``sample`` applies ``token_bitmask``, so the
+  law verified against is the constrained sampler's.
 
 Every target row is processed exactly as ``sample`` would process it (``process_logits`` on a
 batch expanded to one row per tree position, whose history includes the draft tokens on the path
@@ -28,6 +32,7 @@ except the torch top-p refine fallback documented in ``processing``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -169,6 +174,7 @@ def _processed_rows(
     draft_parents: torch.Tensor,
     num_draft: torch.Tensor,
     backend: str,
+    draft_bitmask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(processed [B, M+1, V], depth [B, M], valid [B])``: the target rows padded to M + 1 per
     request and processed as ``sample`` would (histories extended along each node's path); a
@@ -180,6 +186,12 @@ def _processed_rows(
     src = torch.where(real_rows, row_start[:, None] + j, row_start[:, None])
     depth, anc = tree_depth(draft_parents)
     expanded = _expanded_batch(batch, draft_tokens, num_draft, depth, anc)
+    if draft_bitmask is not None:
+        words = draft_bitmask.shape[-1]
+        if draft_bitmask.shape != (b, m + 1, words) or draft_bitmask.dtype != torch.int32:
+            raise ValueError(f"draft_bitmask must be int32 [{b}, {m + 1}, W], got {draft_bitmask.dtype} "
+                             f"{tuple(draft_bitmask.shape)}")
+        expanded = replace(expanded, token_bitmask=draft_bitmask.reshape(b * (m + 1), words))
     # T == B * (M + 1) (a shape, no sync) means every request has M nodes: no padding to gather.
     rows = target_logits if target_logits.shape[0] == b * (m + 1) else target_logits[src.reshape(-1)]
     processed = process_logits(rows, expanded, backend).reshape(b, m + 1, batch.vocab_size)
@@ -212,12 +224,16 @@ def prepare_tree(
     num_draft: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
     backend: str = "torch",
+    draft_bitmask: torch.Tensor | None = None,
 ) -> PreparedTree:
-    """Pad and process the target rows, normalize the draft rows, flag invalid requests.
+    """Pad and process the target rows (under ``draft_bitmask`` when given), normalize the
+    draft rows, flag invalid requests.
 
     Rows of invalid requests are left as they are (NaN included): the walk runs on them without
     failing and ``assemble`` masks their outputs."""
-    processed, depth, valid = _processed_rows(target_logits, batch, draft_tokens, draft_parents, num_draft, backend)
+    processed, depth, valid = _processed_rows(
+        target_logits, batch, draft_tokens, draft_parents, num_draft, backend, draft_bitmask
+    )
     b, m = draft_tokens.shape
     v = batch.vocab_size
     dev = draft_tokens.device
@@ -279,6 +295,7 @@ def verify(
     draft_probs: torch.Tensor | None = None,
     uniforms: VerifyUniforms | None = None,
     backend: str = "auto",
+    draft_bitmask: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """Verify ragged draft trees against the target (see the module docstring for the layout).
 
@@ -286,21 +303,23 @@ def verify(
     ``ValueError``/``TypeError`` for inconsistent shapes/dtypes (and, on CPU, out-of-range
     tokens, parents or counts); NaN/inf rows are reported through ``valid``, never raised.
     ``backend``: ``torch`` (CPU default) or ``triton`` (CUDA default: threshold and walk kernels).
-    A batch with a ``token_bitmask`` is refused (``ValueError``): a grammar's mask differs per
-    draft position.
+    Grammar masks come per tree position through ``draft_bitmask``; a batch with a
+    ``token_bitmask`` (one mask per request) is refused (``ValueError``).
     """
     if batch.token_bitmask is not None:
-        raise ValueError("verify takes no token_bitmask: grammar-constrained requests decode without drafts")
+        raise ValueError("verify takes no token_bitmask: give grammar masks per tree position as draft_bitmask")
     _check_inputs(target_logits, batch, draft_tokens, draft_parents, num_draft, positions, draft_probs)
     backend = resolve_backend(backend, target_logits.device)
     want_logprobs = batch.any_logprobs or batch.num_logprobs > 0
     if batch.all_greedy and draft_probs is None:  # argmaxes only: no law is built
-        processed, depth, valid = _processed_rows(target_logits, batch, draft_tokens, draft_parents, num_draft, backend)
+        processed, depth, valid = _processed_rows(
+            target_logits, batch, draft_tokens, draft_parents, num_draft, backend, draft_bitmask
+        )
         best = processed.argmax(-1)  # [B, M+1]
         walk = greedy_walk(best, draft_tokens, draft_parents, num_draft)
         final = best.gather(1, (walk.last_node + 1)[:, None])[:, 0]
         return assemble(PreparedTree(processed, processed, None, depth, valid), walk, final, want_logprobs)
-    prep = prepare_tree(target_logits, batch, draft_tokens, draft_parents, num_draft, draft_probs, backend)
+    prep = prepare_tree(target_logits, batch, draft_tokens, draft_parents, num_draft, draft_probs, backend, draft_bitmask)
     u_accept = verify_uniforms(batch, positions, prep.depth) if uniforms is None else uniforms.accept
     walk_fn = walk_tree
     if backend == "triton":

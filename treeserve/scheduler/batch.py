@@ -23,11 +23,16 @@ class DraftTree:
     """A speculative draft: node ``k`` holds ``tokens[k]`` and its parent ``parents[k]`` (``-1`` =
     the request's last token, ``parents[k] < k``); a chain has ``parents == [-1, 0, 1, ...]``.
     ``probs [n, V]``: the laws the nodes were drawn from, or None for deterministic (point-mass)
-    drafts."""
+    drafts. A grammar-constrained request's draft also carries ``bitmask [1 + n, W]`` (int32:
+    the grammar's mask at the root, then after each node; ``sampling.GrammarState.check_draft``)
+    and ``num_forced``: how many of its first nodes (a chain) are jump-forward tokens the grammar
+    forces."""
 
     tokens: list[int]
     parents: list[int]
     probs: torch.Tensor | None = None
+    bitmask: torch.Tensor | None = None
+    num_forced: int = 0
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -96,13 +101,23 @@ class SampledToken(NamedTuple):
 
 @dataclass(slots=True)
 class SpecStats:
-    """Speculative decoding counters: draft nodes proposed / accepted, verify steps."""
+    """Speculative decoding counters: draft nodes proposed / accepted, verify steps (drafts
+    other than jump-forward tokens); jump-forward tokens proposed / accepted (``forced_*``:
+    each accepted one is a forward pass saved)."""
 
     proposed: int = 0
     accepted: int = 0
     steps: int = 0
+    forced_proposed: int = 0
+    forced_accepted: int = 0
 
-    def record(self, proposed: int, accepted: int) -> None:
-        self.proposed += proposed
-        self.accepted += accepted
-        self.steps += 1
+    def record(self, proposed: int, accepted: int, forced: int = 0) -> None:
+        """One verified draft of ``proposed`` nodes, ``accepted`` of them accepted, whose first
+        ``forced`` nodes were jump-forward tokens (a chain: accepted first)."""
+        forced_ok = min(accepted, forced)
+        self.forced_proposed += forced
+        self.forced_accepted += forced_ok
+        if proposed > forced:
+            self.proposed += proposed - forced
+            self.accepted += accepted - forced_ok
+            self.steps += 1

@@ -60,7 +60,7 @@ def commit_step(
         if draft is None:
             reason = _commit_one(ledger, check, max_model_len, req, token, logprob, top)
         else:
-            spec.record(len(draft), len(accepted))
+            spec.record(len(draft), len(accepted), draft.num_forced)
             reason = _commit_drafted(ledger, check, max_model_len, req, out)
         if reason is not None:
             queues.finish(req, reason)

@@ -64,6 +64,9 @@ class SchedulerConfig:
     (0 = no limit): on a compute-bound batch, scoring rejected draft nodes costs more than the
     decode steps that accepted ones save. ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
     being prefilled (and not yet cached) waits for that prefill instead of duplicating it.
+    ``jump_forward_tokens``: a decoding grammar-constrained request (``Request.grammar``) whose
+    grammar forces its next tokens asks for a draft of up to this many of them, with or without
+    speculation (0 = off; ``GrammarState.jump_forward``).
     """
 
     max_batched_tokens: int = 512
@@ -73,13 +76,15 @@ class SchedulerConfig:
     speculative_max_batch: int = 0
     lpm_window: int = 128
     min_shared_prefix: int = 32
+    jump_forward_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_batched_tokens", "max_running", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("lpm_window", "min_shared_prefix", "num_speculative_tokens", "speculative_max_batch"):
+        for name in ("lpm_window", "min_shared_prefix", "num_speculative_tokens", "speculative_max_batch",
+                     "jump_forward_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -132,6 +137,7 @@ class Scheduler:
         self.running: list[Request] = self.queues.running
         self.spec = SpecStats()
         self._rids = itertools.count()
+        self._saw_structured = False  # jump-forward looks for grammars only once one came
 
     @property
     def num_preemptions(self) -> int:
@@ -145,6 +151,7 @@ class Scheduler:
         """Validate (:meth:`validate_request`) and enqueue a prompt; returns its ``params.n``
         requests."""
         prompt = self.validate_request(prompt_ids, params, vocab_size)
+        self._saw_structured |= params.structured is not None
         group = SampleGroup(params.n) if params.n > 1 else None
         reqs = [
             Request(
@@ -211,10 +218,10 @@ class Scheduler:
             budget -= len(running)
         else:
             budget = self._schedule_running(items, running, budget)
+        cfg = self.config
         if budget > 0 and self.waiting:
-            cfg = self.config
             budget = admit(self.queues, batch, budget, cfg.max_running, cfg.lpm_window, cfg.min_shared_prefix)
-        if budget > 0 and self.config.num_speculative_tokens:
+        if budget > 0 and (cfg.num_speculative_tokens or (cfg.jump_forward_tokens and self._saw_structured)):
             self._ask_for_drafts(batch, budget)
         return batch
 
@@ -301,23 +308,30 @@ class Scheduler:
     # ------------------------------------------------------------------ speculation
     def _ask_for_drafts(self, batch: ScheduledBatch, budget: int) -> None:
         """Give decoding items a ``draft_budget`` from the ``budget`` tokens left, oldest first,
-        reserving their draft slots without preempting or evicting for anyone else's need."""
-        k = self.config.num_speculative_tokens
-        max_len = self.config.max_model_len
+        reserving their draft slots without preempting or evicting for anyone else's need: up to
+        ``num_speculative_tokens`` each (none on a step over ``speculative_max_batch``), and a
+        grammar-constrained item at least the jump-forward tokens its grammar forces."""
+        cfg = self.config
+        k, jump = cfg.num_speculative_tokens, cfg.jump_forward_tokens
+        max_len = cfg.max_model_len
         items = batch.items
-        limit = self.config.speculative_max_batch
+        limit = cfg.speculative_max_batch
         if limit and sum(it.start == it.req.seq_len - 1 for it in items) > limit:
-            return  # a batch-heavy step: plain decoding is faster
+            k = 0  # a batch-heavy step: plain decoding is faster (forced tokens are still drafted)
         for j, it in enumerate(items):
             if budget <= 0:
                 return
             req = it.req
             seq_len = req.seq_len
-            if it.start != seq_len - 1 or req.params.logprobs or req.params.structured is not None:
-                # not a decode; verification reports no top logprobs and takes no grammar mask
-                # (it differs per draft position): decode plainly
-                continue
-            room = min(k, budget, req.params.max_new_tokens - len(req.output_ids) - 1, max_len - seq_len - 1)
+            if it.start != seq_len - 1 or req.params.logprobs:
+                continue  # not a decode, or top logprobs (verification reports none): decode plainly
+            want = k
+            if req.params.structured is not None:
+                if req.grammar is None:
+                    continue  # no matcher to check a draft against
+                if jump:
+                    want = max(k, len(req.grammar.jump_forward(jump)))
+            room = min(want, budget, req.params.max_new_tokens - len(req.output_ids) - 1, max_len - seq_len - 1)
             if room > 0 and self.ledger.try_reserve(req, seq_len + room):
                 items[j] = it._replace(draft_budget=room)
                 budget -= room

@@ -61,7 +61,9 @@ class EngineStats:
     ``steps`` / ``busy_seconds``: engine steps so far and the time spent in them (schedule,
     forward, sample, update), to tell engine time from serving overhead. ``draft_tokens`` /
     ``accepted_tokens`` / ``verify_steps``: speculative decoding's proposed and accepted draft
-    tokens and its verify passes (request-steps that verified a draft). ``prompt_tokens`` and
+    tokens and its verify passes (request-steps that verified a draft); ``jump_forward_proposed``
+    / ``jump_forward_tokens``: structured output's jump-forward tokens proposed and accepted
+    (each accepted one a forward pass saved). ``prompt_tokens`` and
     ``kv_tiers``: the engine's prompt tokens and KV-tier hits and bytes moved (``LLM.metrics``).
     """
 
@@ -75,6 +77,8 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
+    jump_forward_proposed: int = 0
+    jump_forward_tokens: int = 0
     prompt_tokens: int = 0
     kv_tiers: TierStats = field(default_factory=TierStats)
 
@@ -99,6 +103,8 @@ def read_engine_stats(llm: LLM) -> EngineStats:
         draft_tokens=m.draft_tokens,
         accepted_tokens=m.accepted_tokens,
         verify_steps=m.verify_steps,
+        jump_forward_proposed=m.jump_forward_proposed,
+        jump_forward_tokens=m.jump_forward_tokens,
         prompt_tokens=m.prompt_tokens,
         kv_tiers=replace(m.kv_tiers),  # a snapshot: the engine keeps counting
     )

@@ -51,6 +51,10 @@ class _EngineGauges(Collector):
             ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed by speculative decoding.", s.draft_tokens),
             ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted by verification.", s.accepted_tokens),
             ("vllm:spec_decode_num_drafts", "Verify passes (a request's draft verified in a step).", s.verify_steps),
+            ("treeserve:jump_forward_proposed_tokens", "Jump-forward tokens (forced by a grammar) proposed.",
+             s.jump_forward_proposed),
+            ("treeserve:jump_forward_tokens", "Jump-forward tokens accepted: forward passes saved.",
+             s.jump_forward_tokens),
         ):  # fmt: skip
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(self.labels, float(total))
