@@ -61,6 +61,8 @@ def commit_step(
             reason = _commit_one(ledger, check, max_model_len, req, token, logprob, top)
         else:
             spec.record(len(draft), len(accepted))
+            req.draft_hits += len(accepted)
+            req.draft_misses += len(accepted) < max(draft.depths())  # the walk stopped short of a leaf
             reason = _commit_drafted(ledger, check, max_model_len, req, out)
         if reason is not None:
             queues.finish(req, reason)

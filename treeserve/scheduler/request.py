@@ -93,6 +93,10 @@ class Request:
     # structured output (a ``sampling.GrammarState``, set by the engine when ``params.structured``):
     # fed every committed token by the commit path; its bitmask masks the next token
     grammar: Any = None
+    # speculative decoding: draft nodes accepted with their parent accepted / rejected there,
+    # decayed counts (``scheduler.draft_plan``: the request's acceptance estimate)
+    draft_hits: float = 0.0
+    draft_misses: float = 0.0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     _tokens: list[int] = field(default_factory=list, repr=False)
 

@@ -28,6 +28,7 @@ from treeserve.sampling import SamplingParams
 from treeserve.scheduler.admission import admit
 from treeserve.scheduler.batch import SampledToken, ScheduledBatch, ScheduledItem, SpecStats
 from treeserve.scheduler.commit import commit_step
+from treeserve.scheduler.draft_plan import ACCEPT_DECAY, acceptance, plan_draft_lengths
 from treeserve.scheduler.ledger import KVLedger
 from treeserve.scheduler.preemption import reserve_decode_slots, reserve_or_preempt
 from treeserve.scheduler.queues import RequestQueues
@@ -62,7 +63,11 @@ class SchedulerConfig:
     scheduler asks for drafts through ``ScheduledItem.draft_budget``, the engine drafts;
     ``speculative_max_batch``: a step with more decoding requests than this asks for no drafts
     (0 = no limit): on a compute-bound batch, scoring rejected draft nodes costs more than the
-    decode steps that accepted ones save. ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
+    decode steps that accepted ones save. ``speculative_row_cost``: one more query row's cost
+    relative to a step's fixed part, measured (``treeserve.runner.step_cost``); with it, each
+    step's draft lengths follow the goodput rule of :mod:`treeserve.scheduler.draft_plan` and each
+    request's acceptance so far (0 = rows are free: every asking request gets its whole room).
+    ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
     being prefilled (and not yet cached) waits for that prefill instead of duplicating it.
     """
 
@@ -71,6 +76,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     num_speculative_tokens: int = 0
     speculative_max_batch: int = 0
+    speculative_row_cost: float = 0.0
     lpm_window: int = 128
     min_shared_prefix: int = 32
 
@@ -79,7 +85,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("lpm_window", "min_shared_prefix", "num_speculative_tokens", "speculative_max_batch"):
+        for name in ("lpm_window", "min_shared_prefix", "num_speculative_tokens", "speculative_max_batch",
+                     "speculative_row_cost"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -300,27 +307,40 @@ class Scheduler:
 
     # ------------------------------------------------------------------ speculation
     def _ask_for_drafts(self, batch: ScheduledBatch, budget: int) -> None:
-        """Give decoding items a ``draft_budget`` from the ``budget`` tokens left, oldest first,
-        reserving their draft slots without preempting or evicting for anyone else's need."""
-        k = self.config.num_speculative_tokens
-        max_len = self.config.max_model_len
+        """Give decoding items a ``draft_budget`` from the ``budget`` tokens left (lengths by
+        :func:`plan_draft_lengths`), reserving their draft slots without preempting or evicting
+        for anyone else's need."""
+        cfg = self.config
+        k = cfg.num_speculative_tokens
+        max_len = cfg.max_model_len
         items = batch.items
-        limit = self.config.speculative_max_batch
-        if limit and sum(it.start == it.req.seq_len - 1 for it in items) > limit:
+        decoding = [j for j, it in enumerate(items) if it.start == it.req.seq_len - 1]
+        if cfg.speculative_max_batch and len(decoding) > cfg.speculative_max_batch:
             return  # a batch-heavy step: plain decoding is faster
-        for j, it in enumerate(items):
-            if budget <= 0:
-                return
-            req = it.req
-            seq_len = req.seq_len
-            if it.start != seq_len - 1 or req.params.logprobs or req.params.structured is not None:
-                # not a decode; verification reports no top logprobs and takes no grammar mask
-                # (it differs per draft position): decode plainly
+        asking, rooms, alphas = [], [], []
+        for j in decoding:
+            req = items[j].req
+            if req.params.logprobs or req.params.structured is not None:
+                # verification reports no top logprobs and takes no grammar mask (it differs
+                # per draft position): decode plainly
                 continue
-            room = min(k, budget, req.params.max_new_tokens - len(req.output_ids) - 1, max_len - seq_len - 1)
-            if room > 0 and self.ledger.try_reserve(req, seq_len + room):
-                items[j] = it._replace(draft_budget=room)
-                budget -= room
+            room = min(k, req.params.max_new_tokens - len(req.output_ids) - 1, max_len - req.seq_len - 1)
+            if room > 0:
+                req.draft_hits *= ACCEPT_DECAY
+                req.draft_misses *= ACCEPT_DECAY
+                asking.append(j)
+                rooms.append(room)
+                alphas.append(acceptance(req.draft_hits, req.draft_misses))
+        if not asking:
+            return
+        rows = sum(it.num_scheduled_tokens for it in items)
+        tokens = sum(it.sample for it in items)
+        lengths = plan_draft_lengths(alphas, rooms, rows, tokens, cfg.speculative_row_cost, budget)
+        for j, n in zip(asking, lengths):
+            it = items[j]
+            if n > 0 and self.ledger.try_reserve(it.req, it.req.seq_len + n):
+                items[j] = it._replace(draft_budget=n)
+
 
 __all__ = [
     "SampleGroup",
