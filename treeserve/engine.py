@@ -946,6 +946,9 @@ class LLM:
             "tpot": lead.tpot(len(reqs[0].output_ids)),
             "cached_prompt_tokens": lead.cached_prompt_tokens,
             "num_preemptions": sum(r.metrics.num_preemptions for r in reqs),
+            "draft_tokens": sum(r.metrics.draft_tokens for r in reqs),
+            "accepted_draft_tokens": sum(r.metrics.accepted_tokens for r in reqs),
+            "verify_steps": sum(r.metrics.verify_steps for r in reqs),
         }
         return out
 

@@ -10,7 +10,8 @@ nothing but a stop token may follow (that stop token is not sampled), and with "
 grammar refuses the token.
 The first committed token publishes the prompt's KV to the radix tree (so ``n``-sample siblings
 and later prompts share it); an item that asked for a draft and goes on frees the pages of its
-unused and rejected draft slots.
+unused and rejected draft slots; a verified draft's counts feed the request's acceptance estimate
+(``Request.draft_hits`` / ``draft_misses``, read by ``draft_plan``) and its metrics.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def commit_step(
         else:
             spec.record(len(draft), len(accepted))
             req.draft_hits += len(accepted)
+            rm = req.metrics
+            rm.draft_tokens, rm.accepted_tokens, rm.verify_steps = (
+                rm.draft_tokens + len(draft), rm.accepted_tokens + len(accepted), rm.verify_steps + 1)  # fmt: skip
             req.draft_misses += len(accepted) < max(draft.depths())  # the walk stopped short of a leaf
             reason = _commit_drafted(ledger, check, max_model_len, req, out)
         if reason is not None:

@@ -32,7 +32,7 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Wall-clock timestamps (``time.perf_counter``) of one request's life."""
+    """Wall-clock timestamps (``time.perf_counter``) of one request's life, and its counters."""
 
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled: float | None = None
@@ -40,6 +40,9 @@ class RequestMetrics:
     finished: float | None = None
     num_preemptions: int = 0
     cached_prompt_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: draft nodes proposed for this request
+    accepted_tokens: int = 0  # of which accepted
+    verify_steps: int = 0  # steps that verified a draft of this request
 
     @property
     def ttft(self) -> float | None:
