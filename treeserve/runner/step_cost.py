@@ -10,7 +10,9 @@ context's KV is written to pages borrowed from the pool and given back.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -25,19 +27,14 @@ MAX_ROW_COST = 20.0
 that costs, drafting pays only for near-certain nodes)."""
 
 _CONTEXT = 128  # KV tokens in the measured step (a short chat turn)
-_BUDGET_S = 1.5  # time spent repeating a measurement beyond its warm-up call
-_REPS = 3
+_BUDGET_S = 2.0  # time spent on pairs beyond the first three
+_PAIRS = 9
 
 
-def _best_of(fn: object) -> float:
-    fn()  # type: ignore[operator]
-    best, spent, reps = float("inf"), 0.0, 0
-    while reps < _REPS and (reps == 0 or spent < _BUDGET_S):
-        t = time.perf_counter()
-        fn()  # type: ignore[operator]
-        dt = time.perf_counter() - t
-        best, spent, reps = min(best, dt), spent + dt, reps + 1
-    return best
+def _timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def _model_key(model: CausalLM, kv: KVPool) -> tuple[object, ...]:
@@ -48,21 +45,34 @@ def _model_key(model: CausalLM, kv: KVPool) -> tuple[object, ...]:
 
 
 @torch.inference_mode()
-def _seconds(model: CausalLM, kv: KVPool, rows: int) -> float:
-    """Best time of one forward of ``rows`` new tokens of one request after ``_CONTEXT`` cached ones."""
+def _step_ratio(model: CausalLM, kv: KVPool, rows: int) -> float:
+    """Median over interleaved pairs of (time of ``rows`` new tokens) / (time of one new token), of
+    one request after ``_CONTEXT`` cached ones: pairs taken back to back see the same machine
+    load, so their ratio is steadier than a ratio of two separate best times."""
     ps = kv.page_size
     total = _CONTEXT + rows
     pages = kv.allocator.alloc(-(-total // ps))
     try:
         slots = pages_to_slots(pages, ps)[:total]
         dev = kv.device
-        ids = torch.zeros(rows, dtype=torch.int64, device=dev)
-        positions = torch.arange(_CONTEXT, total, device=dev)
-        out_slots = slots[_CONTEXT:].to(dev)
-        parents = None if rows == 1 else [list(range(-1, rows - 1))]
-        meta = AttentionMetadata.build([rows], [total], [pages.tolist()], ps, tree_parents=parents, device=dev)
-        logits_rows = torch.arange(rows, device=dev)
-        return _best_of(lambda: model(ids, positions, kv, out_slots, meta, logits_rows))
+
+        def forward(n: int) -> Callable[[], object]:
+            ids = torch.zeros(n, dtype=torch.int64, device=dev)
+            positions = torch.arange(total - n, total, device=dev)
+            parents = None if n == 1 else [list(range(-1, n - 1))]
+            meta = AttentionMetadata.build([n], [total], [pages.tolist()], ps, tree_parents=parents, device=dev)
+            out_slots, logits_rows = slots[total - n :].to(dev), torch.arange(n, device=dev)
+            return lambda: model(ids, positions, kv, out_slots, meta, logits_rows)
+
+        one, many = forward(1), forward(rows)
+        one(), many()  # warm-up
+        ratios: list[float] = []
+        spent = 0.0
+        while len(ratios) < _PAIRS and (len(ratios) < 3 or spent < _BUDGET_S):
+            t1, tr = _timed(one), _timed(many)
+            ratios.append(tr / t1)
+            spent += t1 + tr
+        return statistics.median(ratios)
     finally:
         kv.allocator.free(pages)
 
@@ -79,9 +89,8 @@ def measure_row_cost(model: CausalLM, kv: KVPool, rows: int) -> float:
         raise ValueError(f"measuring the row cost needs {need} free KV pages, the pool has {kv.allocator.num_free}")
 
     def measure() -> int:
-        one, many = _seconds(model, kv, 1), _seconds(model, kv, rows)
-        per_row = max(0.0, (many - one) / (rows - 1))
-        fixed = max(one - per_row, one / MAX_ROW_COST)
-        return round(1000 * min(MAX_ROW_COST, per_row / fixed))
+        # T(r) / T(1) = c = (1 + r rho) / (1 + rho), so rho = (c - 1) / (r - c)
+        c = max(1.0, _step_ratio(model, kv, rows))
+        return round(1000 * (MAX_ROW_COST if c >= rows else min(MAX_ROW_COST, (c - 1) / (rows - c))))
 
     return measured("row-cost", (*_model_key(model, kv), rows, _CONTEXT), int, measure) / 1000
