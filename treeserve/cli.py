@@ -25,7 +25,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--speculative", default=None, help="ngram, draft:<model> or draft:self:<N> (default: none)")
+    p.add_argument("--speculative", default="auto",
+                   help="auto (n-gram drafting on CPU, lengths by the measured goodput rule), none, ngram, "
+                        "draft:<model> or draft:self:<N> (default: auto)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--jump-forward-tokens", type=int, default=16,
                    help="structured output: tokens a grammar forces, proposed as one draft (0 = off)")
@@ -58,7 +60,7 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_tokens=args.kv_cache_tokens,
         max_batched_tokens=args.max_batched_tokens,
         max_running=args.max_running,
-        speculative=args.speculative,
+        speculative=None if args.speculative == "none" else args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         jump_forward_tokens=args.jump_forward_tokens,
         batch_invariant=args.batch_invariant,
@@ -155,8 +157,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"\nengine: mean TTFT {m.mean_ttft * 1e3:.0f} ms, mean TPOT {m.mean_tpot * 1e3:.1f} ms, "
         f"preemptions {m.preemptions}, steps {m.steps}"
     )
-    if args.speculative:
-        print(f"speculation ({args.speculative}): {m.accepted_tokens} of {m.draft_tokens} draft tokens accepted "
+    if llm.config.speculative:
+        print(f"speculation ({llm.config.speculative}): {m.accepted_tokens} of {m.draft_tokens} draft tokens accepted "
               f"({m.acceptance_rate:.1%}), {m.mean_accepted_length:.2f} tokens per verify step")
     return 0
 

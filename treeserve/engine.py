@@ -19,6 +19,7 @@ from __future__ import annotations
 import numbers
 import threading
 import time
+import dataclasses
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -54,6 +55,7 @@ from treeserve.runner import (
     compile_model,
     draft_pool_tokens,
     fill_drafts,
+    measure_row_cost,
 )
 from treeserve.sampling import GrammarCompiler, SamplingParams
 from treeserve.scheduler import (
@@ -148,12 +150,13 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256
     overlap: bool | None = None
     compile: bool = False
-    speculative: str | None = None
+    speculative: str | None = "auto"
     num_speculative_tokens: int = 4
     speculative_tree_width: int = 1
     ngram_min: int = 2
     ngram_max: int = 4
     speculative_max_batch: int | None = None
+    speculative_row_cost: float | None = None
     jump_forward_tokens: int = 16
     batch_invariant: bool = False
     tensor_parallel_size: int = 1
@@ -181,8 +184,8 @@ class EngineConfig:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be None or in [0, 2**63 - 1], got {self.seed}")
         spec = self.speculative
-        if not (spec is None or spec == "ngram" or (isinstance(spec, str) and spec.startswith("draft:") and spec[6:])):
-            raise ValueError(f"speculative must be None, 'ngram' or 'draft:<model>', got {spec!r}")
+        if not (spec in (None, "auto", "ngram") or (isinstance(spec, str) and spec.startswith("draft:") and spec[6:])):
+            raise ValueError(f"speculative must be None, 'auto', 'ngram' or 'draft:<model>', got {spec!r}")
         for name in ("num_speculative_tokens", "speculative_tree_width", "ngram_min", "ngram_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -193,6 +196,9 @@ class EngineConfig:
         smb = self.speculative_max_batch
         if smb is not None and (isinstance(smb, bool) or not isinstance(smb, int) or smb < 0):
             raise ValueError(f"speculative_max_batch must be None or an int >= 0, got {smb!r}")
+        src = self.speculative_row_cost
+        if src is not None and (isinstance(src, bool) or not isinstance(src, (int, float)) or not 0 <= src < float("inf")):
+            raise ValueError(f"speculative_row_cost must be None or a finite number >= 0, got {src!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -226,6 +232,18 @@ class EngineConfig:
                 raise ValueError("kv_host_tokens / kv_disk_dir need enable_prefix_cache=True (they hold its evictions)")
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_host_tokens / kv_disk_dir are not supported with tensor_parallel_size > 1")
+
+    def resolved_speculative(self, loaded: bool) -> str | None:
+        """``speculative`` with ``"auto"`` resolved (``loaded``: the model was loaded by name, not
+        given as a module): n-gram drafting, its lengths set per step by the goodput rule over
+        the measured row cost (``treeserve.scheduler.draft_plan``), for a loaded model on CPU in
+        one process, where it was measured (benches/RESULTS.md); None elsewhere (on CUDA the
+        overlapped decode loop, which speculation turns off, is kept; a given module decodes
+        plainly)."""
+        if self.speculative != "auto":
+            return self.speculative
+        cpu = torch.device(self.device).type == "cpu"
+        return "ngram" if loaded and cpu and self.tensor_parallel_size == 1 and not self.batch_invariant else None
 
     def draft_batch_limit(self, loaded: bool) -> int:
         """``speculative_max_batch`` resolved (``loaded``: the model was loaded by name, not given
@@ -410,8 +428,10 @@ class LLM:
     """
 
     def __init__(self, model: str | tuple[CausalLM, Any] = "smollm2-135m-instruct", **config: Any) -> None:
-        self.config = EngineConfig(**config)
-        cfg = self.config
+        cfg = EngineConfig(**config)
+        if cfg.speculative == "auto":
+            cfg = dataclasses.replace(cfg, speculative=cfg.resolved_speculative(loaded=isinstance(model, str)))
+        self.config = cfg
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         dtype = getattr(torch, auto_dtype(cfg.device) if cfg.dtype == "auto" else cfg.dtype)
@@ -468,6 +488,7 @@ class LLM:
                 num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0,
                 speculative_max_batch=cfg.draft_batch_limit(loaded=isinstance(model, str)),
                 jump_forward_tokens=cfg.jump_forward_tokens,
+                speculative_row_cost=self._row_cost(loaded=isinstance(model, str)),
             ),
             self.kv.allocator,
             self.radix,
@@ -812,6 +833,19 @@ class LLM:
                 self.scheduler.abort(req)
 
     # ------------------------------------------------------------------ internals
+    def _row_cost(self, loaded: bool) -> float:
+        """The scheduler's ``speculative_row_cost``: the config's, else measured for a model
+        loaded by name on CPU in one process (``runner.step_cost``), else 0 (every asking request
+        drafts its whole room, as measured on no machine: a given module, CUDA)."""
+        cfg = self.config
+        if not cfg.speculative:
+            return 0.0
+        if cfg.speculative_row_cost is not None:
+            return float(cfg.speculative_row_cost)
+        if not loaded or torch.device(cfg.device).type != "cpu" or cfg.tensor_parallel_size > 1:
+            return 0.0
+        return measure_row_cost(self.model, self.kv, 1 + cfg.num_speculative_tokens)
+
     def _make_drafter(self, max_len: int, eos: list[int]) -> Drafter | None:
         cfg = self.config
         if cfg.speculative is None:
@@ -926,6 +960,9 @@ class LLM:
             "tpot": lead.tpot(len(reqs[0].output_ids)),
             "cached_prompt_tokens": lead.cached_prompt_tokens,
             "num_preemptions": sum(r.metrics.num_preemptions for r in reqs),
+            "draft_tokens": sum(r.metrics.draft_tokens for r in reqs),
+            "accepted_draft_tokens": sum(r.metrics.accepted_tokens for r in reqs),
+            "verify_steps": sum(r.metrics.verify_steps for r in reqs),
         }
         return out
 

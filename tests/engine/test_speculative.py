@@ -56,6 +56,8 @@ def test_greedy_identical_with_and_without_speculation(loopy, kw) -> None:
     m = llm.metrics
     assert m.draft_tokens > 0 and m.accepted_tokens > 0, "n-gram drafts should be proposed and accepted"
     assert m.mean_accepted_length > 1.0
+    per_request = [(o.metrics["draft_tokens"], o.metrics["accepted_draft_tokens"], o.metrics["verify_steps"]) for o in spec]
+    assert [sum(c) for c in zip(*per_request)] == [m.draft_tokens, m.accepted_tokens, m.verify_steps]
     assert_drained(llm)
     if "kv_cache_tokens" in kw:
         assert m.preemptions > 0

@@ -10,6 +10,8 @@
 - ``ngram``: :class:`NgramDrafter`, prompt-lookup drafts (no model).
 - ``draft_model``: :class:`DraftModelDrafter`, batched drafts from a smaller model over its own KV.
 - ``sequence``: :class:`PagedSequence`, one sequence through a model (tests, benchmarks).
+- ``step_cost``: :func:`measure_row_cost`, what one more query row costs a step (the draft
+  planner's input, measured once per machine and model).
 
 Imports point down only: ``kvcache``, ``sampling``, ``scheduler`` (its batch/request types) and,
 for the draft model, ``models``.
@@ -25,6 +27,7 @@ from treeserve.runner.graph import DecodeGraphRunner, DecodeLaunch, decode_bucke
 from treeserve.runner.inputs import StepInputs, build_step_inputs
 from treeserve.runner.ngram import NgramDrafter
 from treeserve.runner.sequence import PagedSequence
+from treeserve.runner.step_cost import measure_row_cost
 
 __all__ = [
     "CausalLM",
@@ -43,4 +46,5 @@ __all__ = [
     "decode_buckets",
     "draft_pool_tokens",
     "fill_drafts",
+    "measure_row_cost",
 ]

@@ -10,14 +10,15 @@ nothing but a stop token may follow (that stop token is not sampled), and with "
 grammar refuses the token.
 The first committed token publishes the prompt's KV to the radix tree (so ``n``-sample siblings
 and later prompts share it); an item that asked for a draft and goes on frees the pages of its
-unused and rejected draft slots.
+unused and rejected draft slots; a verified draft's counts feed the request's acceptance estimate
+(``Request.draft_hits`` / ``draft_misses``, read by ``draft_plan``) and its metrics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from treeserve.scheduler.batch import SampledToken, ScheduledBatch, SpecStats
+from treeserve.scheduler.batch import DraftTree, SampledToken, ScheduledBatch, SpecStats
 from treeserve.scheduler.ledger import KVLedger
 from treeserve.scheduler.queues import RequestQueues
 from treeserve.scheduler.request import FinishReason, Request, RequestState
@@ -61,6 +62,7 @@ def commit_step(
             reason = _commit_one(ledger, check, max_model_len, req, token, logprob, top)
         else:
             spec.record(len(draft), len(accepted), draft.num_forced)
+            _record_draft(req, draft, len(accepted))
             reason = _commit_drafted(ledger, check, max_model_len, req, out)
         if reason is not None:
             queues.finish(req, reason)
@@ -98,6 +100,18 @@ def _commit_one(
     if reason is None and len(req.prompt_ids) + len(output) >= max_model_len:
         return FinishReason.LENGTH
     return reason
+
+
+def _record_draft(req: Request, draft: DraftTree, accepted: int) -> None:
+    """A verified draft's counts: the request's metrics, and its acceptance estimate from the
+    drafter's nodes (``Request.draft_hits`` / ``draft_misses``; jump-forward tokens, accepted with
+    probability 1 but at a tokenization boundary, say nothing about the drafter)."""
+    rm = req.metrics
+    rm.draft_tokens, rm.accepted_tokens, rm.verify_steps = (
+        rm.draft_tokens + len(draft), rm.accepted_tokens + accepted, rm.verify_steps + 1)  # fmt: skip
+    if len(draft) > draft.num_forced:
+        req.draft_hits += max(0, accepted - draft.num_forced)
+        req.draft_misses += accepted < max(draft.depths())  # the walk stopped short of a leaf
 
 
 def _advance_grammar(req: Request, token: int) -> FinishReason | None:

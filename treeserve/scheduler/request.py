@@ -32,7 +32,7 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Wall-clock timestamps (``time.perf_counter``) of one request's life."""
+    """Wall-clock timestamps (``time.perf_counter``) of one request's life, and its counters."""
 
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled: float | None = None
@@ -40,6 +40,9 @@ class RequestMetrics:
     finished: float | None = None
     num_preemptions: int = 0
     cached_prompt_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: draft nodes proposed for this request
+    accepted_tokens: int = 0  # of which accepted
+    verify_steps: int = 0  # steps that verified a draft of this request
 
     @property
     def ttft(self) -> float | None:
@@ -93,6 +96,10 @@ class Request:
     # structured output (a ``sampling.GrammarState``, set by the engine when ``params.structured``):
     # fed every committed token by the commit path; its bitmask masks the next token
     grammar: Any = None
+    # speculative decoding: draft nodes accepted with their parent accepted / rejected there,
+    # decayed counts (``scheduler.draft_plan``: the request's acceptance estimate)
+    draft_hits: float = 0.0
+    draft_misses: float = 0.0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     _tokens: list[int] = field(default_factory=list, repr=False)
 

@@ -28,6 +28,7 @@ from treeserve.sampling import SamplingParams
 from treeserve.scheduler.admission import admit
 from treeserve.scheduler.batch import SampledToken, ScheduledBatch, ScheduledItem, SpecStats
 from treeserve.scheduler.commit import commit_step
+from treeserve.scheduler.draft_plan import ACCEPT_DECAY, acceptance, plan_draft_lengths
 from treeserve.scheduler.ledger import KVLedger
 from treeserve.scheduler.preemption import reserve_decode_slots, reserve_or_preempt
 from treeserve.scheduler.queues import RequestQueues
@@ -62,7 +63,11 @@ class SchedulerConfig:
     scheduler asks for drafts through ``ScheduledItem.draft_budget``, the engine drafts;
     ``speculative_max_batch``: a step with more decoding requests than this asks for no drafts
     (0 = no limit): on a compute-bound batch, scoring rejected draft nodes costs more than the
-    decode steps that accepted ones save. ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
+    decode steps that accepted ones save. ``speculative_row_cost``: one more query row's cost
+    relative to a step's fixed part, measured (``treeserve.runner.step_cost``); with it, each
+    step's draft lengths follow the goodput rule of :mod:`treeserve.scheduler.draft_plan` and each
+    request's acceptance so far (0 = rows are free: every asking request gets its whole room).
+    ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
     being prefilled (and not yet cached) waits for that prefill instead of duplicating it.
     ``jump_forward_tokens``: a decoding grammar-constrained request (``Request.grammar``) whose
     grammar forces its next tokens asks for a draft of up to this many of them, with or without
@@ -74,6 +79,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     num_speculative_tokens: int = 0
     speculative_max_batch: int = 0
+    speculative_row_cost: float = 0.0
     lpm_window: int = 128
     min_shared_prefix: int = 32
     jump_forward_tokens: int = 0
@@ -84,7 +90,7 @@ class SchedulerConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name in ("lpm_window", "min_shared_prefix", "num_speculative_tokens", "speculative_max_batch",
-                     "jump_forward_tokens"):
+                     "jump_forward_tokens", "speculative_row_cost"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -307,34 +313,51 @@ class Scheduler:
 
     # ------------------------------------------------------------------ speculation
     def _ask_for_drafts(self, batch: ScheduledBatch, budget: int) -> None:
-        """Give decoding items a ``draft_budget`` from the ``budget`` tokens left, oldest first,
-        reserving their draft slots without preempting or evicting for anyone else's need: up to
-        ``num_speculative_tokens`` each (none on a step over ``speculative_max_batch``), and a
-        grammar-constrained item at least the jump-forward tokens its grammar forces."""
+        """Give decoding items a ``draft_budget`` from the ``budget`` tokens left, reserving their
+        draft slots without preempting or evicting for anyone else's need: a grammar-constrained
+        item first the jump-forward tokens its grammar forces (oldest first), then draft nodes,
+        at most ``num_speculative_tokens`` per item in all (none on a step over
+        ``speculative_max_batch``), as many as :func:`plan_draft_lengths` finds worth their rows."""
         cfg = self.config
         k, jump = cfg.num_speculative_tokens, cfg.jump_forward_tokens
         max_len = cfg.max_model_len
         items = batch.items
-        limit = cfg.speculative_max_batch
-        if limit and sum(it.start == it.req.seq_len - 1 for it in items) > limit:
+        decoding = [j for j, it in enumerate(items) if it.start == it.req.seq_len - 1]
+        if cfg.speculative_max_batch and len(decoding) > cfg.speculative_max_batch:
             k = 0  # a batch-heavy step: plain decoding is faster (forced tokens are still drafted)
-        for j, it in enumerate(items):
-            if budget <= 0:
-                return
-            req = it.req
-            seq_len = req.seq_len
-            if it.start != seq_len - 1 or req.params.logprobs:
-                continue  # not a decode, or top logprobs (verification reports none): decode plainly
-            want = k
+        asking, forced, rooms, alphas = [], [], [], []
+        for j in decoding:
+            req = items[j].req
+            if req.params.logprobs:
+                continue  # top logprobs: verification reports none, decode plainly
+            n_forced = 0
             if req.params.structured is not None:
                 if req.grammar is None:
                     continue  # no matcher to check a draft against
                 if jump:
-                    want = max(k, len(req.grammar.jump_forward(jump)))
-            room = min(want, budget, req.params.max_new_tokens - len(req.output_ids) - 1, max_len - seq_len - 1)
-            if room > 0 and self.ledger.try_reserve(req, seq_len + room):
-                items[j] = it._replace(draft_budget=room)
-                budget -= room
+                    n_forced = len(req.grammar.jump_forward(jump))
+            room = min(max(k, n_forced), req.params.max_new_tokens - len(req.output_ids) - 1, max_len - req.seq_len - 1)
+            if room <= 0:
+                continue
+            f = min(n_forced, room, budget)
+            budget -= f
+            req.draft_hits *= ACCEPT_DECAY
+            req.draft_misses *= ACCEPT_DECAY
+            asking.append(j)
+            forced.append(f)
+            rooms.append(room - f if k else 0)
+            alphas.append(acceptance(req.draft_hits, req.draft_misses))
+        if not asking:
+            return
+        n_forced = sum(forced)  # accepted with probability 1 but at a tokenization boundary
+        rows = sum(it.num_scheduled_tokens for it in items) + n_forced
+        tokens = sum(it.sample for it in items) + n_forced
+        lengths = plan_draft_lengths(alphas, rooms, rows, tokens, cfg.speculative_row_cost, budget)
+        for j, f, n in zip(asking, forced, lengths):
+            it = items[j]
+            if f + n > 0 and self.ledger.try_reserve(it.req, it.req.seq_len + f + n):
+                items[j] = it._replace(draft_budget=f + n)
+
 
 __all__ = [
     "SampleGroup",

@@ -1,0 +1,71 @@
+"""``speculative="auto"`` (the default) and the measured row cost the draft planner runs on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeserve import LLM
+from treeserve._tuning import clear_memo
+from treeserve.engine import EngineConfig
+from treeserve.kvcache import KVPool
+from treeserve.models import random_model, tiny_config
+from treeserve.runner import measure_row_cost
+from treeserve.runner.step_cost import MAX_ROW_COST
+
+
+def test_auto_resolves_where_it_was_measured() -> None:
+    cfg = EngineConfig()
+    assert cfg.speculative == "auto"
+    assert cfg.resolved_speculative(loaded=True) == "ngram"  # a model loaded by name, on CPU
+    assert cfg.resolved_speculative(loaded=False) is None  # a given module decodes plainly
+    assert EngineConfig(batch_invariant=True).resolved_speculative(loaded=True) is None
+    assert EngineConfig(speculative="draft:self:2").resolved_speculative(loaded=True) == "draft:self:2"
+    assert EngineConfig(speculative=None).resolved_speculative(loaded=True) is None
+
+
+@pytest.mark.parametrize("bad", [-0.5, float("inf"), float("nan"), True, "1"])
+def test_bad_row_cost_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="speculative_row_cost must be None or a finite number >= 0"):
+        EngineConfig(speculative_row_cost=bad)
+
+
+def test_given_module_keeps_plain_decoding_and_an_explicit_cost_reaches_the_scheduler() -> None:
+    model = random_model(tiny_config("llama", eos_token_ids=(2,)), seed=0, init_std=0.3)
+    plain = LLM((model, None), kv_cache_tokens=512, max_model_len=128)
+    assert plain.config.speculative is None and plain.drafter is None
+    assert plain.scheduler.config.num_speculative_tokens == 0
+    spec = LLM((model, None), kv_cache_tokens=512, max_model_len=128, speculative="ngram", speculative_row_cost=0.25)
+    assert spec.scheduler.config.speculative_row_cost == 0.25
+    free = LLM((model, None), kv_cache_tokens=512, max_model_len=128, speculative="ngram")
+    assert free.scheduler.config.speculative_row_cost == 0.0  # nothing measured for a given module
+
+
+def test_row_cost_is_measured_once_and_gives_the_pages_back(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TREESERVE_CACHE_DIR", str(tmp_path))
+    clear_memo()
+    model = random_model(tiny_config("llama", eos_token_ids=(2,)), seed=0)
+    c = model.config
+    kv = KVPool(c.num_layers, 64, 4, c.num_kv_heads, c.head_dim, torch.float32)
+    calls = []
+    real = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a: calls.append(a[0].numel()) or real(*a))
+    free = kv.allocator.num_free
+    cost = measure_row_cost(model, kv, 5)
+    assert 0.0 <= cost <= MAX_ROW_COST
+    assert kv.allocator.num_free == free
+    assert set(calls) == {1, 5}, "one-row and five-row forwards, nothing else"
+    n = len(calls)
+    clear_memo()  # from the disk entry now
+    assert measure_row_cost(model, kv, 5) == cost and len(calls) == n
+    clear_memo()
+
+
+def test_row_cost_bad_input() -> None:
+    model = random_model(tiny_config("llama", eos_token_ids=(2,)), seed=0)
+    c = model.config
+    kv = KVPool(c.num_layers, 8, 4, c.num_kv_heads, c.head_dim, torch.float32)
+    with pytest.raises(ValueError, match="rows must be an int >= 2"):
+        measure_row_cost(model, kv, 1)
+    with pytest.raises(ValueError, match="needs 34 free KV pages, the pool has 7"):
+        measure_row_cost(model, kv, 5)

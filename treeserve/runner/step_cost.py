@@ -1,0 +1,96 @@
+"""What one more query row costs in a step of this model on this machine: the draft planner's input.
+
+:func:`measure_row_cost` times the model's own forward (the path a decode or verify step takes:
+fused decode layers, the head's row-count choices) over a short cached context, for one query row
+and for ``rows`` rows of one request (a chain draft's tree mask), and fits
+``T(r) = T_fixed + r * T_row``: it returns ``T_row / T_fixed`` (``scheduler.draft_plan``). Measured
+once per machine, model shape and thread count and kept on disk (``treeserve._tuning``); the
+context's KV is written to pages borrowed from the pool and given back.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from treeserve._tuning import measured
+from treeserve.kvcache import AttentionMetadata, KVPool, pages_to_slots
+from treeserve.runner.inputs import CausalLM
+
+__all__ = ["MAX_ROW_COST", "measure_row_cost"]
+
+MAX_ROW_COST = 20.0
+"""Cap of the ratio (a step whose fixed part measured under 1/20 of a one-row step: rows are all
+that costs, drafting pays only for near-certain nodes)."""
+
+_CONTEXT = 128  # KV tokens in the measured step (a short chat turn)
+_BUDGET_S = 2.0  # time spent on pairs beyond the first three
+_PAIRS = 9
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _model_key(model: CausalLM, kv: KVPool) -> tuple[object, ...]:
+    c = model.config
+    kinds = sorted({(type(m).__name__, str(getattr(m, "qtype", ""))) for m in model.modules()})
+    return (type(model).__name__, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
+            c.vocab_size, next(model.parameters()).dtype, kv.dtype, kv.page_size, tuple(kinds))  # fmt: skip
+
+
+@torch.inference_mode()
+def _step_ratio(model: CausalLM, kv: KVPool, rows: int) -> float:
+    """Median over interleaved pairs of (time of ``rows`` new tokens) / (time of one new token), of
+    one request after ``_CONTEXT`` cached ones: pairs taken back to back see the same machine
+    load, so their ratio is steadier than a ratio of two separate best times."""
+    ps = kv.page_size
+    total = _CONTEXT + rows
+    pages = kv.allocator.alloc(-(-total // ps))
+    try:
+        slots = pages_to_slots(pages, ps)[:total]
+        dev = kv.device
+
+        def forward(n: int) -> Callable[[], object]:
+            ids = torch.zeros(n, dtype=torch.int64, device=dev)
+            positions = torch.arange(total - n, total, device=dev)
+            parents = None if n == 1 else [list(range(-1, n - 1))]
+            meta = AttentionMetadata.build([n], [total], [pages.tolist()], ps, tree_parents=parents, device=dev)
+            out_slots, logits_rows = slots[total - n :].to(dev), torch.arange(n, device=dev)
+            return lambda: model(ids, positions, kv, out_slots, meta, logits_rows)
+
+        one, many = forward(1), forward(rows)
+        one(), many()  # warm-up
+        ratios: list[float] = []
+        spent = 0.0
+        while len(ratios) < _PAIRS and (len(ratios) < 3 or spent < _BUDGET_S):
+            t1, tr = _timed(one), _timed(many)
+            ratios.append(tr / t1)
+            spent += t1 + tr
+        return statistics.median(ratios)
+    finally:
+        kv.allocator.free(pages)
+
+
+def measure_row_cost(model: CausalLM, kv: KVPool, rows: int) -> float:
+    """``T_row / T_fixed`` of ``model``'s steps on this machine, from one-row and ``rows``-row
+    forwards (``rows >= 2``: a decode plus ``rows - 1`` draft nodes), in ``[0, MAX_ROW_COST]``;
+    measured once per host and key (``treeserve._tuning.measured``, kept as thousandths).
+    ``ValueError`` when the pool has too few free pages for the measured context."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 2:
+        raise ValueError(f"rows must be an int >= 2, got {rows!r}")
+    need = -(-(_CONTEXT + rows) // kv.page_size)
+    if kv.allocator.num_free < need:
+        raise ValueError(f"measuring the row cost needs {need} free KV pages, the pool has {kv.allocator.num_free}")
+
+    def measure() -> int:
+        # T(r) / T(1) = c = (1 + r rho) / (1 + rho), so rho = (c - 1) / (r - c)
+        c = max(1.0, _step_ratio(model, kv, rows))
+        return round(1000 * (MAX_ROW_COST if c >= rows else min(MAX_ROW_COST, (c - 1) / (rows - c))))
+
+    return measured("row-cost", (*_model_key(model, kv), rows, _CONTEXT), int, measure) / 1000
