@@ -84,8 +84,8 @@ def held_set(llm: LLM, num: int) -> tuple[list[dict], list[list[int]]]:
     rng = random.Random(31)
     schemas = [random_schema(rng) for _ in range(num)]
     tok = llm.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Reply with only a JSON object matching "
-                                                   f"this JSON schema: {json.dumps(s)}"}])) for s in schemas]  # fmt: skip
+    asks = [f"Reply with only a JSON object matching this JSON schema: {json.dumps(s)}" for s in schemas]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}])) for a in asks]
     return schemas, prompts
 
 
@@ -182,8 +182,9 @@ def peer_llama_cpp(llm: LLM, num: int, max_tokens: int, threads: int) -> None:
                       choice["finish_reason"] + (f"; {why}; {choice['text'][:100]!r}" if why else ""))  # fmt: skip
         for name, r in (("treeserve", ours), ("llama.cpp", theirs)):
             totals[name] = [totals[name][0] + r[0], totals[name][1] + r[1], totals[name][2] + r[2]]
-        print(f"schema {i:2d}: treeserve {ours[0]:3d} tok {ours[1]:6.2f} s valid {ours[2]!s:5} ({ours[3]}); "
-              f"llama.cpp {theirs[0]:3d} tok {theirs[1]:6.2f} s valid {theirs[2]!s:5} ({theirs[3]})", flush=True)  # fmt: skip
+        line = "; ".join(f"{n} {r[0]:3d} tok {r[1]:6.2f} s valid {r[2]!s:5} ({r[3]})"
+                         for n, r in (("treeserve", ours), ("llama.cpp", theirs)))  # fmt: skip
+        print(f"schema {i:2d}: {line}", flush=True)
     for name, (tokens, seconds, ok) in totals.items():
         print(f"peer {name:9}: {ok}/{num} valid, {tokens} tokens in {seconds:.1f} s, "
               f"{tokens / max(seconds, 1e-9):.1f} tok/s")  # fmt: skip
