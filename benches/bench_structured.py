@@ -9,13 +9,19 @@ of a grammar-constrained request vs an unconstrained one, same run.
   tokens (so both modes produce exactly as many tokens); seconds per output token, best of
   ``--reps`` interleaved runs; plus the two per-step parts alone (mask fill per token; stack +
   apply of a batch mask).
-
 - ``--jump-forward``: instead, jump-forward on the schema-heavy workload (the validity set's
   schemas, greedy, one request at a time and all at once), two engines in the same run with
   ``jump_forward_tokens`` 16 and 0, interleaved: engine steps (forward passes), output tokens,
   tok/s, jump-forward tokens proposed / accepted, and whether the outputs are the same tokens.
 
-Run: ``python benches/bench_structured.py [--schemas 24] [--batch 64] [--new 32] [--reps 3] [--jump-forward]``.
+- ``--peer llama-cpp``: instead of the above, treeserve constrained vs llama.cpp's ``json_schema``
+  (llama-cpp-python on the same GGUF file) on the same held schemas and prompt token ids, one
+  request at a time (llama-cpp-python is single-stream), greedy, ``--peer-max-tokens`` each,
+  ``--threads`` each, interleaved per schema: tok/s (prefill included) and validity; a schema
+  llama.cpp's converter rejects is reported as its failure.
+
+Run: ``python benches/bench_structured.py [--schemas 24] [--batch 64] [--new 32] [--reps 3] [--jump-forward]``,
+``python benches/bench_structured.py --peer llama-cpp [--schemas 24] [--threads 2]``.
 """
 
 from __future__ import annotations
@@ -63,26 +69,33 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
     return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
 
 
-def valid(text: str, schema: dict) -> bool:
+def invalid_reason(text: str, schema: dict) -> str | None:
+    """Why ``text`` is not a JSON document valid against ``schema`` (None when it is)."""
     try:
         jsonschema.validate(json.loads(text), schema)
-    except (json.JSONDecodeError, jsonschema.ValidationError):
-        return False
-    return True
+    except json.JSONDecodeError as e:
+        return f"not JSON: {e.msg}"
+    except jsonschema.ValidationError as e:
+        return f"at {list(e.absolute_path)}: {e.message}"
+    return None
 
 
-def schema_prompts(llm: LLM, num: int) -> tuple[list[dict], list[str]]:
-    """The held set: ``num`` seeded schemas and a chat prompt asking for each."""
+def valid(text: str, schema: dict) -> bool:
+    return invalid_reason(text, schema) is None
+
+
+def held_set(llm: LLM, num: int) -> tuple[list[dict], list[list[int]]]:
+    """The held schemas (seeded generator) and their chat prompts as token ids."""
     rng = random.Random(31)
     schemas = [random_schema(rng) for _ in range(num)]
     tok = llm.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Reply with only a JSON object matching this "
-                                         f"JSON schema: {json.dumps(s)}"}]) for s in schemas]  # fmt: skip
+    asks = [f"Reply with only a JSON object matching this JSON schema: {json.dumps(s)}" for s in schemas]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}])) for a in asks]
     return schemas, prompts
 
 
 def validity(llm: LLM, num: int) -> None:
-    schemas, prompts = schema_prompts(llm, num)
+    schemas, prompts = held_set(llm, num)
     for constrained in (False, True):
         sps = [SamplingParams(temperature=0, max_new_tokens=192, structured={"json_schema": s} if constrained else None)
                for s in schemas]  # fmt: skip
@@ -141,8 +154,9 @@ def parts(llm: LLM, batch: int) -> None:
 
 def jump_forward(num: int, reps: int) -> None:
     """Forward passes and tok/s with and without jump-forward, same run (see the module doc)."""
-    engines = {j: LLM(max_batched_tokens=4096, enable_prefix_cache=False, jump_forward_tokens=j) for j in (16, 0)}
-    schemas, prompts = schema_prompts(engines[0], num)
+    engines = {j: LLM(max_batched_tokens=4096, enable_prefix_cache=False, jump_forward_tokens=j, speculative=None)
+               for j in (16, 0)}  # fmt: skip
+    schemas, prompts = held_set(engines[0], num)
     sps = [SamplingParams(temperature=0, max_new_tokens=192, structured={"json_schema": s}) for s in schemas]
     for llm in engines.values():
         llm.generate(prompts[:2], sps[:2], use_tqdm=False)  # warm-up (compiles the grammars)
@@ -173,6 +187,51 @@ def jump_forward(num: int, reps: int) -> None:
               f"same tokens: {res[16][0] == res[0][0]}")  # fmt: skip
 
 
+def peer_llama_cpp(llm: LLM, num: int, max_tokens: int, threads: int) -> None:
+    """treeserve constrained vs llama-cpp-python's ``json_schema`` grammar, batch 1, same prompts.
+
+    llama.cpp's side is ``LlamaGrammar.from_json_schema`` (what ``create_chat_completion``'s
+    ``response_format={"type": "json_object", "schema": ...}`` builds) passed to
+    ``create_completion`` with the same prompt token ids, so both systems see identical prompts.
+    """
+    from llama_cpp import Llama, LlamaGrammar
+
+    from treeserve.models import resolve_model_path
+
+    schemas, prompts = held_set(llm, num)
+    peer = Llama(str(resolve_model_path("smollm2-135m-instruct")), n_threads=threads, n_threads_batch=threads,
+                 n_ctx=2048, verbose=False, seed=0)  # fmt: skip
+    peer.create_completion(prompts[0][:8], max_tokens=2, temperature=0.0)  # warm-up, outside the measurement
+    totals = {"treeserve": [0, 0.0, 0], "llama.cpp": [0, 0.0, 0]}  # tokens, seconds, valid
+    for i, (schema, ids) in enumerate(zip(schemas, prompts)):
+        sp = SamplingParams(temperature=0, max_new_tokens=max_tokens, structured={"json_schema": schema})
+        t0 = time.perf_counter()
+        out = llm.generate([ids], sp, use_tqdm=False)[0].outputs[0]
+        seconds, why = time.perf_counter() - t0, invalid_reason(out.text, schema)
+        ours = (len(out.token_ids), seconds, why is None, out.finish_reason + (f"; {why}" if why else ""))
+        try:
+            grammar = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+        except Exception as e:  # noqa: BLE001 -- the converter's own failure is the result reported
+            theirs: tuple = (0, 0.0, False, f"grammar error: {type(e).__name__}: {e}")
+        else:
+            t0 = time.perf_counter()
+            res = peer.create_completion(ids, max_tokens=max_tokens, temperature=0.0, grammar=grammar, seed=0)
+            choice = res["choices"][0]
+            seconds, why = time.perf_counter() - t0, invalid_reason(choice["text"], schema)
+            theirs = (res["usage"]["completion_tokens"], seconds, why is None,
+                      choice["finish_reason"] + (f"; {why}; {choice['text'][:100]!r}" if why else ""))  # fmt: skip
+        for name, r in (("treeserve", ours), ("llama.cpp", theirs)):
+            totals[name] = [totals[name][0] + r[0], totals[name][1] + r[1], totals[name][2] + r[2]]
+        line = "; ".join(f"{n} {r[0]:3d} tok {r[1]:6.2f} s valid {r[2]!s:5} ({r[3]})"
+                         for n, r in (("treeserve", ours), ("llama.cpp", theirs)))  # fmt: skip
+        print(f"schema {i:2d}: {line}", flush=True)
+    for name, (tokens, seconds, ok) in totals.items():
+        print(f"peer {name:9}: {ok}/{num} valid, {tokens} tokens in {seconds:.1f} s, "
+              f"{tokens / max(seconds, 1e-9):.1f} tok/s")  # fmt: skip
+    ours_rate, theirs_rate = (totals[n][0] / max(totals[n][1], 1e-9) for n in ("treeserve", "llama.cpp"))
+    print(f"peer ratio: treeserve / llama.cpp tok/s = {ours_rate / max(theirs_rate, 1e-9):.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--schemas", type=int, default=24)
@@ -180,6 +239,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--jump-forward", action="store_true", help="measure jump-forward only")
+    ap.add_argument("--peer", choices=["llama-cpp"], default=None, help="only the peer comparison (see above)")
+    ap.add_argument("--peer-max-tokens", type=int, default=192)
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     f = cpu_features()
     print(f"CPU: {f.model_name} ({platform.machine()}, torch ISA {f.torch_capability}), torch {torch.__version__}, "
@@ -187,9 +249,13 @@ def main() -> None:
     if args.jump_forward:
         jump_forward(args.schemas, args.reps)
         return
-    # jump-forward off: the overhead is the per-token cost of the mask, measured like-for-like
-    llm = LLM(max_batched_tokens=4096, enable_prefix_cache=False, jump_forward_tokens=0)
+    # jump-forward and speculation off: the overhead is the per-token cost of the mask, like for like
+    llm = LLM(max_batched_tokens=4096, enable_prefix_cache=False, jump_forward_tokens=0, speculative=None,
+              num_threads=args.threads)  # fmt: skip
     llm.generate(["warm-up"], SamplingParams(max_new_tokens=2, structured={"regex": "[a-z]+"}), use_tqdm=False)
+    if args.peer == "llama-cpp":
+        peer_llama_cpp(llm, args.schemas, args.peer_max_tokens, args.threads)
+        return
     parts(llm, args.batch)
     overhead(llm, [1, args.batch], args.new, args.reps)
     validity(llm, args.schemas)

@@ -4,9 +4,10 @@ Layout (xgrammar's): token ``t`` is allowed iff bit ``t % 32`` of word ``t // 32
 ``-1`` (all bits) allows all 32 tokens of a word. A batch's mask is ``[R, bitmask_words(V)]``
 int32; an unconstrained row is all ``-1``. No host sync: a host mask is unpacked by numpy (one pass over
 bytes, ~30x torch's shift-and-test at 64 x 49152 on the AVX2 EPYC), a device mask by torch ops.
-The sampling path applies a batch mask in place with xgrammar's kernel
-(:func:`apply_token_bitmask_`: 2-3x ``torch.where`` over 64 x 49152 float32 logits on the AVX2
-EPYC, and a CUDA kernel on GPUs); :func:`apply_token_bitmask` is the out-of-place reference.
+The sampling path applies a batch mask in place (:func:`apply_token_bitmask_`): on CPU one numpy
+unpack plus a masked ``copyto`` of -inf (faster than xgrammar's CPU kernel, itself 2-3x
+``torch.where``: benches/RESULTS.md, issue 31), elsewhere xgrammar's kernel (CUDA);
+:func:`apply_token_bitmask` is the out-of-place reference.
 """
 
 from __future__ import annotations
@@ -50,10 +51,8 @@ def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 def apply_token_bitmask_(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Set every token ``bitmask [R, W]`` disallows to -inf in ``x [R, V]`` (float32 or bf16,
-    contiguous, on the mask's device), in place; returns ``x``. The same values as
-    :func:`apply_token_bitmask`; ``ValueError`` for a mask of the wrong shape or dtype."""
-    import xgrammar as xgr  # imported with the first grammar (sampling.grammar) anyway
-
+    contiguous), in place; returns ``x``. The same values as :func:`apply_token_bitmask`;
+    ``ValueError`` for a mask of the wrong shape or dtype."""
     vocab = x.shape[1]
     if bitmask.dim() != 2 or bitmask.dtype != torch.int32 or bitmask.shape != (x.shape[0], bitmask_words(vocab)):
         raise ValueError(
@@ -61,6 +60,15 @@ def apply_token_bitmask_(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor
         )
     if not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x must be a contiguous float32 or bfloat16 tensor, got {x.dtype}")
+    if x.device.type == "cpu":
+        banned = ~unpack_bitmask(bitmask.cpu(), vocab).numpy()
+        if x.dtype == torch.float32:
+            np.copyto(x.numpy(), np.float32(-np.inf), where=banned)
+        else:  # numpy has no bfloat16: write -inf's bit pattern (0xFF80) through an int16 view
+            np.copyto(x.view(torch.int16).numpy(), np.int16(-128), where=banned)
+        return x
+    import xgrammar as xgr  # imported with the first grammar (sampling.grammar) anyway
+
     xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device), vocab_size=vocab)
     return x
 
