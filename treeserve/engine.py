@@ -19,10 +19,9 @@ from __future__ import annotations
 import numbers
 import threading
 import time
-import dataclasses
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -242,8 +241,12 @@ class EngineConfig:
         plainly)."""
         if self.speculative != "auto":
             return self.speculative
-        cpu = torch.device(self.device).type == "cpu"
-        return "ngram" if loaded and cpu and self.tensor_parallel_size == 1 and not self.batch_invariant else None
+        return "ngram" if self.measured_setting(loaded) and not self.batch_invariant else None
+
+    def measured_setting(self, loaded: bool) -> bool:
+        """A model loaded by name on CPU in one process: where speculation's row cost is measured
+        (``LLM`` measures it there, ``"auto"`` drafts there)."""
+        return loaded and torch.device(self.device).type == "cpu" and self.tensor_parallel_size == 1
 
     def draft_batch_limit(self, loaded: bool) -> int:
         """``speculative_max_batch`` resolved (``loaded``: the model was loaded by name, not given
@@ -430,7 +433,7 @@ class LLM:
     def __init__(self, model: str | tuple[CausalLM, Any] = "smollm2-135m-instruct", **config: Any) -> None:
         cfg = EngineConfig(**config)
         if cfg.speculative == "auto":
-            cfg = dataclasses.replace(cfg, speculative=cfg.resolved_speculative(loaded=isinstance(model, str)))
+            cfg = replace(cfg, speculative=cfg.resolved_speculative(loaded=isinstance(model, str)))
         self.config = cfg
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
@@ -842,7 +845,7 @@ class LLM:
             return 0.0
         if cfg.speculative_row_cost is not None:
             return float(cfg.speculative_row_cost)
-        if not loaded or torch.device(cfg.device).type != "cpu" or cfg.tensor_parallel_size > 1:
+        if not cfg.measured_setting(loaded):
             return 0.0
         return measure_row_cost(self.model, self.kv, 1 + cfg.num_speculative_tokens)
 
@@ -960,9 +963,9 @@ class LLM:
             "tpot": lead.tpot(len(reqs[0].output_ids)),
             "cached_prompt_tokens": lead.cached_prompt_tokens,
             "num_preemptions": sum(r.metrics.num_preemptions for r in reqs),
-            "draft_tokens": sum(r.metrics.draft_tokens for r in reqs),
-            "accepted_draft_tokens": sum(r.metrics.accepted_tokens for r in reqs),
-            "verify_steps": sum(r.metrics.verify_steps for r in reqs),
+            "draft_tokens": sum(r.metrics.speculation.proposed for r in reqs),
+            "accepted_draft_tokens": sum(r.metrics.speculation.accepted for r in reqs),
+            "verify_steps": sum(r.metrics.speculation.steps for r in reqs),
         }
         return out
 

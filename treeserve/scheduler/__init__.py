@@ -6,8 +6,8 @@ is reached only through the runner, which the engine drives.
 
 from __future__ import annotations
 
-from treeserve.scheduler.request import FinishReason, Request, RequestMetrics, RequestState
-from treeserve.scheduler.batch import DraftTree, SampledToken, ScheduledBatch, ScheduledItem, SpecStats
+from treeserve.scheduler.request import FinishReason, Request, RequestMetrics, RequestState, SpecStats
+from treeserve.scheduler.batch import DraftTree, SampledToken, ScheduledBatch, ScheduledItem
 from treeserve.scheduler.scheduler import SampleGroup, Scheduler, SchedulerConfig, derive_seed
 from treeserve.scheduler.stop import StopChecker, TextDecoder, TextState, WholeDecoder
 

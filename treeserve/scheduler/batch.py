@@ -3,7 +3,6 @@
 ``ScheduledBatch`` (scheduler -> runner): items, each computing a range of one request's tokens
 (``ScheduledItem.num_scheduled_tokens``: the tokens *computed this step*, not the request's
 length, which is ``Request.seq_len``). ``SampledToken`` (runner -> scheduler): one per sampled item.
-``SpecStats``: the speculative-decoding counters the scheduler keeps.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import torch
 
 from treeserve.scheduler.request import Request
 
-__all__ = ["DraftTree", "SampledToken", "ScheduledBatch", "ScheduledItem", "SpecStats"]
+__all__ = ["DraftTree", "SampledToken", "ScheduledBatch", "ScheduledItem"]
 
 
 @dataclass(slots=True)
@@ -97,27 +96,3 @@ class SampledToken(NamedTuple):
     top: dict[int, float] | None
     accepted: tuple[int, ...] = ()
     accepted_logprobs: tuple[float, ...] = ()
-
-
-@dataclass(slots=True)
-class SpecStats:
-    """Speculative decoding counters: draft nodes proposed / accepted, verify steps (drafts
-    other than jump-forward tokens); jump-forward tokens proposed / accepted (``forced_*``:
-    each accepted one is a forward pass saved)."""
-
-    proposed: int = 0
-    accepted: int = 0
-    steps: int = 0
-    forced_proposed: int = 0
-    forced_accepted: int = 0
-
-    def record(self, proposed: int, accepted: int, forced: int = 0) -> None:
-        """One verified draft of ``proposed`` nodes, ``accepted`` of them accepted, whose first
-        ``forced`` nodes were jump-forward tokens (a chain: accepted first)."""
-        forced_ok = min(accepted, forced)
-        self.forced_proposed += forced
-        self.forced_accepted += forced_ok
-        if proposed > forced:
-            self.proposed += proposed - forced
-            self.accepted += accepted - forced_ok
-            self.steps += 1

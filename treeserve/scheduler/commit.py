@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from treeserve.scheduler.batch import DraftTree, SampledToken, ScheduledBatch, SpecStats
+from treeserve.scheduler.batch import DraftTree, SampledToken, ScheduledBatch
 from treeserve.scheduler.ledger import KVLedger
 from treeserve.scheduler.queues import RequestQueues
-from treeserve.scheduler.request import FinishReason, Request, RequestState
+from treeserve.scheduler.request import FinishReason, Request, RequestState, SpecStats
 from treeserve.scheduler.stop import StopChecker
 
 __all__ = ["commit_step"]
@@ -61,8 +61,7 @@ def commit_step(
         if draft is None:
             reason = _commit_one(ledger, check, max_model_len, req, token, logprob, top)
         else:
-            spec.record(len(draft), len(accepted), draft.num_forced)
-            _record_draft(req, draft, len(accepted))
+            _record_draft(spec, req, draft, len(accepted))
             reason = _commit_drafted(ledger, check, max_model_len, req, out)
         if reason is not None:
             queues.finish(req, reason)
@@ -102,13 +101,13 @@ def _commit_one(
     return reason
 
 
-def _record_draft(req: Request, draft: DraftTree, accepted: int) -> None:
-    """A verified draft's counts: the request's metrics, and its acceptance estimate from the
-    drafter's nodes (``Request.draft_hits`` / ``draft_misses``; jump-forward tokens, accepted with
-    probability 1 but at a tokenization boundary, say nothing about the drafter)."""
-    rm = req.metrics
-    rm.draft_tokens, rm.accepted_tokens, rm.verify_steps = (
-        rm.draft_tokens + len(draft), rm.accepted_tokens + accepted, rm.verify_steps + 1)  # fmt: skip
+def _record_draft(spec: SpecStats, req: Request, draft: DraftTree, accepted: int) -> None:
+    """A verified draft's counts: the scheduler's and the request's ``SpecStats`` (one
+    accounting), and the request's acceptance estimate from the drafter's nodes
+    (``Request.draft_hits`` / ``draft_misses``; jump-forward tokens, accepted with probability 1
+    but at a tokenization boundary, say nothing about the drafter)."""
+    for stats in (spec, req.metrics.speculation):
+        stats.record(len(draft), accepted, draft.num_forced)
     if len(draft) > draft.num_forced:
         req.draft_hits += max(0, accepted - draft.num_forced)
         req.draft_misses += accepted < max(draft.depths())  # the walk stopped short of a leaf

@@ -3,7 +3,8 @@
 ``WAITING -> RUNNING -> (PAUSED -> RUNNING)* -> FINISHED``; ``abort`` reaches FINISHED from any
 state. A request owns, while RUNNING, one row of the request->slot table, the lock handle on its
 matched prefix in the radix tree, and the pages it allocated past that prefix. The scheduler is
-the only code that changes those fields; everyone else reads them.
+the only code that changes those fields; everyone else reads them. ``SpecStats``: speculative
+decoding counters, kept per request (``RequestMetrics.speculation``) and for the whole scheduler.
 """
 
 from __future__ import annotations
@@ -31,6 +32,30 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding counters: draft nodes proposed / accepted, verify steps (drafts
+    other than jump-forward tokens); jump-forward tokens proposed / accepted (``forced_*``:
+    each accepted one is a forward pass saved)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+    forced_proposed: int = 0
+    forced_accepted: int = 0
+
+    def record(self, proposed: int, accepted: int, forced: int = 0) -> None:
+        """One verified draft of ``proposed`` nodes, ``accepted`` of them accepted, whose first
+        ``forced`` nodes were jump-forward tokens (a chain: accepted first)."""
+        forced_ok = min(accepted, forced)
+        self.forced_proposed += forced
+        self.forced_accepted += forced_ok
+        if proposed > forced:
+            self.proposed += proposed - forced
+            self.accepted += accepted - forced_ok
+            self.steps += 1
+
+
+@dataclass(slots=True)
 class RequestMetrics:
     """Wall-clock timestamps (``time.perf_counter``) of one request's life, and its counters."""
 
@@ -40,9 +65,7 @@ class RequestMetrics:
     finished: float | None = None
     num_preemptions: int = 0
     cached_prompt_tokens: int = 0
-    draft_tokens: int = 0  # speculative decoding: draft nodes proposed for this request
-    accepted_tokens: int = 0  # of which accepted
-    verify_steps: int = 0  # steps that verified a draft of this request
+    speculation: SpecStats = field(default_factory=SpecStats)  # this request's drafts, as the engine counts them
 
     @property
     def ttft(self) -> float | None:

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from treeserve.kvcache import PageAllocator, RadixCache, ReqToTokenTable
 from treeserve.sampling import SamplingParams
 from treeserve.scheduler.admission import admit
-from treeserve.scheduler.batch import SampledToken, ScheduledBatch, ScheduledItem, SpecStats
+from treeserve.scheduler.batch import SampledToken, ScheduledBatch, ScheduledItem
 from treeserve.scheduler.commit import commit_step
 from treeserve.scheduler.draft_plan import ACCEPT_DECAY, acceptance, plan_draft_lengths
 from treeserve.scheduler.ledger import KVLedger
 from treeserve.scheduler.preemption import reserve_decode_slots, reserve_or_preempt
 from treeserve.scheduler.queues import RequestQueues
-from treeserve.scheduler.request import FinishReason, Request, RequestState
+from treeserve.scheduler.request import FinishReason, Request, RequestState, SpecStats
 from treeserve.scheduler.stop import StopChecker
 
 _MIX = 0x9E3779B97F4A7C15
