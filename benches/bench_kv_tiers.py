@@ -4,9 +4,9 @@ Same run, same model (the default ``LLM()`` configuration's SmolLM2), one proces
 
 1. TTFT of a request whose ~4k-token system prompt left the device pool: recomputed (no tiers),
    promoted from the host tier, promoted from the disk tier, and from the disk tier after a
-   restart (a new engine over the same directory). Eviction is ``llm.radix.evict`` of everything
-   evictable, so each case starts from the same empty device tree. The disk tier reads through
-   the OS page cache (the files were just written): a cold read adds the disk's own time.
+   restart (a new engine over the same directory), and after a restart with the entries dropped from
+   the OS page cache (``posix_fadvise(DONTNEED)``: a cold read from the disk). Eviction is
+   ``llm.radix.evict`` of everything evictable, so each case starts from the same empty device tree.
 2. A working set of prefixes 4x the device pool, asked in shuffled rounds: throughput and prefix
    hit rate with a host tier vs without.
 3. ``--bandwidth``: promotion bandwidth from the host tier into the pool (SmolLM2's KV shapes,
@@ -19,10 +19,12 @@ Run: ``flock /work/bench.lock python benches/bench_kv_tiers.py [--prefix 4000] [
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -55,6 +57,22 @@ def evicted_ttft(llm: LLM, system: list[int], q: int) -> float:
     return ttft(llm, system + [q + 1])
 
 
+def drop_page_cache(directory: str) -> int:
+    """Drop the OS page cache of every file under ``directory`` (``posix_fadvise(DONTNEED)`` after an
+    ``fsync``: the next read comes from the disk, as after a reboot); return the bytes covered."""
+    total = 0
+    for path in Path(directory).rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
+
+
 def single_prefix(pair: tuple, system: list[int], pool: int) -> None:
     base = evicted_ttft(LLM(pair, kv_cache_tokens=pool), system, 100)
     host = LLM(pair, kv_cache_tokens=pool, kv_host_tokens=2 * len(system))
@@ -67,11 +85,17 @@ def single_prefix(pair: tuple, system: list[int], pool: int) -> None:
         t_restart = ttft(restarted, system + [400])
         hits = restarted.metrics.kv_tiers.disk_hit_tokens
         restarted.close()
+        cached = drop_page_cache(d)
+        cold = LLM(pair, kv_cache_tokens=pool, kv_host_tokens=0, kv_disk_dir=d)
+        t_cold = ttft(cold, system + [500])
+        cold.close()
     print(f"\n{len(system)}-token system prompt evicted from the device pool, then asked again (TTFT):")
     print(f"  recomputed                 {base:8.3f} s")
-    for name, t in (("promoted from host", t_host), ("promoted from disk", t_disk), ("disk after a restart", t_restart)):
+    for name, t in (("promoted from host", t_host), ("promoted from disk", t_disk), ("disk after a restart", t_restart),
+                    ("restart, cold page cache", t_cold)):
         print(f"  {name:<26} {t:8.3f} s   {base / t:6.1f}x")
-    print(f"  (restart: {hits} prompt tokens promoted from disk)")
+    print(f"  (restart: {hits} prompt tokens promoted from disk; cold: {cached / 2**20:.0f} MiB of entries "
+          f"dropped from the page cache first)")
 
 
 def working_set(pair: tuple, pool: int, prefix_len: int, rounds: int, seed: int = 0) -> None:

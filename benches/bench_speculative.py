@@ -22,23 +22,10 @@ import time
 import pytest
 
 from treeserve import LLM, SamplingParams
+from treeserve.bench import rewrite_prompts as _prompts
 from treeserve.engine import CPU_SPECULATIVE_MAX_BATCH
 from treeserve.runner import measure_row_cost
 
-PASSAGE = (
-    "The water cycle describes how water moves between the oceans, the air and the land. The sun "
-    "heats water in rivers, lakes and oceans and turns it into vapour, which rises into the air. "
-    "As the vapour rises it cools and condenses into tiny droplets that form clouds. When the "
-    "droplets grow heavy they fall back to the ground as rain, snow or hail. Some of that water "
-    "flows over the land into rivers and back to the sea, some soaks into the soil and becomes "
-    "groundwater, and some is taken up by plants and returned to the air through their leaves."
-)
-TASKS = [
-    "Repeat the passage exactly.",
-    "Rewrite the passage, keeping every sentence.",
-    "Copy this text.",
-    "Quote the passage.",
-]
 CHAT = [
     "Write a short story about a cat who learns to fly.",
     "Explain how photosynthesis works to a ten year old.",
@@ -68,17 +55,6 @@ def _default(base: LLM) -> LLM:
 def _chat_prompts(llm: LLM, n: int) -> list[str]:
     return [llm.tokenizer.apply_chat_template([{"role": "user", "content": CHAT[i % len(CHAT)]}], add_generation_prompt=True)
             for i in range(n)]
-
-
-def _prompts(llm: LLM, n: int) -> list[str]:
-    return [
-        llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Here is a passage:\n\n{PASSAGE}\n\n{TASKS[i % len(TASKS)]}"}],
-            add_generation_prompt=True,
-        )
-        + PASSAGE[: 40 + 5 * i]  # primed answer; requests differ in how much is given
-        for i in range(n)
-    ]
 
 
 def _run(llm: LLM, prompts: list[str], params: SamplingParams | list[SamplingParams] | None = None) -> tuple[float, list[list[int]]]:

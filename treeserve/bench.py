@@ -42,6 +42,35 @@ class WorkloadResult:
         return self.generated_tokens / self.seconds if self.seconds else 0.0
 
 
+PASSAGE = (
+    "The water cycle describes how water moves between the oceans, the air and the land. The sun "
+    "heats water in rivers, lakes and oceans and turns it into vapour, which rises into the air. "
+    "As the vapour rises it cools and condenses into tiny droplets that form clouds. When the "
+    "droplets grow heavy they fall back to the ground as rain, snow or hail. Some of that water "
+    "flows over the land into rivers and back to the sea, some soaks into the soil and becomes "
+    "groundwater, and some is taken up by plants and returned to the air through their leaves."
+)
+REWRITE_TASKS = [
+    "Repeat the passage exactly.",
+    "Rewrite the passage, keeping every sentence.",
+    "Copy this text.",
+    "Quote the passage.",
+]
+
+
+def rewrite_prompts(llm: LLM, num: int) -> list[str]:
+    """``num`` input-grounded requests: a passage to repeat or rewrite, the assistant turn primed
+    with its first words (as a rewriting service would), each request primed a little further."""
+    return [
+        llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Here is a passage:\n\n{PASSAGE}\n\n{REWRITE_TASKS[i % len(REWRITE_TASKS)]}"}],
+            add_generation_prompt=True,
+        )
+        + PASSAGE[: 40 + 5 * i]
+        for i in range(num)
+    ]
+
+
 def chat_prompts(llm: LLM, num: int, seed: int = 0) -> list[str]:
     """``num`` short chat-formatted questions (cycled topics, fixed order for a seed)."""
     rng = random.Random(seed)
@@ -116,6 +145,23 @@ def single_decode(llm: LLM, max_new_tokens: int) -> WorkloadResult:
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
     seconds, outs = _timed(llm, prompts, params)
     return _result(f"single request x{max_new_tokens}", seconds, outs)
+
+
+def grounded_decode(llm: LLM, plain: LLM, max_new_tokens: int) -> WorkloadResult:
+    """One input-grounded request (``rewrite_prompts``), greedy, timed on ``llm`` (its speculation
+    setting) and on ``plain`` (the same model without speculation): the speed-up speculation gives
+    this request, the draft tokens accepted and the tokens per verify step. Raises when the two
+    outputs differ (greedy speculation is exact)."""
+    prompts = rewrite_prompts(llm, 1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    plain_s, plain_outs = _timed(plain, prompts, params)
+    seconds, outs = _timed(llm, prompts, params)
+    if outs[0].outputs[0].token_ids != plain_outs[0].outputs[0].token_ids:
+        raise RuntimeError("grounded request: the output with speculation differs from the one without")
+    counts = outs[0].metrics or {}
+    steps, accepted = counts.get("verify_steps", 0), counts.get("accepted_draft_tokens", 0)
+    return _result(f"grounded request x{max_new_tokens}", seconds, outs, speedup_vs_no_speculation=plain_s / seconds,
+                   accepted_drafts=accepted, tokens_per_verify_step=(accepted + steps) / steps if steps else 0.0)
 
 
 def single_stream_breakdown(llm: LLM, max_new_tokens: int) -> WorkloadResult:

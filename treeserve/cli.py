@@ -141,7 +141,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     uncached = workloads.shared_prefix(llm_nocache, groups, per_group, prefix)
     del llm_nocache
     cached.extra["speedup_vs_no_cache"] = uncached.seconds / cached.seconds
-    rows += [cached, uncached, workloads.single_decode(llm, single), workloads.single_stream_breakdown(llm, single)]
+    rows += [cached, uncached, workloads.single_decode(llm, single)]
+    if llm.config.speculative:  # what speculation gives one input-grounded request, vs the same model without
+        rows.append(workloads.grounded_decode(llm, LLM((llm.model, llm.tokenizer), dtype=args.dtype,
+                                                       kv_cache_dtype=str(llm.kv.dtype).removeprefix("torch.")), single))
+    rows.append(workloads.single_stream_breakdown(llm, single))
     print(f"\nmodel={args.model} dtype={args.dtype} ({llm.model.dtype}) quantization={args.quantization} "
           f"threads={args.threads or 'default'}")
     print(f"sample output: {sample[:300]!r}\n")

@@ -93,3 +93,20 @@ def test_single_stream_breakdown_counts_the_fused_layers(engine: LLM) -> None:
         assert parts["fused_layers_ms"] == 0.0
     assert min(parts["gemm_ms"], parts["sampling_ms"], parts["host_ms"]) >= 0.0
     assert parts["gemm_ms"] > 0.0  # the LM head at least
+
+
+def test_grounded_decode_reports_what_speculation_gives(engine: LLM) -> None:
+    """``treeserve bench``'s grounded row: n-gram drafts on a passage-repeating request are accepted
+    (more than one token per verify step), the output equals the plain engine's (else it raises),
+    and the speed-up is a ratio of the two timed runs."""
+    from treeserve.bench import grounded_decode
+
+    spec = LLM((engine.model, engine.tokenizer), speculative="ngram")
+    plain = LLM((engine.model, engine.tokenizer))
+    assert not plain.config.speculative
+    result = grounded_decode(spec, plain, 24)
+    assert result.generated_tokens == 24
+    assert result.extra["accepted_drafts"] > 0 and result.extra["tokens_per_verify_step"] > 1.0
+    assert result.extra["speedup_vs_no_speculation"] > 0.0
+    unspeculated = grounded_decode(plain, plain, 8)
+    assert unspeculated.extra["accepted_drafts"] == 0 and unspeculated.extra["tokens_per_verify_step"] == 0.0
