@@ -31,7 +31,7 @@ from treeserve.sampling import (
     unpack_bitmask,
     verify,
 )
-from treeserve.sampling.bitmask import unpack_bitmask_torch
+from treeserve.sampling.bitmask import apply_token_bitmask_numpy_, load_bitmask_op, unpack_bitmask_torch
 
 VOCAB = ["<eos>"] + [chr(c) for c in range(32, 127)] + ['{"', '":', '",', '": "', "true", "false", "null", "ab", "yes"]
 V = len(VOCAB) + 7  # logits wider than the tokenizer: the padding ids must never be drawn
@@ -110,7 +110,9 @@ def test_spec_key_is_canonical() -> None:
 @given(st.integers(1, 100), st.integers(1, 4), st.integers(0, 2**32 - 1))
 def test_unpack_bitmask_matches_bits(vocab: int, rows: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    allowed = torch.rand(rows, vocab, generator=gen) < 0.5
+    # words of every kind: all allowed (-1), none (0), mixed
+    density = torch.tensor([0.0, 0.5, 1.0])[torch.randint(0, 3, (rows, bitmask_words(vocab)), generator=gen)]
+    allowed = torch.rand(rows, vocab, generator=gen) < density.repeat_interleave(32, 1)[:, :vocab]
     words = torch.zeros(rows, bitmask_words(vocab), dtype=torch.int64)
     for r, t in allowed.nonzero().tolist():
         words[r, t // 32] |= 1 << (t % 32)
@@ -123,8 +125,25 @@ def test_unpack_bitmask_matches_bits(vocab: int, rows: int, seed: int) -> None:
     for dtype in (torch.float32, torch.bfloat16):  # the in-place kernel of the sampling path
         y = x.to(dtype)
         assert apply_token_bitmask_(y, packed) is y and torch.equal(y, apply_token_bitmask(x.to(dtype), packed))
+        z = x.to(dtype)  # the path of a CPU without the C++ operator
+        assert apply_token_bitmask_numpy_(z, packed) is z and torch.equal(z, y)
     with pytest.raises(ValueError, match="bitmask must be int32"):
         apply_token_bitmask_(x.clone(), packed[:, :0])
+
+
+def test_bitmask_operator_serves_the_cpu_path() -> None:
+    """With a compiler (every CI host) the CPU path is the C++ operator, and it refuses what the
+    Python check refuses (shape, dtype) on its own."""
+    assert load_bitmask_op() is None, load_bitmask_op()
+    x, ok = torch.zeros(2, 40), torch.full((2, 2), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"bitmask must be \[2, 2\]"):
+        torch.ops.treeserve.apply_token_bitmask_(x, ok[:, :1])
+    with pytest.raises(TypeError, match="bitmask must be an int32"):
+        torch.ops.treeserve.apply_token_bitmask_(x, ok.long())
+    with pytest.raises(TypeError, match="x must be float32 or bfloat16"):
+        torch.ops.treeserve.apply_token_bitmask_(x.double(), ok)
+    with pytest.raises(ValueError, match="x must be a contiguous 2-D"):
+        torch.ops.treeserve.apply_token_bitmask_(x.t(), ok)
 
 
 def test_stack_bitmasks() -> None:
