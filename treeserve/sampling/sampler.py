@@ -64,7 +64,10 @@ def inverse_cdf(
     """
     floor = EXP_FLOOR.get(values.dtype, float("-inf"))
     cut = torch.maximum(threshold, row_max + floor)[:, None]  # kept: value >= cut
-    w = (values - row_max[:, None]).clamp_min_(floor).exp_().masked_fill_(values < cut, 0.0)
+    w = (values - row_max[:, None]).clamp_min_(floor).exp_()
+    # torch.where, not masked_fill_: a blend, where masked_fill_ branches per element (~2x slower
+    # on a grammar-masked row's mixed pattern)
+    torch.where(values < cut, w.new_zeros(()), w, out=w)
     col = inverse_cdf_weights(w, u)
     return col, row_max.to(torch.float64) + torch.log(w.sum(1, dtype=torch.float64))
 
