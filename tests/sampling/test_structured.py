@@ -188,6 +188,10 @@ def test_mask_applies_before_temperature_and_logprobs_are_masked() -> None:
     expected = torch.log_softmax(torch.tensor([1.0, 2.0]) / 0.5, 0)  # only tokens 1 and 3 carry mass
     assert out.top_ids[0].tolist() == [3, 1]
     assert torch.allclose(out.top_logprobs[0].double(), expected.flip(0).double(), atol=1e-6)
+    # the mask goes in place on the quotient, or on a copy at temperature 1 (greedy): never on the logits
+    greedy = replace(SamplingBatch.build([SamplingParams(temperature=0)], [1], [[]], 4), token_bitmask=mask)
+    assert int(sample(logits, greedy, torch.tensor([0])).tokens[0]) == 3
+    assert logits.tolist() == [[5.0, 1.0, 9.0, 2.0]]
 
 
 # ---------------------------------------------------------------- compiler and matchers
