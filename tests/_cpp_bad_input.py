@@ -18,6 +18,7 @@ from treeserve.models._norm_op import load_norm_op
 from treeserve.models.gguf_op import load_gguf_linear_op
 from treeserve.models.int8_op import int8_available
 from treeserve.sampling._top_op import load_top_op
+from treeserve.sampling.bitmask import load_bitmask_op
 
 ops = torch.ops.treeserve
 f32, i32 = torch.float32, torch.int32
@@ -56,6 +57,13 @@ CASES: dict[str, tuple[Callable[[], str | None], dict[str, Callable[[], object]]
         "k above V": lambda: ops.top_candidates(z(2, 5), 6, False),
         "1-D x": lambda: ops.top_candidates(z(5), 1, False),
         "int x": lambda: ops.top_candidates(z(2, 5, dtype=i32), 1, False),
+    }),
+    "apply_token_bitmask_": (load_bitmask_op, {
+        "mask too narrow": lambda: ops.apply_token_bitmask_(z(2, 40), z(2, 1, dtype=i32)),
+        "mask rows": lambda: ops.apply_token_bitmask_(z(2, 40), z(3, 2, dtype=i32)),
+        "int64 mask": lambda: ops.apply_token_bitmask_(z(2, 40), z(2, 2, dtype=torch.int64)),
+        "float64 x": lambda: ops.apply_token_bitmask_(z(2, 40, dtype=torch.float64), z(2, 2, dtype=i32)),
+        "1-D x": lambda: ops.apply_token_bitmask_(z(40), z(1, 2, dtype=i32)),
     }),
     "add_rms_norm": (load_norm_op, {
         "weight width": lambda: ops.add_rms_norm(z(2, 8), None, z(4), 1e-6),

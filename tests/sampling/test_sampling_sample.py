@@ -211,3 +211,33 @@ def test_shape_errors() -> None:
     with pytest.raises(ValueError, match="positions must have shape"):
         sample(torch.zeros(1, 10), batch, torch.zeros(2, dtype=torch.long))
     assert math.isfinite(float(sample(torch.zeros(1, 10), batch, torch.zeros(1, dtype=torch.long)).logprobs[0]))
+
+
+@given(
+    st.lists(st.sampled_from([0.0, -0.5, -3.0, -20.0, -86.0, -86.99, -87.01, -88.0, -95.0, -120.0, -1e4, -math.inf]),
+             min_size=1, max_size=40),
+    st.floats(0.0, 1.0, exclude_max=True),
+    st.sampled_from([-math.inf, -50.0, -3.0]),
+    st.sampled_from([torch.float32, torch.float64]),
+)
+def test_inverse_cdf_matches_the_reference_and_never_draws_below_the_floor(
+    tail: list[float], u: float, threshold: float, dtype: torch.dtype
+) -> None:
+    """``inverse_cdf`` (what ``sample`` draws with) against a float64 plain-Python inverse CDF:
+    row max 0, the other values far below it (masked -inf and the float32 exponent floor's
+    neighbourhood included). The drawn token's cumulative interval holds ``u`` (up to float32
+    rounding of the weights), a token under the threshold or the dtype's floor (``EXP_FLOOR``) or
+    masked is never drawn, and the normalizer is the kept values' logsumexp."""
+    from treeserve.sampling.sampler import EXP_FLOOR, inverse_cdf
+
+    values = [0.0, *tail]
+    floor = EXP_FLOOR[dtype]
+    weights = [math.exp(v) if v >= max(threshold, floor) else 0.0 for v in values]
+    total = sum(weights)
+    col, lse = inverse_cdf(torch.tensor([values], dtype=dtype), torch.tensor([threshold], dtype=dtype),
+                           torch.zeros(1, dtype=dtype), torch.tensor([u], dtype=torch.float64))  # fmt: skip
+    c = int(col[0])
+    assert weights[c] > 0, (c, values[c])
+    below, upto = sum(weights[:c]), sum(weights[: c + 1])
+    assert below - 1e-6 * total <= u * total <= upto + 1e-6 * total
+    assert float(lse[0]) == pytest.approx(math.log(total), rel=1e-6, abs=1e-6)

@@ -31,7 +31,7 @@ from treeserve.sampling import (
     unpack_bitmask,
     verify,
 )
-from treeserve.sampling.bitmask import unpack_bitmask_torch
+from treeserve.sampling.bitmask import apply_token_bitmask_numpy_, load_bitmask_op, unpack_bitmask_torch
 
 VOCAB = ["<eos>"] + [chr(c) for c in range(32, 127)] + ['{"', '":', '",', '": "', "true", "false", "null", "ab", "yes"]
 V = len(VOCAB) + 7  # logits wider than the tokenizer: the padding ids must never be drawn
@@ -110,7 +110,9 @@ def test_spec_key_is_canonical() -> None:
 @given(st.integers(1, 100), st.integers(1, 4), st.integers(0, 2**32 - 1))
 def test_unpack_bitmask_matches_bits(vocab: int, rows: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    allowed = torch.rand(rows, vocab, generator=gen) < 0.5
+    # words of every kind: all allowed (-1), none (0), mixed
+    density = torch.tensor([0.0, 0.5, 1.0])[torch.randint(0, 3, (rows, bitmask_words(vocab)), generator=gen)]
+    allowed = torch.rand(rows, vocab, generator=gen) < density.repeat_interleave(32, 1)[:, :vocab]
     words = torch.zeros(rows, bitmask_words(vocab), dtype=torch.int64)
     for r, t in allowed.nonzero().tolist():
         words[r, t // 32] |= 1 << (t % 32)
@@ -123,8 +125,25 @@ def test_unpack_bitmask_matches_bits(vocab: int, rows: int, seed: int) -> None:
     for dtype in (torch.float32, torch.bfloat16):  # the in-place kernel of the sampling path
         y = x.to(dtype)
         assert apply_token_bitmask_(y, packed) is y and torch.equal(y, apply_token_bitmask(x.to(dtype), packed))
+        z = x.to(dtype)  # the path of a CPU without the C++ operator
+        assert apply_token_bitmask_numpy_(z, packed) is z and torch.equal(z, y)
     with pytest.raises(ValueError, match="bitmask must be int32"):
         apply_token_bitmask_(x.clone(), packed[:, :0])
+
+
+def test_bitmask_operator_serves_the_cpu_path() -> None:
+    """With a compiler (every CI host) the CPU path is the C++ operator (its bad input:
+    tests/_cpp_bad_input.py); at the engine's size (rows in parallel) it writes what numpy does."""
+    assert load_bitmask_op() is None, load_bitmask_op()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 49152, generator=gen)
+    packed = torch.randint(-(2**31), 2**31, (64, bitmask_words(49152)), generator=gen, dtype=torch.int64)
+    packed = packed.to(torch.int32)
+    packed[::3] = -1  # whole rows allowed, and rows of structural masks (few tokens allowed)
+    packed[1::3] &= torch.tensor(0x10001, dtype=torch.int32)
+    y = torch.ops.treeserve.apply_token_bitmask_(x.clone(), packed)
+    assert torch.equal(y, apply_token_bitmask_numpy_(x.clone(), packed))
+    assert torch.equal(y, apply_token_bitmask(x, packed))
 
 
 def test_stack_bitmasks() -> None:
@@ -169,6 +188,10 @@ def test_mask_applies_before_temperature_and_logprobs_are_masked() -> None:
     expected = torch.log_softmax(torch.tensor([1.0, 2.0]) / 0.5, 0)  # only tokens 1 and 3 carry mass
     assert out.top_ids[0].tolist() == [3, 1]
     assert torch.allclose(out.top_logprobs[0].double(), expected.flip(0).double(), atol=1e-6)
+    # the mask goes in place on the quotient, or on a copy at temperature 1 (greedy): never on the logits
+    greedy = replace(SamplingBatch.build([SamplingParams(temperature=0)], [1], [[]], 4), token_bitmask=mask)
+    assert int(sample(logits, greedy, torch.tensor([0])).tokens[0]) == 3
+    assert logits.tolist() == [[5.0, 1.0, 9.0, 2.0]]
 
 
 # ---------------------------------------------------------------- compiler and matchers

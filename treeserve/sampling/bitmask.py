@@ -4,20 +4,37 @@ Layout (xgrammar's): token ``t`` is allowed iff bit ``t % 32`` of word ``t // 32
 ``-1`` (all bits) allows all 32 tokens of a word. A batch's mask is ``[R, bitmask_words(V)]``
 int32; an unconstrained row is all ``-1``. No host sync: a host mask is unpacked by numpy (one pass over
 bytes, ~30x torch's shift-and-test at 64 x 49152 on the AVX2 EPYC), a device mask by torch ops.
-The sampling path applies a batch mask in place (:func:`apply_token_bitmask_`): on CPU one numpy
-unpack plus a masked ``copyto`` of -inf (faster than xgrammar's CPU kernel, itself 2-3x
-``torch.where``: benches/RESULTS.md, issue 31), elsewhere xgrammar's kernel (CUDA);
+The sampling path applies a batch mask in place (:func:`apply_token_bitmask_`): on CPU the C++
+operator ``torch.ops.treeserve.apply_token_bitmask_`` (``csrc/token_bitmask.cpp``: a word at a
+time, rows in parallel; built on first use like every treeserve operator), without a compiler one
+numpy unpack plus a masked ``copyto`` of -inf (both faster than xgrammar's CPU kernel, itself 2-3x
+``torch.where``: benches/RESULTS.md, issue 31); elsewhere xgrammar's kernel (CUDA).
 :func:`apply_token_bitmask` is the out-of-place reference.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["apply_token_bitmask", "apply_token_bitmask_", "bitmask_words", "stack_bitmasks", "unpack_bitmask", "unpack_bitmask_torch"]
+from treeserve._cpp import cpp_op_loader, load_cpp_op
+
+__all__ = [
+    "apply_token_bitmask", "apply_token_bitmask_", "bitmask_words", "load_bitmask_op", "stack_bitmasks",
+    "unpack_bitmask", "unpack_bitmask_torch",
+]  # fmt: skip
+
+SOURCE = Path(__file__).with_name("csrc") / "token_bitmask.cpp"
+
+
+@cpp_op_loader
+def load_bitmask_op() -> str | None:
+    """Build (first time on this host) and load the CPU operator; ``None`` when it is available,
+    else the reason it is not (logged once; :func:`apply_token_bitmask_` then uses numpy)."""
+    return load_cpp_op(SOURCE, "apply_token_bitmask_", "C++ CPU token-bitmask apply")
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -61,15 +78,23 @@ def apply_token_bitmask_(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor
     if not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x must be a contiguous float32 or bfloat16 tensor, got {x.dtype}")
     if x.device.type == "cpu":
-        banned = ~unpack_bitmask(bitmask.cpu(), vocab).numpy()
-        if x.dtype == torch.float32:
-            np.copyto(x.numpy(), np.float32(-np.inf), where=banned)
-        else:  # numpy has no bfloat16: write -inf's bit pattern (0xFF80) through an int16 view
-            np.copyto(x.view(torch.int16).numpy(), np.int16(-128), where=banned)
-        return x
+        if load_bitmask_op() is None:
+            return torch.ops.treeserve.apply_token_bitmask_(x, bitmask.cpu())
+        return apply_token_bitmask_numpy_(x, bitmask.cpu())
     import xgrammar as xgr  # imported with the first grammar (sampling.grammar) anyway
 
     xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device), vocab_size=vocab)
+    return x
+
+
+def apply_token_bitmask_numpy_(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_token_bitmask_`'s path on a CPU without the operator (no compiler): one numpy
+    unpack and a masked ``copyto`` of -inf. Arguments as checked there (CPU tensors)."""
+    banned = ~unpack_bitmask(bitmask, x.shape[1]).numpy()
+    if x.dtype == torch.float32:
+        np.copyto(x.numpy(), np.float32(-np.inf), where=banned)
+    else:  # numpy has no bfloat16: write -inf's bit pattern (0xFF80) through an int16 view
+        np.copyto(x.view(torch.int16).numpy(), np.int16(-128), where=banned)
     return x
 
 

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from treeserve.sampling.bitmask import bitmask_words
@@ -57,17 +58,18 @@ class GrammarState:
     the bitmask of every token but the stop tokens (shared, read-only). Owned by one ``Request``; not thread-safe.
     """
 
-    __slots__ = ("_matcher", "_buf", "_not_stop", "_forced", "vocab_size")
+    __slots__ = ("_matcher", "_buf", "_not_stop", "_forced", "_ended", "vocab_size")
 
     def __init__(self, compiled: Any, vocab_size: int, not_stop: torch.Tensor) -> None:
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled)
-        self._not_stop = not_stop
+        self._not_stop = not_stop.numpy()
         self.vocab_size = vocab_size
         self._buf = torch.empty(1, bitmask_words(vocab_size), dtype=torch.int32)
         self._matcher.fill_next_token_bitmask(self._buf, 0)
         self._forced: list[int] | None = None  # jump_forward's tokens, until the next accept
+        self._ended = self._find_ended()
 
     @property
     def bitmask(self) -> torch.Tensor:
@@ -81,12 +83,18 @@ class GrammarState:
         self._forced = None
         if not self._matcher.is_terminated():
             self._matcher.fill_next_token_bitmask(self._buf, 0)
+        self._ended = self._find_ended()
         return True
 
     @property
     def ended(self) -> bool:
-        """Nothing but a stop token may come next (or the grammar already accepted one)."""
-        return self._matcher.is_terminated() or not bool((self._buf[0] & self._not_stop).any())
+        """Nothing but a stop token may come next (or the grammar already accepted one); found
+        once per ``accept`` (the commit path asks after every token)."""
+        return self._ended
+
+    def _find_ended(self) -> bool:
+        # numpy on the host buffer: a few microseconds, ~10x torch's AND + any on 1,536 words
+        return self._matcher.is_terminated() or not np.bitwise_and(self._buf.numpy()[0], self._not_stop).any()
 
     def jump_forward(self, max_tokens: int) -> list[int]:
         """At most ``max_tokens`` tokens the grammar forces next (xgrammar's

@@ -98,13 +98,17 @@ def scale_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         x = x.scatter_add(1, batch.bias_ids, batch.bias_values.to(x.dtype))
     if batch.allowed is not None:
         x = x.masked_fill(~batch.allowed, float("-inf"))
-    if batch.token_bitmask is not None and x.dtype == torch.float64:  # exact tests: the reference
-        x = apply_token_bitmask(x, batch.token_bitmask)
-    elif batch.token_bitmask is not None:
-        x = apply_token_bitmask_(x.clone() if x is logits else x.contiguous(), batch.token_bitmask)
-    if not _needed(batch.temperature != 1.0):
-        return x  # dividing by 1 is exact: skipping it changes no bit
-    return x / batch.temperature.to(x.dtype)[:, None]
+    mask = batch.token_bitmask
+    if mask is not None and x.dtype == torch.float64:  # exact tests: the reference
+        x = apply_token_bitmask(x, mask)
+        mask = None
+    if _needed(batch.temperature != 1.0):  # dividing by 1 is exact: skipping it changes no bit
+        x = x / batch.temperature.to(x.dtype)[:, None]
+    elif mask is not None and x is logits:
+        x = x.clone()  # the mask is applied in place, never to the caller's logits
+    # The mask after the temperature, in place on the quotient (no copy): -inf / t is -inf, so the
+    # values are those of masking first.
+    return x if mask is None else apply_token_bitmask_(x.contiguous(), mask)
 
 
 def _needed(rows: torch.Tensor) -> bool:
