@@ -87,11 +87,13 @@ def main() -> None:
             print("cold", json.dumps(fresh_process("treeserve")), flush=True)
         for i in range(args.runs):
             print(f"warm {i + 1}", json.dumps(fresh_process("treeserve")), flush=True)
+        import treeserve  # (its __init__ is lazy) where this process's path finds it: ``-m`` runs that one,
+        root = Path(treeserve.__file__).parents[1]  # not the working directory's checkout
         for i in range(2):
             cmd = [sys.executable, "-m", "treeserve", "generate", "--model", args.model, "--prompt", "Hello",
                    "--max-new-tokens", "1"]
             t = time.perf_counter()
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             _, status, usage = os.wait4(proc.pid, 0)  # this process's own peak resident set
             if status:
                 raise RuntimeError(f"{cmd} exited with status {status}")
