@@ -527,6 +527,8 @@ class _LargeWeights:
             m._large = self
 
     def build(self) -> None:
+        """Build them (once: each layer forgets this object first) and drop what eager calls no
+        longer read (the dense weights beside int8 copies)."""
         layers, self.layers = self.layers, []
         for m in layers:
             m._large = None
@@ -798,7 +800,10 @@ def pack_model(
     ``unloaded``: projections (names as for ``planes_for``) whose dense weight the loader never
     filled (uninitialised, untouched): their codes must be ``GGUFWeight``; they get a dense weight,
     dequantized from the codes one projection at a time, only where their large batches need one
-    (no int8 copy), so a model loads without a dense copy of all its projections.
+    (no int8 copy), so a model loads without a dense copy of all its projections. Where the int8
+    choice and the crossover come without timing (the measurement cache, overrides), the large
+    batches' weights (int8 copies, dense weights) are built at the group's first large batch
+    (``PackedLinear.prepare_large``), not here.
     ``TREESERVE_PACKED_MAX_ROWS=all``: the packed path serves every batch size, so no int8 copy is
     made and ``unloaded`` projections never hold a dense weight (the codes alone stay resident).
     ``source``: the shipped codes' file (``int8_cache.source_id``): the int8 copies are kept on disk
