@@ -66,6 +66,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cache", default=None, help="measurement cache folder (default: a new one, filled by a cold start)")
     ap.add_argument("--peer", action="store_true", help="also llama-cpp-python on the same file")
+    ap.add_argument("--pycache-prefix", default=None,
+                    help="the children write and read bytecode under this folder (PYTHONPYCACHEPREFIX), as an "
+                         "installed package has it; default: the environment's setting (PYTHONDONTWRITEBYTECODE=1 "
+                         "compiles every module at every start)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -73,6 +77,9 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="treeserve-startup-") as fresh:
         env = {**os.environ, "TREESERVE_CACHE_DIR": args.cache or fresh}
+        if args.pycache_prefix:
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            env["PYTHONPYCACHEPREFIX"] = args.pycache_prefix
 
         def fresh_process(which: str, model: str = args.model) -> dict[str, object]:
             done = subprocess.run([sys.executable, __file__, "--model", model, "--child", which], env=env,
@@ -87,11 +94,13 @@ def main() -> None:
             print("cold", json.dumps(fresh_process("treeserve")), flush=True)
         for i in range(args.runs):
             print(f"warm {i + 1}", json.dumps(fresh_process("treeserve")), flush=True)
+        import treeserve  # (its __init__ is lazy) where this process's path finds it: ``-m`` runs that one,
+        root = Path(treeserve.__file__).parents[1]  # not the working directory's checkout
         for i in range(2):
             cmd = [sys.executable, "-m", "treeserve", "generate", "--model", args.model, "--prompt", "Hello",
                    "--max-new-tokens", "1"]
             t = time.perf_counter()
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             _, status, usage = os.wait4(proc.pid, 0)  # this process's own peak resident set
             if status:
                 raise RuntimeError(f"{cmd} exited with status {status}")

@@ -111,13 +111,17 @@ def test_a_second_load_reads_the_int8_copies_and_computes_the_same(cache: Path, 
     monkeypatch.setenv("TREESERVE_INT8", "1")
     monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "2")
     first, _ = load(path, quantization="auto")
+    assert not list(cache.glob("*.pt"))  # the int8 copies: built at the first large batch
+    prompt = list(range(30, 50))  # 20 rows: the int8 tier
+    with torch.inference_mode():
+        a = PagedSequence(first, 64, page_size=1).extend(prompt, all_logits=True)
     entries = len(list(cache.glob("*.pt")))
     assert entries == 4 * spec.num_layers
     monkeypatch.setattr(int8_cache, "round_rotated", lambda w: pytest.fail("built again despite the cache"))
     second, _ = load(path, quantization="auto")
-    assert all(m.int8 is not None for m in second.modules() if isinstance(m, PackedLinear))
-    prompt = list(range(30, 50))  # 20 rows: the int8 tier
+    layers = [m for m in second.modules() if isinstance(m, PackedLinear)]
+    assert all(m.large_int8 and m.large_pending for m in layers)  # read at the first large batch
     with torch.inference_mode():
-        a = PagedSequence(first, 64, page_size=1).extend(prompt, all_logits=True)
         b = PagedSequence(second, 64, page_size=1).extend(prompt, all_logits=True)
     assert torch.equal(a, b)
+    assert all(m.int8 is not None and not m.large_pending for m in layers)

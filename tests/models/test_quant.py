@@ -283,7 +283,7 @@ def test_embedded_model_packed_decode_agrees_with_float32(smol, monkeypatch, max
     ids = smol.tokenizer.encode(text)
     packed = load("smollm2-135m-instruct", quantization="auto").model
     assert isinstance(packed.layers[0].mlp.gate_up_proj, PackedLinear)
-    assert (packed.layers[0].mlp.gate_up_proj.int8 is not None) == (int8 == "1")
+    assert packed.layers[0].mlp.gate_up_proj.large_int8 == (int8 == "1")
     ref = paged_logits(smol.model, ids, [len(ids)], 16)
     got = paged_logits(packed, ids, [len(ids)], 16)
     agreement = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()

@@ -86,6 +86,7 @@ def test_projections_load_from_the_codes_alone(tmp_path: Path, arch: str, qtype:
         assert isinstance(m, PackedLinear), name
         ref = dict(_projections(dense))[name].weight
         assert torch.equal(m.dequantized(), ref), name  # the file's codes, rows unpermuted
+        m.prepare_large()  # where the load deferred them (a warm measurement cache: test_warm_start)
         assert m.has_dense == (m.int8 is None), name  # a dense copy only where large batches need it
     monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "all")
     lean, _ = load(path, quantization="auto")

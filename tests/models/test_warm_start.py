@@ -1,6 +1,7 @@
 """A warm start (issue 33): a second load of a GGUF file takes no load-time measurement and builds no
-dense weight or int8 copy beyond what it keeps, computes bitwise what the first load computed, and a
-damaged cache is rebuilt. Counted, never timed."""
+dense weight or int8 copy beyond what it keeps (the large batches' weights not before the first large
+batch, from the int8 cache then), computes bitwise what the first load computed, and a damaged cache is
+rebuilt. Counted, never timed."""
 
 from __future__ import annotations
 
@@ -80,9 +81,16 @@ def test_a_warm_start_measures_nothing_builds_only_what_it_keeps_and_computes_th
         warm, _ = load(path, quantization="auto")
         assert warm_counts.timings == 0 and warm_counts.roundings == 0
         assert warm_counts.dequantized == _kept_dense(warm)
-        assert sum(isinstance(m, PackedLinear) and m.int8 is not None for m in warm.modules()) == int8_layers
+        packed = [m for m in warm.modules() if isinstance(m, PackedLinear)]
+        assert all(m.large_pending and m.int8 is None and not m.has_dense for m in packed)  # built at the first large batch
+        assert sum(m.large_int8 for m in packed) == int8_layers
         for a, b in zip(expected, _logits(warm), strict=True):
             assert torch.equal(a, b)
+        assert not any(m.large_pending for m in packed if m.packed_max_rows < 20)  # the 20-token prompt built them
+        for m in packed:
+            m.prepare_large()  # the groups whose packed path serves 20 rows too
+        assert sum(m.int8 is not None for m in packed) == int8_layers  # from the int8 cache: no rounding
+        assert warm_counts.timings == 0 and warm_counts.roundings == 0
 
         damaged = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
         assert damaged

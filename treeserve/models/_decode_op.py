@@ -69,14 +69,15 @@ def load_decode_op() -> str | None:
 
 class _Proj(NamedTuple):
     """One projection as ``PackedLinear.forward`` would run it: packed (``raw`` GGUF blocks, when
-    not None) for up to ``max_rows`` rows, else the int8 GEMM on ``int8`` when set, else
-    ``F.linear`` on the dense float32 ``weight``."""
+    not None) for up to ``max_rows`` rows, else its large-batch operands (``_large``): the int8 GEMM
+    or ``F.linear`` on the dense float32 weight of ``packed`` (a ``PackedLinear``, which builds
+    them at its first large batch), or on ``weight`` (the model's plain linear)."""
 
     raw: torch.Tensor | None
     qtype: str | None
-    weight: torch.Tensor | None  # None: dropped (``int8`` serves the large batches)
     max_rows: int
-    int8: Int8Weight | None = None
+    packed: PackedLinear | None = None
+    weight: torch.Tensor | None = None
 
 
 class DecodePlan(NamedTuple):
@@ -100,17 +101,16 @@ def _proj(module: nn.Module, dense_type: type[nn.Module]) -> _Proj | None:
         return None
     if type(module) is dense_type:
         weight = module.weight
-        return _Proj(None, None, weight, 0) if _float32_cpu(weight) else None
+        return _Proj(None, None, 0, weight=weight) if _float32_cpu(weight) else None
     if not isinstance(module, PackedLinear) or module.weight_dtype != torch.float32:
         return None
-    weight = module.weight if module.has_dense else None  # without it, int8 serves every large batch
-    if weight is not None and not _float32_cpu(weight):
+    if module.has_dense and not _float32_cpu(module.weight):
         return None
     if module.qtype is None:  # Int4Planes: torch's int4 kernel, not in the operator
-        return _Proj(None, None, weight, module.packed_max_rows, module.int8)
+        return _Proj(None, None, module.packed_max_rows, module)
     if not module.use_op:  # packed_forward is large_forward's dense path
-        return _Proj(None, None, weight, 0, module.int8)
-    return _Proj(module.raw, module.qtype, weight, module.packed_max_rows, module.int8)
+        return _Proj(None, None, 0, module)
+    return _Proj(module.raw, module.qtype, module.packed_max_rows, module)
 
 
 def _float32_cpu(t: object) -> bool:
@@ -163,16 +163,27 @@ def _operands(plan: DecodePlan, rows: int) -> tuple[list[torch.Tensor], list[str
             if packed:
                 tensors.append(p.raw)
                 qtypes.append(p.qtype)
-            elif p.int8 is not None:
-                tensors.extend(p.int8.operands)
+                continue
+            int8, weight = _large(p)
+            if int8 is not None:
+                tensors.extend(int8.operands)
                 qtypes.append("int8")
             else:
-                assert p.weight is not None  # only an int8 projection drops its dense weight
-                tensors.append(p.weight)
+                assert weight is not None  # only an int8 projection drops its dense weight
+                tensors.append(weight)
                 qtypes.append("dense")
         else:
             plan.variants[key] = (tensors, qtypes)
     return plan.variants[key]
+
+
+def _large(p: _Proj) -> tuple[Int8Weight | None, torch.Tensor | None]:
+    """A projection's large-batch operands: its int8 copy, else its dense weight (a
+    ``PackedLinear``'s built now if it defers them: ``prepare_large``)."""
+    if p.packed is None:
+        return None, p.weight
+    p.packed.prepare_large()
+    return p.packed.int8, p.packed.weight if p.packed.has_dense else None
 
 
 def _needs_grad(plan: DecodePlan, h: torch.Tensor, projs: list[torch.Tensor]) -> bool:

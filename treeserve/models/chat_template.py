@@ -11,11 +11,10 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+if TYPE_CHECKING:
+    import jinja2
 
 __all__ = ["ChatTemplateError", "render_chat_template"]
 
@@ -39,6 +38,10 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=8)
 def _compile(source: str) -> jinja2.Template:
+    import jinja2  # here, not at import: ~70 ms of a start that may never render a template
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -65,6 +68,8 @@ def render_chat_template(
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise ValueError(f"messages[{i}] must be a mapping with a str 'role', got {m!r}")
+    import jinja2
+
     try:
         return _compile(source).render(
             messages=[dict(m) for m in messages],

@@ -241,6 +241,7 @@ class PackedLinear(nn.Module):
             self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         self.int8: Int8Weight | None = None  # set by ``use_int8`` where the int8 GEMM pays
+        self._large: _LargeWeights | None = None  # deferred large-batch weights (``prepare_large``)
         self.int8_source: tuple[str | None, str] = (None, "")  # (source file id, name): ``int8_cache``'s key
         self.qtype = codes.qtype if isinstance(codes, GGUFWeight) else None
         if self.qtype is not None:
@@ -270,7 +271,9 @@ class PackedLinear(nn.Module):
     def large_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The product for batches above ``packed_max_rows`` (``x [M, K]``): the int8 GEMM when
         ``int8`` is set (and Dynamo is not tracing), else ``F.linear`` on the dense weight
-        (``RuntimeError`` when it is not held: see ``dense_weight``)."""
+        (``RuntimeError`` when it is not held: see ``dense_weight``). Deferred large-batch
+        weights are built first (``prepare_large``)."""
+        self.prepare_large()
         if self.int8 is None or _tracing():
             if not self.has_dense:
                 raise RuntimeError(f"PackedLinear {self.out_features}x{self.in_features} holds no dense weight "
@@ -283,11 +286,31 @@ class PackedLinear(nn.Module):
         """This layer applied to ``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[M, 2 K]``: in one
         operator (``int8_swiglu_linear``) where ``large_forward`` would take the int8 GEMM, else
         ``F.silu`` and a multiply before ``forward``."""
-        if gate_up.dim() == 2 and gate_up.shape[0] > self.packed_max_rows and self.int8 is not None and not _tracing():
+        large = gate_up.dim() == 2 and gate_up.shape[0] > self.packed_max_rows
+        if large:
+            self.prepare_large()
+        if large and self.int8 is not None and not _tracing():
             y = int8_swiglu_linear(gate_up.float(), self.int8).to(gate_up.dtype)
             return y if self.bias is None else y + self.bias
         gate, up = gate_up.split(self.in_features, dim=-1)
         return self(F.silu(gate) * up)
+
+    def prepare_large(self) -> None:
+        """Build the large-batch weights now if ``pack_model`` deferred them (its whole group's, at
+        once: the int8 copies or the dense weights); nothing otherwise. Memory until a batch above
+        ``packed_max_rows`` comes is the codes' alone."""
+        if self._large is not None:
+            self._large.build()
+
+    @property
+    def large_pending(self) -> bool:
+        """Whether the large-batch weights are deferred (``prepare_large`` builds them)."""
+        return self._large is not None
+
+    @property
+    def large_int8(self) -> bool:
+        """Whether batches above ``packed_max_rows`` take the int8 GEMM (its copy built or deferred)."""
+        return self.int8 is not None or (self._large is not None and self._large.int8)
 
     @property
     def has_dense(self) -> bool:
@@ -429,7 +452,7 @@ def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     if not group or len({m.in_features for m in group}) != 1:
         raise ValueError(f"layers must be a non-empty set of one in_features, got {[m.in_features for m in group]}")
     group = _measured_part(group)
-    key = tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight_dtype, m.act_dtype, m.int8 is not None)
+    key = tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight_dtype, m.act_dtype, m.large_int8)
                 for m in group)
 
     def run(fn: Callable[[PackedLinear, torch.Tensor], object]) -> Callable[[torch.Tensor], None]:
@@ -439,14 +462,16 @@ def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
                       run(lambda m, x: m.packed_forward(x)), run(lambda m, x: m.large_forward(x)))
 
 
-def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
+def use_int8(layers: Sequence[PackedLinear], rows: int = 64, defer: bool = False) -> bool:
     """Give every layer of ``layers`` (one input width, run one after another as a step reads
     them) an int8 copy of its weight (``Int8Weight``: rotated, per-channel 8-bit codes, row-wise
     7-bit activations, ``int8_op``; K a multiple of 64) for its batches above ``packed_max_rows``,
     when the int8 GEMM is available and, at ``rows`` rows, faster than ``F.linear`` on the dense
     weights on this machine (measured once per host per set of shapes and thread count, kept on disk:
     ``treeserve._tuning``). ``TREESERVE_INT8`` = ``0`` /
-    ``1`` overrides the measurement (``1`` still needs the operator). Returns whether it did."""
+    ``1`` overrides the measurement (``1`` still needs the operator). Returns whether it did.
+    ``defer``: when the choice was known without timing (the cache, the override), the copies are
+    built at the layers' first large batch (``PackedLinear.prepare_large``) instead of now."""
     group = list(layers)
     env = os.environ.get("TREESERVE_INT8")
     if env not in (None, "0", "1"):
@@ -470,13 +495,50 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
     key = (tuple((m.out_features, m.in_features, m.weight_dtype) for m in timed), rows)
     if env is None and not measured("int8", key, bool, measure):
         return False
+    if defer and not built:
+        _LargeWeights(group, int8=True)
+        return True
+    _attach_int8(group, built)
+    return True
+
+
+def _attach_int8(group: Sequence[PackedLinear], built: Sequence[Int8Weight] = ()) -> None:
+    """Give ``group`` its int8 copies (``built``: those of its first layers, made already)."""
     # The rest in threads: oneDNN's prepack (most of a warm start's int8 work) runs on one thread per
     # call (90 prepacks of SmolLM2-135M: 0.73 s one after another, 0.20 s on 2 threads, AVX2 EPYC).
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        weights = built + list(pool.map(lambda m: _int8_of(m, m.dequantized), group[len(built):]))
+        weights = list(built) + list(pool.map(lambda m: _int8_of(m, m.dequantized), group[len(built):]))
     for m, w in zip(group, weights):
         m.int8 = w
-    return True
+
+
+class _LargeWeights:
+    """The deferred large-batch weights of one group of ``PackedLinear`` (one input width, as
+    ``pack_model`` measured them): the int8 copies (``int8``: ``use_int8``'s choice, read from the
+    disk cache) or the dense weights, built for the whole group at the first batch above
+    ``packed_max_rows`` that any of them sees. Until then a model holds its codes alone (SmolLM2:
+    the dense down_proj weights and the int8 copies, ~177 MiB, benches/RESULTS.md issue 33)."""
+
+    __slots__ = ("layers", "int8")
+
+    def __init__(self, layers: Sequence[PackedLinear], int8: bool) -> None:
+        self.layers, self.int8 = list(layers), int8
+        for m in self.layers:
+            m._large = self
+
+    def build(self) -> None:
+        """Build them (once: each layer forgets this object first) and drop what eager calls no
+        longer read (the dense weights beside int8 copies)."""
+        layers, self.layers = self.layers, []
+        for m in layers:
+            m._large = None
+        if self.int8:
+            _attach_int8(layers)
+            for m in layers:
+                m.drop_dense()  # eager calls no longer read it
+            return
+        for m in layers:
+            m.dense_weight()
 
 
 def _int8_of(m: PackedLinear, dense: Callable[[], torch.Tensor]) -> Int8Weight:
@@ -738,7 +800,10 @@ def pack_model(
     ``unloaded``: projections (names as for ``planes_for``) whose dense weight the loader never
     filled (uninitialised, untouched): their codes must be ``GGUFWeight``; they get a dense weight,
     dequantized from the codes one projection at a time, only where their large batches need one
-    (no int8 copy), so a model loads without a dense copy of all its projections.
+    (no int8 copy), so a model loads without a dense copy of all its projections. Where the int8
+    choice and the crossover come without timing (the measurement cache, overrides), the large
+    batches' weights (int8 copies, dense weights) are built at the group's first large batch
+    (``PackedLinear.prepare_large``), not here.
     ``TREESERVE_PACKED_MAX_ROWS=all``: the packed path serves every batch size, so no int8 copy is
     made and ``unloaded`` projections never hold a dense weight (the codes alone stay resident).
     ``source``: the shipped codes' file (``int8_cache.source_id``): the int8 copies are kept on disk
@@ -770,10 +835,11 @@ def pack_model(
     packed_everywhere = _env_rows("TREESERVE_PACKED_MAX_ROWS") == _ALL_ROWS  # no large-batch path
     for group in packed.values():
         if not packed_everywhere:
-            use_int8(group)  # before the crossover, which races the packed path against the large one
-            for m in group:
-                if m.int8 is None:  # the large batches' F.linear reads it
-                    m.dense_weight()
+            # The large batches' weights: the int8 copies where they pay, else the dense ones (F.linear
+            # reads them); built at the group's first large batch (``prepare_large``: the crossover's
+            # measurement, when it runs, is one), not now.
+            if not use_int8(group, defer=True):
+                _LargeWeights([m for m in group if not m.has_dense], int8=False)
         rows = measure_crossover(group)
         for m in group:
             m.packed_max_rows = rows
