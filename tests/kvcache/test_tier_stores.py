@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from treeserve.kvcache import DiskStore, HostChunk, HostStore, InvariantError, TierLayout, chunk_keys
+from treeserve.kvcache import DiskStore, HostChunk, HostStore, InvariantError, TierLayout, chunk_keys, module_fingerprint
 from treeserve.kvcache import disk_store as disk_mod
 from treeserve.kvcache.tier_key import default_chunk_tokens
 
@@ -166,3 +166,38 @@ def test_disk_store_bad_arguments(tmp_path) -> None:
     store = DiskStore(tmp_path / "ok", 1 << 20, LAYOUT)
     with pytest.raises(ValueError, match="shape"):
         store.write(b"x" * 16, toks(0), torch.zeros(3))
+
+
+class _Codes(torch.nn.Module):
+    """A module holding codes and a weight rebuilt from them (``derived_tensors``), like a GGUF layer."""
+
+    derived_tensors = ("weight",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("raw", torch.arange(64, dtype=torch.uint8))
+
+    def build(self) -> None:
+        self.weight = torch.nn.Parameter(self.raw.float() * 0.5, requires_grad=False)
+
+
+def test_module_fingerprint_follows_weights_not_derived_tensors() -> None:
+    """The digest changes with a weight value at a sampled position, a name or a shape, and not with
+    a submodule's derived tensors being built, freed or changed (the disk tier's model id must be the
+    same whether a process has built its large-batch weights yet or not)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), _Codes())
+    base = module_fingerprint(model)
+    model[1].build()
+    assert module_fingerprint(model) == base
+    model[1].weight.data.add_(1.0)
+    assert module_fingerprint(model) == base
+    del model[1]._parameters["weight"]
+    assert module_fingerprint(model) == base
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1.0
+    assert module_fingerprint(model) != base
+    fresh = module_fingerprint(torch.nn.Sequential(model[0], _Codes()))
+    model[1].raw[0] = 7  # the codes themselves are part of it
+    assert module_fingerprint(model) != fresh
+    assert module_fingerprint(torch.nn.Sequential(torch.nn.Linear(4, 3), _Codes())) != module_fingerprint(
+        torch.nn.Sequential(torch.nn.Linear(4, 2), _Codes()))  # shapes

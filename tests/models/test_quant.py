@@ -433,3 +433,22 @@ def test_exact_head_bf16_pass_on_the_reordered_weight() -> None:
     with mock.patch.object(quant, "_tracing", lambda: True):
         assert torch.equal(head._bf16(x), plain)  # the traced path: F.linear on the plain weight
     assert (quant._prepack_bf16(torch.zeros(4, 64, dtype=torch.bfloat16)) is not None) == cpu_features().onednn_bf16
+
+
+def test_fingerprint_ignores_the_dense_weight_built_on_demand() -> None:
+    """A GGUF-coded layer's dense weight (built at its first large batch, or by a cold start's
+    measurement) leaves the disk KV tier's model id unchanged; its codes do not."""
+    from treeserve.kvcache import module_fingerprint
+    from treeserve.models.gguf_op import GGUFWeight
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (8, 2, 18), dtype=np.uint8)
+    raw[..., :2] = (rng.standard_normal((8, 2, 1)) * 0.02).astype(np.float16).view(np.uint8)
+    layer = PackedLinear(GGUFWeight.from_bytes("Q4_0", raw.reshape(-1), (8, 64)), None, None,
+                         packed_max_rows=4, weight_dtype=torch.float32)
+    before = module_fingerprint(layer)
+    assert not layer.has_dense
+    layer.dense_weight()
+    assert layer.has_dense and module_fingerprint(layer) == before
+    layer.raw[0, 2] ^= 1
+    assert module_fingerprint(layer) != before

@@ -91,10 +91,12 @@ def module_fingerprint(module: torch.nn.Module, samples: int = 256) -> str:
     """A short hex digest of a module's weights: every parameter's and buffer's name, shape,
     dtype and ``samples`` evenly spaced values (cheap: it reads a few pages of each tensor, never
     the whole model). Two checkpoints that differ only at unsampled positions collide; the names
-    and shapes alone already separate architectures."""
+    and shapes alone already separate architectures. A submodule's tensors named in its
+    ``derived_tensors`` (a weight rebuilt from codes the module also holds, which it may build
+    or free at any time) are left out, so the digest does not depend on when they exist."""
     h = hashlib.blake2b(digest_size=12)
     with torch.no_grad():
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        for name, t in _own_tensors(module):
             h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
             flat = t.detach().reshape(-1)
             if flat.numel():
@@ -102,3 +104,15 @@ def module_fingerprint(module: torch.nn.Module, samples: int = 256) -> str:
                 idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)
                 h.update(flat[idx].to("cpu", torch.float64).numpy().tobytes())
     return h.hexdigest()
+
+
+def _own_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(qualified name, tensor)`` of every parameter and buffer of ``module`` and its submodules,
+    module by module, less each submodule's ``derived_tensors``."""
+    out = []
+    for prefix, sub in module.named_modules():
+        derived = set(getattr(sub, "derived_tensors", ()))
+        for name, t in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
+            if name not in derived:
+                out.append((f"{prefix}.{name}" if prefix else name, t))
+    return out

@@ -313,6 +313,13 @@ class PackedLinear(nn.Module):
         return self.int8 is not None or (self._large is not None and self._large.int8)
 
     @property
+    def derived_tensors(self) -> tuple[str, ...]:
+        """Tensors rebuilt from the codes (``kvcache.module_fingerprint`` leaves them out): GGUF
+        codes' dense ``weight``, built and freed on demand (``dense_weight``, ``drop_dense``,
+        ``prepare_large``)."""
+        return ("weight",) if self.qtype is not None else ()
+
+    @property
     def has_dense(self) -> bool:
         """Whether the dense weight is held (see ``drop_dense``)."""
         return "weight" in self._parameters
