@@ -123,6 +123,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _same_model(llm: LLM, args: argparse.Namespace, **overrides: Any) -> LLM:
+    """A second engine over ``llm``'s model and tokenizer with the command's engine settings and
+    the same KV dtype, for a side-by-side run: a given module, so no speculation unless asked."""
+    return LLM((llm.model, llm.tokenizer), dtype=args.dtype, kv_cache_dtype=str(llm.kv.dtype).removeprefix("torch."),
+               kv_cache_tokens=args.kv_cache_tokens, max_batched_tokens=args.max_batched_tokens,
+               max_running=args.max_running, **overrides)  # fmt: skip
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.quick:
         n_req, n_new, groups, per_group, prefix, single = 16, 32, 4, 4, 256, 32
@@ -132,22 +140,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows = [workloads.throughput(llm, n_req, n_new)]
     sample = rows[0].sample_text
     cached = workloads.shared_prefix(llm, groups, per_group, prefix)
-    llm_nocache = LLM(
-        (llm.model, llm.tokenizer),
-        dtype=args.dtype,
-        kv_cache_dtype=str(llm.kv.dtype).removeprefix("torch."),  # the same KV as the cached run
-        enable_prefix_cache=False,
-        kv_cache_tokens=args.kv_cache_tokens,
-        max_batched_tokens=args.max_batched_tokens,
-        max_running=args.max_running,
-    )
+    llm_nocache = _same_model(llm, args, enable_prefix_cache=False)
     uncached = workloads.shared_prefix(llm_nocache, groups, per_group, prefix)
     del llm_nocache
     cached.extra["speedup_vs_no_cache"] = uncached.seconds / cached.seconds
     rows += [cached, uncached, workloads.single_decode(llm, single)]
     if llm.config.speculative:  # what speculation gives one input-grounded request, vs the same model without
-        rows.append(workloads.grounded_decode(llm, LLM((llm.model, llm.tokenizer), dtype=args.dtype,
-                                                       kv_cache_dtype=str(llm.kv.dtype).removeprefix("torch.")), single))
+        rows.append(workloads.grounded_decode(llm, _same_model(llm, args), single))
     rows.append(workloads.single_stream_breakdown(llm, single))
     print(f"\nmodel={args.model} dtype={args.dtype} ({llm.model.dtype}) quantization={args.quantization} "
           f"threads={args.threads or 'default'}")
