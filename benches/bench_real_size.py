@@ -15,7 +15,8 @@ temporary file, then, each in a fresh process (so resident memory is that load's
   prompts of 8; the rates include the prompt steps).
 
 llama-cpp-python on the same file in the same run when it is installed (``--peer``: load, memory,
-single stream, and the batch as that many streams one after another). The file is
+single stream, and the batch both as that many streams one after another and batched in one
+context, one ``llama_decode`` per step as llama-server does; the faster is the peer's figure). The file is
 deleted at the end unless ``--keep``. Run under ``flock /work/bench.lock`` where others benchmark.
 
     python benches/bench_real_size.py [--spec llama-3-8b] [--qtype Q4_0] [--configs lean,default]
@@ -73,9 +74,48 @@ def child(path: str, threads: int, single_tokens: int, batch: int, batch_tokens:
     return out
 
 
+def batched_tok_s(model: object, threads: int, prompts: list[list[int]], tokens: int) -> float:
+    """llama.cpp decoding ``prompts`` together, as llama-server's continuous batching does: one
+    ``llama_decode`` per step over every sequence (the prompts in one call, then one token each),
+    greedy (argmax of each row's logits), ``tokens`` new tokens per sequence; tok/s, prompts included.
+    ``model``: a loaded ``llama_model`` pointer (a second context on the same weights)."""
+    import llama_cpp as lc
+    import numpy as np
+
+    n = len(prompts)
+    params = lc.llama_context_default_params()
+    params.n_seq_max = n
+    params.n_ctx = n * (PROMPT_LEN + tokens + 8)
+    params.n_batch = params.n_ubatch = max(512, n * PROMPT_LEN)
+    params.n_threads = params.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, params)
+    batch = lc.llama_batch_init(params.n_batch, 0, 1)
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    try:
+        t = time.perf_counter()
+        step = [(tok, pos, seq, pos == len(p) - 1) for seq, p in enumerate(prompts) for pos, tok in enumerate(p)]
+        for _ in range(tokens):
+            batch.n_tokens = len(step)
+            outputs = []
+            for i, (tok, pos, seq, out) in enumerate(step):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, out
+                batch.seq_id[i][0] = seq
+                if out:
+                    outputs.append((i, pos, seq))
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            step = [(int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax()), pos + 1, seq, True)
+                    for i, pos, seq in outputs]
+        return n * tokens / (time.perf_counter() - t)
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+
+
 def peer(path: str, threads: int, single_tokens: int, batch: int, batch_tokens: int) -> dict[str, float]:
     """llama-cpp-python on the same file: load time, resident memory, single-stream tok/s, and
-    ``batch`` streams of ``batch_tokens`` one after another (its API has no batched decode)."""
+    ``batch`` requests of ``batch_tokens`` both as streams one after another (``Llama.generate``)
+    and batched (``batched_tok_s``: llama-server's way); ``batch<N>_tok_s`` is the faster."""
     from llama_cpp import Llama
 
     t = time.perf_counter()
@@ -93,7 +133,9 @@ def peer(path: str, threads: int, single_tokens: int, batch: int, batch_tokens: 
         return len(todo) * tokens / (time.perf_counter() - t)
 
     out["single_tok_s"] = tok_s(prompts[:1], single_tokens)
-    out[f"batch{batch}_tok_s"] = tok_s(prompts, batch_tokens)
+    out[f"batch{batch}_streams_tok_s"] = tok_s(prompts, batch_tokens)
+    out[f"batch{batch}_batched_tok_s"] = batched_tok_s(llm._model.model, threads, prompts, batch_tokens)
+    out[f"batch{batch}_tok_s"] = max(out[f"batch{batch}_streams_tok_s"], out[f"batch{batch}_batched_tok_s"])
     out["rss_after_decode_mb"] = _status_mb("VmRSS")
     return out
 
