@@ -11,8 +11,10 @@ temporary file, then, each in a fresh process (so resident memory is that load's
     copy, no dense weight), the least memory;
 - resident memory after ``LLM()`` (``VmRSS``: anonymous + the mapped file's pages) and the peak
   (``VmHWM``) against the file size;
-- with the warm cache: single-stream greedy decode tok/s and a batch of 16 x 64 tokens (token-id
-  prompts of 8; the rates include the prompt steps).
+- with the warm cache (no speculation): single-stream greedy decode tok/s and a batch of 16 x 64 tokens (token-id
+  prompts of 8; the rates include the prompt steps), after a first batch of 16 x 2 tokens whose
+  time (``first_batch_s``) includes building the large batches' weights (read from the disk
+  cache of int8 copies on a warm start).
 
 llama-cpp-python on the same file in the same run when it is installed (``--peer``: load, memory,
 single stream, and the batch both as that many streams one after another and batched in one
@@ -25,6 +27,7 @@ deleted at the end unless ``--keep``. Run under ``flock /work/bench.lock`` where
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -51,8 +54,10 @@ def child(path: str, threads: int, single_tokens: int, batch: int, batch_tokens:
 
     torch.set_num_threads(threads)
     t = time.perf_counter()
+    # No speculation: a model of random weights repeats itself, which n-gram drafts would exploit
+    # and real text would not; this measures the decode itself (llama.cpp drafts nothing either).
     llm = LLM(path, num_threads=threads, kv_cache_tokens=batch * (PROMPT_LEN + batch_tokens) + 256,
-              max_model_len=PROMPT_LEN + max(single_tokens, batch_tokens) + 8)
+              max_model_len=PROMPT_LEN + max(single_tokens, batch_tokens) + 8, speculative=None)
     out: dict[str, float] = {"load_s": time.perf_counter() - t, "rss_mb": _status_mb("VmRSS"),
                              "anon_mb": _status_mb("RssAnon"), "file_mb": _status_mb("RssFile"),
                              "peak_mb": _status_mb("VmHWM")}
@@ -69,6 +74,9 @@ def child(path: str, threads: int, single_tokens: int, batch: int, batch_tokens:
 
     tok_s(prompt[:1], 4)  # warm-up
     out["single_tok_s"] = tok_s(prompt[:1], single_tokens)
+    t = time.perf_counter()
+    tok_s(prompt, 2)  # the first large batch builds the large-batch weights (``PackedLinear.prepare_large``)
+    out["first_batch_s"] = time.perf_counter() - t
     out[f"batch{batch}_tok_s"] = tok_s(prompt, batch_tokens)
     out["rss_after_decode_mb"] = _status_mb("VmRSS")
     return out
@@ -155,8 +163,8 @@ CONFIGS = {"default": {}, "lean": {"TREESERVE_PACKED_MAX_ROWS": "all"}}
 
 def table(args: argparse.Namespace, path: Path) -> dict[str, dict[str, float]]:
     """Each configuration of ``args.configs`` loaded cold and warm (fresh processes, one new
-    measurement cache per configuration), then the peer when ``args.peer``: printed, and returned
-    by ``"<config> <start>"`` / ``"llama.cpp"``."""
+    measurement cache per configuration, or ``args.cache``'s, then warm only when it is filled),
+    then the peer when ``args.peer``: printed, and returned by ``"<config> <start>"`` / ``"llama.cpp"``."""
     from treeserve._cpu import cpu_features
 
     size_mb = path.stat().st_size / 2**20
@@ -164,9 +172,15 @@ def table(args: argparse.Namespace, path: Path) -> dict[str, dict[str, float]]:
           f"{args.threads} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     rows: dict[str, dict[str, float]] = {}
     for config in args.configs.split(","):
-        with tempfile.TemporaryDirectory(prefix="treeserve-bench-cache-") as cache:
+        with contextlib.ExitStack() as stack:
+            if args.cache:
+                cache = os.path.join(args.cache, config)
+                os.makedirs(cache, exist_ok=True)
+                starts = ("warm",) if os.listdir(cache) else ("cold", "warm")
+            else:
+                cache, starts = stack.enter_context(tempfile.TemporaryDirectory(prefix="treeserve-bench-cache-")), ("cold", "warm")
             env = {**CONFIGS[config], "TREESERVE_CACHE_DIR": cache}
-            for start in ("cold", "warm"):
+            for start in starts:
                 r = rows[f"{config} {start}"] = run_child(args, path, env, "treeserve", decode=start == "warm")
                 extra = f" (rss {r['rss_mb'] / size_mb:.2f}x file, peak {r['peak_mb'] / size_mb:.2f}x)" if "rss_mb" in r else ""
                 print(f"  {config:8s} {start}: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()})}{extra}",
@@ -188,6 +202,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-tokens", type=int, default=64)
     ap.add_argument("--path", default=None, help="the GGUF file (written when missing)")
     ap.add_argument("--keep", action="store_true", help="keep the written file")
+    ap.add_argument("--cache", default=None, help="keep the measurement caches in DIR/<config> (default: a new "
+                    "temporary one per run); a configuration whose cache is there already runs warm only")
     ap.add_argument("--peer", action="store_true", help="also llama-cpp-python on the same file")
     ap.add_argument("--child", choices=("treeserve", "llama.cpp"), help=argparse.SUPPRESS)
     return ap

@@ -1,6 +1,6 @@
 """Issue 15: where one batched decode step goes on CPU: decoder layers (GEMMs, attention, norms,
 or the fused C++ decode operator as one part), LM head, sampling, the rest, for the embedded
-SmolLM2-135M at batch 64 x context 128 (page size 1, the engine default), in the default
+SmolLM2-135M (or ``--model``) at batch 64 x context 128 (page size 1, the engine default), in the default
 configuration (the GGUF as shipped, ``quantization="auto"``) unless ``--quantization none``.
 
 Each category is timed by wrapping its entry point with ``perf_counter``: ``gemm`` every
@@ -68,6 +68,8 @@ def _instrument(model: torch.nn.Module) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=MODEL, help="a registry name or a model path (a GGUF file: e.g. "
+                    "benches/bench_real_size.py --keep's synthetic one)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--quantization", default="auto", help="load()'s quantization ('none': dense)")
     ap.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -84,7 +86,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     quantization = None if args.quantization == "none" else args.quantization
-    model = load(MODEL, dtype=dtype, quantization=quantization).model
+    model = load(args.model, dtype=dtype, quantization=quantization).model
     if args.no_fused:
         model._decode_plan = None
     fused = getattr(model, "decode_plan", lambda: None)() is not None

@@ -55,6 +55,7 @@ from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear, in
 
 __all__ = [
     "GROUP",
+    "LARGE_TIER_MEMORY_FRACTION",
     "QUANTIZATIONS",
     "ExactHead",
     "GGUFWeight",
@@ -62,6 +63,7 @@ __all__ = [
     "PACKABLE",
     "PackedLinear",
     "check_quantization",
+    "large_tier_budget",
     "measure_crossover",
     "pack_model",
     "planes_from_gguf",
@@ -784,6 +786,25 @@ def check_quantization(quantization: object) -> None:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
 
 
+LARGE_TIER_MEMORY_FRACTION = 4
+"""``large_tier_budget``'s default: physical memory divided by this."""
+
+
+def large_tier_budget() -> int:
+    """Bytes the large batches' weights of one model (``pack_model``: int8 copies at a byte per weight,
+    or dense ones) may take: ``TREESERVE_LARGE_TIER_BYTES`` when set (an int >= 0; anything else is a
+    ``ValueError``), else a quarter of physical memory. A model whose projections hold more weights
+    than this runs its codes for every batch, as ``TREESERVE_PACKED_MAX_ROWS=all`` does (Llama-3-8B on
+    a 24 GB host: the int8 tier's 7 GB bought no speed there and cost minutes at the first large
+    batch, benches/RESULTS.md issue 33)."""
+    env = os.environ.get("TREESERVE_LARGE_TIER_BYTES")
+    if env is not None:
+        if not env.isdigit():
+            raise ValueError(f"TREESERVE_LARGE_TIER_BYTES must be an int >= 0, got {env!r}")
+        return int(env)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // LARGE_TIER_MEMORY_FRACTION
+
+
 def pack_model(
     model: nn.Module,
     planes_for: Callable[[str], Int4Planes | GGUFWeight | None],
@@ -813,6 +834,9 @@ def pack_model(
     (``PackedLinear.prepare_large``), not here.
     ``TREESERVE_PACKED_MAX_ROWS=all``: the packed path serves every batch size, so no int8 copy is
     made and ``unloaded`` projections never hold a dense weight (the codes alone stay resident).
+    The same holds for a model whose projections have more weights than ``large_tier_budget()``
+    bytes (unless ``TREESERVE_INT8=1``), and for a group whose dense large-batch weights (int8 not
+    chosen) would not fit what is left of it.
     ``source``: the shipped codes' file (``int8_cache.source_id``): the int8 copies are kept on disk
     for it and read back at the next load (``int8_cache.int8_weight``); None: built every time.
     """
@@ -839,15 +863,28 @@ def pack_model(
             parent, _, attr = sub.rpartition(".")
             setattr(layer.get_submodule(parent), attr, new)
             packed.setdefault(new.in_features, []).append(new)
-    packed_everywhere = _env_rows("TREESERVE_PACKED_MAX_ROWS") == _ALL_ROWS  # no large-batch path
+    budget = large_tier_budget()
+    weights = sum(m.in_features * m.out_features for group in packed.values() for m in group)
+    packed_everywhere = (_env_rows("TREESERVE_PACKED_MAX_ROWS") == _ALL_ROWS  # no large-batch path
+                         or (weights > budget and os.environ.get("TREESERVE_INT8") != "1"))
     for group in packed.values():
+        rows = _ALL_ROWS if packed_everywhere else None
         if not packed_everywhere:
             # The large batches' weights: the int8 copies where they pay, else the dense ones (F.linear
-            # reads them); built at the group's first large batch (``prepare_large``: the crossover's
-            # measurement, when it runs, is one), not now.
-            if not use_int8(group, defer=True):
-                _LargeWeights([m for m in group if not m.has_dense], int8=False)
-        rows = measure_crossover(group)
+            # reads them) while they fit the budget; built at the group's first large batch
+            # (``prepare_large``: the crossover's measurement, when it runs, is one), not now.
+            if use_int8(group, defer=True):
+                budget -= sum(m.in_features * m.out_features for m in group)
+            else:
+                dense = [m for m in group if not m.has_dense]
+                dense_bytes = sum(m.in_features * m.out_features * m.weight_dtype.itemsize for m in dense)
+                if dense_bytes <= budget or not all(m.use_op for m in group):  # without the operator: the only path
+                    _LargeWeights(dense, int8=False)
+                    budget -= dense_bytes
+                else:
+                    rows = _ALL_ROWS  # the codes serve every batch of this group
+        if rows is None:
+            rows = measure_crossover(group)
         for m in group:
             m.packed_max_rows = rows
             m.drop_dense()  # eager calls no longer read it

@@ -1,0 +1,98 @@
+"""The large batches' weights fit a memory budget (issue 33): a model whose projections hold more
+weights than ``large_tier_budget()`` bytes runs its codes for every batch, as the lean configuration
+(``TREESERVE_PACKED_MAX_ROWS=all``) does, bitwise; ``TREESERVE_INT8=1`` still forces the int8 tier;
+a group whose dense large-batch weights would not fit what is left keeps its codes; bad values of
+the override are refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from treeserve._tuning import clear_memo
+from treeserve.models import load, quant
+from treeserve.models.quant import PackedLinear, large_tier_budget
+from treeserve.models.synthetic_gguf import SyntheticSpec, write_synthetic_gguf
+from treeserve.runner import PagedSequence
+
+OVERRIDES = ("TREESERVE_PACKED_MAX_ROWS", "TREESERVE_INT8", "TREESERVE_LARGE_TIER_BYTES", "TREESERVE_EXACT_HEAD",
+             "TREESERVE_HEAD_PACKED_MAX_ROWS", "TREESERVE_HEAD_ROWS_MAX_ROWS")
+SPEC = SyntheticSpec("llama", 2, 128, 4, 2, 192, 320, True, False, 500000.0, 256)
+
+
+@pytest.fixture
+def gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    for env in OVERRIDES:
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("TREESERVE_CACHE_DIR", str(tmp_path / "cache"))
+    clear_memo()
+    yield write_synthetic_gguf(tmp_path / "m.gguf", SPEC, "Q4_0", seed=3)
+    clear_memo()
+
+
+def _packed(model: torch.nn.Module) -> list[PackedLinear]:
+    return [m for m in model.modules() if isinstance(m, PackedLinear)]
+
+
+def _logits(model: torch.nn.Module) -> list[torch.Tensor]:
+    """A 20-token prompt (a large batch) and two one-token steps."""
+    with torch.inference_mode():
+        seq = PagedSequence(model, 64, page_size=4)
+        return [seq.extend(list(range(30, 50)), all_logits=True), seq.extend([61]), seq.extend([62])]
+
+
+def test_the_default_budget_is_a_quarter_of_physical_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TREESERVE_LARGE_TIER_BYTES", raising=False)
+    total = int(next(ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines()
+                     if ln.startswith("MemTotal:"))) * 1024
+    assert abs(large_tier_budget() - total // 4) <= total // 400  # MemTotal leaves out the kernel's reserve
+    monkeypatch.setenv("TREESERVE_LARGE_TIER_BYTES", "12345")
+    assert large_tier_budget() == 12345
+
+
+@pytest.mark.parametrize("bad", ["-1", "1.5", "lots", ""])
+def test_a_bad_budget_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    monkeypatch.setenv("TREESERVE_LARGE_TIER_BYTES", bad)
+    with pytest.raises(ValueError, match="TREESERVE_LARGE_TIER_BYTES"):
+        large_tier_budget()
+
+
+def test_a_model_over_the_budget_runs_its_codes_for_every_batch_as_the_lean_configuration(
+        gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TREESERVE_LARGE_TIER_BYTES", "0")
+    model, _ = load(gguf, quantization="auto")
+    packed = _packed(model)
+    assert packed and all(m.packed_max_rows == quant._ALL_ROWS for m in packed)
+    assert not any(m.large_pending or m.int8 is not None or m.has_dense for m in packed)
+    got = _logits(model)
+    assert not any(m.large_pending or m.int8 is not None or m.has_dense for m in packed)  # the prompt built nothing
+
+    monkeypatch.delenv("TREESERVE_LARGE_TIER_BYTES")
+    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "all")
+    lean, _ = load(gguf, quantization="auto")
+    for a, b in zip(got, _logits(lean), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_int8_forced_ignores_the_budget(gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TREESERVE_LARGE_TIER_BYTES", "0")
+    monkeypatch.setenv("TREESERVE_INT8", "1")
+    packed = _packed(load(gguf, quantization="auto")[0])
+    assert packed and all(m.large_int8 for m in packed)
+
+
+def test_a_group_whose_dense_weights_do_not_fit_what_is_left_keeps_its_codes(
+        gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    weights = 2 * (128 * 128 + 2 * 64 * 128 + 128 * 128 + 2 * 192 * 128 + 128 * 192)  # every projection of SPEC
+    monkeypatch.setenv("TREESERVE_LARGE_TIER_BYTES", str(weights))  # the model fits at a byte per weight
+    monkeypatch.setenv("TREESERVE_INT8", "0")  # dense large-batch weights: 4 bytes per weight
+    packed = _packed(load(gguf, quantization="auto")[0])
+    assert sum(m.in_features * m.out_features for m in packed) == weights
+    wide = [m for m in packed if m.in_features == 128]  # 4 x 196,608 bytes > the budget
+    down = [m for m in packed if m.in_features == 192]  # 4 x 49,152 bytes fit
+    assert wide and all(m.packed_max_rows == quant._ALL_ROWS and not m.large_pending for m in wide)
+    # built (the crossover's measurement ran a large batch) or deferred: dense either way
+    assert down and all((m.large_pending or m.has_dense) and not m.large_int8 for m in down)
+    assert all(m.packed_max_rows <= 128 for m in down)
