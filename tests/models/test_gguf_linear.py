@@ -288,3 +288,38 @@ def test_opcheck(name: str) -> None:
     w = GGUFWeight.from_bytes("Q4_1", random_blocks("Q4_1", 5, 64, 7), (5, 64))
     args = (w.raw, "Q4_1", 64) if name == "gguf_dequantize" else (torch.randn(3, 64), w.raw, "Q4_1", 64)
     torch.library.opcheck(getattr(torch.ops.treeserve, name).default, args)
+
+
+@requires_op
+@pytest.mark.slow
+def test_vnni_build_is_bitwise_the_avx2_one(tmp_path) -> None:
+    """The int16 path's integer dot products use ``vpdpwssd`` where the host has AVX-512 VNNI (or
+    AVX-VNNI): the native build holds it exactly on such hosts, and its outputs are bit for bit those
+    of the same source built without VNNI (exact int32 lanes, the same float32 order), every qtype
+    and row-block size."""
+    import subprocess
+
+    from torch.utils.cpp_extension import load
+
+    from treeserve._cpp import build_name, built_library, cpu_flags
+
+    flags = cpu_flags().split()
+    vnni = ("avx512_vnni" in flags and "avx512vl" in flags) or "avx_vnni" in flags
+    native = built_library(build_name(gguf_op.SOURCE))
+    listing = subprocess.run(["objdump", "-d", str(native)], capture_output=True, text=True, check=True).stdout
+    assert ("vpdpwssd" in listing) == vnni
+    load(
+        name="treeserve_gguf_linear_novnni_test",
+        sources=[str(gguf_op.SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-mno-avx512vnni", "-mno-avxvnni", "-fopenmp",
+                      "-DGGUF_LIBRARY=treeserve_novnni"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(tmp_path),
+        is_python_module=False,
+    )
+    for qtype in QTYPES:
+        for m in (1, 3, 5, 8, 13):
+            k, n = 32 * 70, 11
+            w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, m), (n, k))
+            x = block_scaled(m, k, m, 3.0)
+            assert torch.equal(run_op(x, w, False, "treeserve_novnni"), run_op(x, w, False))
