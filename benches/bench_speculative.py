@@ -43,7 +43,10 @@ def base() -> LLM:
 
 
 def _spec(base: LLM, **kw: object) -> LLM:
-    return LLM((base.model, base.tokenizer), num_threads=THREADS, **kw)
+    """An engine over ``base``'s model with ``base``'s KV dtype (a given module would otherwise get the
+    model's float32 KV where ``base``, loaded by name on an AVX-512 BF16 CPU, got bfloat16: other logits)."""
+    return LLM((base.model, base.tokenizer), num_threads=THREADS, kv_cache_dtype=str(base.kv.dtype).removeprefix("torch."),
+               **kw)
 
 
 def _default(base: LLM) -> LLM:

@@ -41,7 +41,7 @@ from treeserve.kvcache import (
     module_fingerprint,
 )
 from treeserve.models.invariant import make_batch_invariant
-from treeserve.models.quant import check_quantization
+from treeserve.models.quant import check_quantization, path_rows
 from treeserve.output import SampleDelta, TrackedRequest
 from treeserve.runner import (
     CausalLM,
@@ -492,6 +492,7 @@ class LLM:
                 speculative_max_batch=cfg.draft_batch_limit(loaded=isinstance(model, str)),
                 jump_forward_tokens=cfg.jump_forward_tokens,
                 speculative_row_cost=self._row_cost(loaded=isinstance(model, str)),
+                speculative_path_rows=path_rows(self.model),
             ),
             self.kv.allocator,
             self.radix,

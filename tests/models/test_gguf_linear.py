@@ -93,6 +93,53 @@ def test_op_within_bound_of_float64_dequantized_gemm(
     assert bool(((y.double() - ref).abs() <= error_bound(x, w, exact)).all())
 
 
+def q8_bound(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """``error_bound``'s form for int8 activations: per 32-block s_b = max|x_b| / 127."""
+    s = (x.abs().reshape(x.shape[0], -1, 32).amax(-1) / 127).double()
+    rounding = (0.51 * s).repeat_interleave(32, dim=1)
+    return (rounding + 2 * (x.shape[1] + 2) * 2.0**-24 * (x.double().abs() + rounding)) @ magnitudes(w).T + 1e-30
+
+
+@requires_op
+@settings(max_examples=40, deadline=None)
+@given(
+    qtype=st.sampled_from(QTYPES),
+    m=st.integers(1, 19),
+    groups=st.integers(1, 80),
+    n=st.integers(1, 41),
+    spread=st.sampled_from([0.0, 3.0]),
+    seed=st.integers(0, 2**20),
+)
+def test_q8_op_within_bound_of_float64_dequantized_gemm(qtype: str, m: int, groups: int, n: int, spread: float,
+                                                         seed: int) -> None:
+    """``treeserve::gguf_linear_q8`` (int8 activations per 32-block): every row count (register blocks
+    of 1..8 rows and their remainders, more than 8), odd and even weight rows (tiles of two and the
+    last one alone), block counts across the 64-block scale chunks and their 8-block scale groups."""
+    k = 32 * groups
+    w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, seed), (n, k))
+    x = block_scaled(m, k, seed, spread)
+    ref = x.double() @ w.dequantize(torch.float64).T
+    y = torch.ops.treeserve.gguf_linear_q8(x, w.raw, qtype, k)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert bool(((y.double() - ref).abs() <= q8_bound(x, w)).all())
+
+
+@requires_op
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_q8_rounding_is_real_and_non_finite_rows_stay_apart(qtype: str) -> None:
+    """The int8 rounding is what the bound says, not a no-op (the result differs from the int16 one
+    by more than the int16 bound), zero rows give 0 and a non-finite activation only its own row NaN."""
+    n, k = 33, 576
+    w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, 9), (n, k))
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(9))
+    x[1] = 0
+    x[2, 100] = float("nan")
+    y = torch.ops.treeserve.gguf_linear_q8(x, w.raw, qtype, k)
+    y16 = run_op(x, w, False)
+    assert bool((y[1] == 0).all()) and bool(y[2].isnan().all()) and bool(y[[0, 3]].isfinite().all())
+    assert bool(((y - y16)[[0, 3]].abs().double() > error_bound(x[[0, 3]], w, False)).any())
+
+
 @requires_op
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_int16_activations_are_far_finer_than_bfloat16(qtype: str) -> None:
@@ -278,11 +325,13 @@ def test_scalar_fallback_within_bound(tmp_path) -> None:
             for exact in (True, False):
                 y = run_op(x, w, exact, "treeserve_scalar")
                 assert bool(((y.double() - ref).abs() <= error_bound(x, w, exact)).all())
+            y = torch.ops.treeserve_scalar.gguf_linear_q8(x, w.raw, qtype, k)
+            assert bool(((y.double() - ref).abs() <= q8_bound(x, w)).all())
             assert torch.equal(torch.ops.treeserve_scalar.gguf_dequantize(w.raw, qtype, k), w.dequantize())
 
 
 @requires_op
-@pytest.mark.parametrize("name", ["gguf_linear", "gguf_linear_exact", "gguf_dequantize"])
+@pytest.mark.parametrize("name", ["gguf_linear", "gguf_linear_exact", "gguf_dequantize", "gguf_linear_q8"])
 def test_opcheck(name: str) -> None:
     """Schema, fake (tracing) implementation and dispatch of the operators agree."""
     w = GGUFWeight.from_bytes("Q4_1", random_blocks("Q4_1", 5, 64, 7), (5, 64))
@@ -293,10 +342,11 @@ def test_opcheck(name: str) -> None:
 @requires_op
 @pytest.mark.slow
 def test_vnni_build_is_bitwise_the_avx2_one(tmp_path) -> None:
-    """The int16 path's integer dot products use ``vpdpwssd`` where the host has AVX-512 VNNI (or
-    AVX-VNNI): the native build holds it exactly on such hosts, and its outputs are bit for bit those
-    of the same source built without VNNI (exact int32 lanes, the same float32 order), every qtype
-    and row-block size."""
+    """The int16 path's integer dot products use ``vpdpwssd`` (and the int8 path ``vpdpbusd``) where the
+    host has AVX-512 VNNI (or AVX-VNNI): the native build holds them exactly on such hosts, and its
+    int16 outputs are bit for bit those of the same source built without VNNI (exact int32 lanes, the
+    same float32 order), every qtype and row-block size; that build's int8 path (the scalar loop)
+    keeps its bound."""
     import subprocess
 
     from torch.utils.cpp_extension import load
@@ -307,7 +357,7 @@ def test_vnni_build_is_bitwise_the_avx2_one(tmp_path) -> None:
     vnni = ("avx512_vnni" in flags and "avx512vl" in flags) or "avx_vnni" in flags
     native = built_library(build_name(gguf_op.SOURCE))
     listing = subprocess.run(["objdump", "-d", str(native)], capture_output=True, text=True, check=True).stdout
-    assert ("vpdpwssd" in listing) == vnni
+    assert ("vpdpwssd" in listing) == vnni and ("vpdpbusd" in listing) == vnni
     load(
         name="treeserve_gguf_linear_novnni_test",
         sources=[str(gguf_op.SOURCE)],
@@ -323,3 +373,21 @@ def test_vnni_build_is_bitwise_the_avx2_one(tmp_path) -> None:
             w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, m), (n, k))
             x = block_scaled(m, k, m, 3.0)
             assert torch.equal(run_op(x, w, False, "treeserve_novnni"), run_op(x, w, False))
+            ref = x.double() @ w.dequantize(torch.float64).T  # the int8 path without VNNI: the scalar loop
+            y = torch.ops.treeserve_novnni.gguf_linear_q8(x, w.raw, qtype, k)
+            assert bool(((y.double() - ref).abs() <= q8_bound(x, w)).all())
+
+
+@requires_op
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_int16_rows_of_small_calls_are_the_rows_alone(qtype: str) -> None:
+    """``SAME_ROWS``: in a call of at most that many rows every row is bit for bit the row alone
+    (the scheduler's drafts rely on it: ``quant.path_rows``); the claim is not vacuous, as a larger
+    call sums its rows in another order."""
+    n, k = 37, 32 * 70
+    w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, 4), (n, k))
+    x = block_scaled(8, k, 4, 3.0)
+    alone = torch.cat([run_op(x[i : i + 1], w, False) for i in range(8)])
+    for m in range(1, gguf_op.SAME_ROWS + 1):
+        assert torch.equal(run_op(x[:m], w, False), alone[:m])
+    assert not torch.equal(run_op(x[: gguf_op.SAME_ROWS + 1], w, False), alone[: gguf_op.SAME_ROWS + 1])

@@ -1,6 +1,7 @@
 """The large batches' weights fit a memory budget (issue 33): a model whose projections hold more
 weights than ``large_tier_budget()`` bytes runs its codes for every batch, as the lean configuration
-(``TREESERVE_PACKED_MAX_ROWS=all``) does, bitwise; ``TREESERVE_INT8=1`` still forces the int8 tier;
+(``TREESERVE_PACKED_MAX_ROWS=all``) does, bitwise up to the measured row count above which its large
+batches take the codes with int8 activations; ``TREESERVE_INT8=1`` still forces the int8 tier;
 a group whose dense large-batch weights would not fit what is left keeps its codes; bad values of
 the override are refused by name."""
 
@@ -13,6 +14,7 @@ import torch
 
 from treeserve._tuning import clear_memo
 from treeserve.models import load, quant
+from treeserve.models.gguf_op import q8_vnni
 from treeserve.models.quant import PackedLinear, large_tier_budget
 from treeserve.models.synthetic_gguf import SyntheticSpec, write_synthetic_gguf
 from treeserve.runner import PagedSequence
@@ -59,12 +61,15 @@ def test_a_bad_budget_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, bad: s
         large_tier_budget()
 
 
-def test_a_model_over_the_budget_runs_its_codes_for_every_batch_as_the_lean_configuration(
-        gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_model_over_the_budget_runs_its_codes_for_every_batch(gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the budget, with the int8-activation path above 8 rows (``TREESERVE_PACKED_MAX_ROWS=8``,
+    as a measurement may choose): nothing but the codes is ever built; steps of up to 8 rows are the
+    lean configuration's bit for bit, the 20-row prompt is within the int8 rounding of it."""
     monkeypatch.setenv("TREESERVE_LARGE_TIER_BYTES", "0")
+    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "8")
     model, _ = load(gguf, quantization="auto")
     packed = _packed(model)
-    assert packed and all(m.packed_max_rows == quant._ALL_ROWS for m in packed)
+    assert packed and all(m.packed_max_rows == 8 and m.large_q8 for m in packed)
     assert not any(m.large_pending or m.int8 is not None or m.has_dense for m in packed)
     got = _logits(model)
     assert not any(m.large_pending or m.int8 is not None or m.has_dense for m in packed)  # the prompt built nothing
@@ -72,8 +77,30 @@ def test_a_model_over_the_budget_runs_its_codes_for_every_batch_as_the_lean_conf
     monkeypatch.delenv("TREESERVE_LARGE_TIER_BYTES")
     monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "all")
     lean, _ = load(gguf, quantization="auto")
-    for a, b in zip(got, _logits(lean), strict=True):
-        assert torch.equal(a, b)
+    assert not any(m.large_q8 for m in _packed(lean))
+    want = _logits(lean)
+    assert not torch.equal(got[0], want[0])  # the prompt took the int8 activations
+    assert float((got[0] - want[0]).abs().max()) < 0.05 * float(want[0].abs().max())
+    with torch.inference_mode():  # one-row steps of a fresh sequence: the int16 path, bitwise
+        a, b = PagedSequence(model, 64, page_size=4), PagedSequence(lean, 64, page_size=4)
+        for tok in (30, 31, 32):
+            assert torch.equal(a.extend([tok]), b.extend([tok]))
+
+
+def test_over_the_budget_the_int8_activation_rows_are_measured(gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an override the row count where the int8-activation path takes over is measured per
+    group (kept in the measurement cache): at least 1 when it is ever faster (a single stream keeps
+    int16), else every batch on the int16 path (always, on a host without VNNI); a second load reads
+    the same choice back."""
+    monkeypatch.setenv("TREESERVE_LARGE_TIER_BYTES", "0")
+    packed = _packed(load(gguf, quantization="auto")[0])
+    for m in packed:
+        assert m.large_q8 == (m.packed_max_rows < quant._ALL_ROWS) and m.packed_max_rows >= 1
+    if not q8_vnni():  # no VNNI tile on this host: its scalar loop is neither measured nor taken
+        assert not any(m.large_q8 for m in packed)
+    clear_memo()
+    again = _packed(load(gguf, quantization="auto")[0])
+    assert [(m.packed_max_rows, m.large_q8) for m in again] == [(m.packed_max_rows, m.large_q8) for m in packed]
 
 
 def test_int8_forced_ignores_the_budget(gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,7 +119,17 @@ def test_a_group_whose_dense_weights_do_not_fit_what_is_left_keeps_its_codes(
     assert sum(m.in_features * m.out_features for m in packed) == weights
     wide = [m for m in packed if m.in_features == 128]  # 4 x 196,608 bytes > the budget
     down = [m for m in packed if m.in_features == 192]  # 4 x 49,152 bytes fit
-    assert wide and all(m.packed_max_rows == quant._ALL_ROWS and not m.large_pending for m in wide)
+    assert wide and all((m.packed_max_rows == quant._ALL_ROWS) != m.large_q8 and not m.large_pending for m in wide)
     # built (the crossover's measurement ran a large batch) or deferred: dense either way
     assert down and all((m.large_pending or m.has_dense) and not m.large_int8 for m in down)
     assert all(m.packed_max_rows <= 128 for m in down)
+
+
+@pytest.mark.parametrize(("rows", "expect"), [("8", (4, 8)), ("all", (4,)), ("2", (2,)), ("0", (0,))])
+def test_path_rows_name_every_row_count_where_a_row_is_computed_otherwise(
+        gguf: Path, monkeypatch: pytest.MonkeyPatch, rows: str, expect: tuple[int, ...]) -> None:
+    """``quant.path_rows``: each projection's ``packed_max_rows`` below every batch, and the GGUF
+    operator's ``SAME_ROWS`` where its int16 path serves more rows than that."""
+    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", rows)
+    model, _ = load(gguf, quantization="auto")
+    assert quant.path_rows(model) == expect

@@ -159,3 +159,33 @@ def test_a_grammar_that_forces_tokens_asks_for_a_jump_forward_draft(jump: int, s
 def test_jump_forward_tokens_is_checked() -> None:
     with pytest.raises(ValueError, match="jump_forward_tokens must be >= 0"):
         SchedulerConfig(jump_forward_tokens=-1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("path_rows", [(), (2,), (4,), (2, 4), (0, 3), (1, 16)])
+def test_drafts_never_carry_a_step_across_a_path_threshold(n: int, path_rows: tuple[int, ...]) -> None:
+    """``speculative_path_rows``: a step of ``n`` decodes grows by drafts up to the first threshold at
+    or above ``n`` rows and no further (without one at or above it, as far as the other limits
+    allow), so every verified row is computed as in the plain decode step."""
+    kv = make_pool(200, 1)
+    radix = RadixCache(kv.allocator, 1)
+    table = ReqToTokenTable(4, 64)
+    config = SchedulerConfig(256, 4, 64, num_speculative_tokens=4, speculative_path_rows=path_rows)
+    sched = Scheduler(config, kv.allocator, radix, table, StopChecker([EOS], None))
+    runner = FakeRunner(kv, table, VOCAB)
+    for i in range(n):
+        sched.new_request([1 + i, 2, 3], SamplingParams(max_new_tokens=20, ignore_eos=True), 1, VOCAB)
+    batch = sched.schedule()  # the prefills
+    sched.update(batch, runner.run(batch))
+    batch = sched.schedule()  # n decodes
+    assert len(batch.items) == n
+    cap = min([4 * n] + [t - n for t in path_rows if t >= n])
+    assert sum(it.draft_budget for it in batch.items) == cap
+    sched.update(batch, runner.run(batch))
+    sched.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [(-1,), [2], (2.5,), ("4",)])
+def test_speculative_path_rows_is_checked(bad: object) -> None:
+    with pytest.raises(ValueError, match="speculative_path_rows"):
+        SchedulerConfig(num_speculative_tokens=2, speculative_path_rows=bad)  # type: ignore[arg-type]

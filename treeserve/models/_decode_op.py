@@ -15,7 +15,8 @@ draft nodes at positions prefix_len + depth, each seeing the prefix, its ancesto
 the same page lists the ``cpu`` attention backend gives the Python path) -- served by the
 ``cpu`` attention backend, each projection
 taking the path ``PackedLinear.forward`` would (GGUF blocks up to ``packed_max_rows`` rows, the
-int8 GEMM or ``F.linear`` on the dense weight above; int4-plane codes only above), and Dynamo is not tracing
+int8 GEMM or ``F.linear`` on the dense weight above; int4-plane codes only above; above the rows of a
+``PackedLinear.large_q8``, never), and Dynamo is not tracing
 (the operator has a fake implementation and passes ``opcheck``, but compiled steps keep the layer
 modules). Otherwise it returns ``None`` and the
 caller runs its layers in Python. Slots, positions and the page table (indices in range,
@@ -164,6 +165,9 @@ def _operands(plan: DecodePlan, rows: int) -> tuple[list[torch.Tensor], list[str
                 tensors.append(p.raw)
                 qtypes.append(p.qtype)
                 continue
+            if p.packed is not None and p.packed.large_q8:  # int8-activation codes: the Python layers' path
+                plan.variants[key] = None
+                break
             int8, weight = _large(p)
             if int8 is not None:
                 tensors.extend(int8.operands)

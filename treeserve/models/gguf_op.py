@@ -14,6 +14,11 @@ them, a scalar loop otherwise), in one of two activation modes, one C++ operator
   output: ``sum_b 0.51 s_b sum_{j in b} |d q_j|`` plus float32 summation error, i.e. about 2^-16 of
   each block's largest activation (bfloat16 activations: 2^-9 of each activation).
 
+A third operator, ``treeserve::gguf_linear_q8``, rounds each 32-block of ``x`` to int8 instead
+(``s_b = max|x_b| / 127``, llama.cpp's Q8_0 activations: about 2^-8 of each block's largest
+activation) for the large batches of a model whose codes serve every batch (``quant.use_q8_large``);
+``q8_vnni`` says whether it runs its VNNI tile here.
+
 Without a compiler the same product runs through torch (``dequantize`` then ``F.linear``, float32
 activations in both modes).
 """
@@ -27,13 +32,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from treeserve._cpp import cpp_op_loader, load_cpp_op
+from treeserve._cpp import cpp_op_loader, cpu_flags, load_cpp_op
 
-__all__ = ["BLOCK_BYTES", "GROUP", "GGUFWeight", "gguf_linear", "gguf_op_available", "load_gguf_linear_op"]
+__all__ = ["BLOCK_BYTES", "GROUP", "SAME_ROWS", "GGUFWeight", "gguf_linear", "gguf_op_available", "load_gguf_linear_op", "q8_vnni"]
 
 GROUP = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 SOURCE = Path(__file__).with_name("csrc") / "gguf_linear.cpp"
+SAME_ROWS = 4
+"""``gguf_linear`` (int16) sums each row of a call of at most this many rows exactly as it sums the
+row alone (two accumulator chains per row; more rows: one chain, in register blocks of 8)."""
 
 
 class GGUFWeight(NamedTuple):
@@ -130,11 +138,20 @@ def load_gguf_linear_op() -> str | None:
     """Build (first time on this host) and load the operator; ``None`` when usable, else the reason
     (logged once; ``gguf_linear`` then runs the torch path)."""
     for op, what in (("gguf_linear", "C++ GGUF linear"), ("gguf_linear_exact", "C++ GGUF linear (float32 activations)"),
-                     ("gguf_dequantize", "C++ GGUF dequantization")):
+                     ("gguf_dequantize", "C++ GGUF dequantization"),
+                     ("gguf_linear_q8", "C++ GGUF linear (int8 activations)")):
         reason = load_cpp_op(SOURCE, op, what, _dequantize_fake if op == "gguf_dequantize" else _fake)
         if reason is not None:
             return reason
     return None
+
+def q8_vnni() -> bool:
+    """Whether ``treeserve::gguf_linear_q8`` runs its ``vpdpbusd`` tile here: the operator is built and
+    the host (``-march=native``) has AVX-512 VNNI with AVX-512 VL, or AVX-VNNI. Elsewhere it is a
+    scalar loop, correct but never faster than ``gguf_linear``: not worth measuring."""
+    flags = cpu_flags().split()
+    return gguf_op_available() and (("avx512_vnni" in flags and "avx512vl" in flags) or "avx_vnni" in flags)
+
 
 def gguf_op_available() -> bool:
     """Whether ``treeserve::gguf_linear`` is built and loaded."""

@@ -48,7 +48,7 @@ from torch import nn
 
 from treeserve._cpp import cpp_op_loader, load_cpp_op
 from treeserve._tuning import measured
-from treeserve.models.gguf_op import GGUFWeight, gguf_op_available
+from treeserve.models.gguf_op import SAME_ROWS, GGUFWeight, gguf_op_available, q8_vnni
 from treeserve.models.int8_op import BLOCK as INT8_BLOCK
 from treeserve.models.int8_cache import int8_weight
 from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear, int8_swiglu_linear
@@ -66,11 +66,13 @@ __all__ = [
     "large_tier_budget",
     "measure_crossover",
     "pack_model",
+    "path_rows",
     "planes_from_gguf",
     "quantize_int4",
     "quantize_int8",
     "restore_dense",
     "use_int8",
+    "use_q8_large",
 ]
 
 GROUP = 32  # every supported code: 32 weights per scale
@@ -209,9 +211,10 @@ class PackedLinear(nn.Module):
     error about 2^-16 of each block's largest activation, see ``gguf_op``; float32 accumulation) or ``Int4Planes`` (torch's int4 kernel, activations and
     scales in ``act_dtype``: bfloat16 is its fast path, float32 exact but slow on AVX2). Batches of
     at most ``packed_max_rows`` rows take the packed path, larger ones ``large_forward``: the int8
-    GEMM where ``use_int8`` gave the layer an ``Int8Weight``, else ``F.linear`` on ``weight`` (the
-    codes dequantized once into the model dtype; the caller passes it). The output has ``x``'s
-    dtype. CPU only.
+    GEMM where ``use_int8`` gave the layer an ``Int8Weight``, the same GGUF codes with activations
+    rounded to int8 per 32-block (``treeserve::gguf_linear_q8``, no other copy of the weight) where
+    ``large_q8`` is set (``use_q8_large``), else ``F.linear`` on ``weight`` (the codes dequantized
+    once into the model dtype; the caller passes it). The output has ``x``'s dtype. CPU only.
 
     Memory: when nothing in eager use needs the dense weight (GGUF codes multiplied by the C++
     operator up to ``packed_max_rows``, the int8 GEMM above), ``drop_dense`` frees it and
@@ -243,6 +246,7 @@ class PackedLinear(nn.Module):
             self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         self.int8: Int8Weight | None = None  # set by ``use_int8`` where the int8 GEMM pays
+        self.large_q8 = False  # set by ``use_q8_large``: large batches on the codes with int8 activations
         self._large: _LargeWeights | None = None  # deferred large-batch weights (``prepare_large``)
         self.int8_source: tuple[str | None, str] = (None, "")  # (source file id, name): ``int8_cache``'s key
         self.qtype = codes.qtype if isinstance(codes, GGUFWeight) else None
@@ -271,10 +275,14 @@ class PackedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def large_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The product for batches above ``packed_max_rows`` (``x [M, K]``): the int8 GEMM when
-        ``int8`` is set (and Dynamo is not tracing), else ``F.linear`` on the dense weight
+        """The product for batches above ``packed_max_rows`` (``x [M, K]``): the codes with int8
+        activations when ``large_q8`` is set, the int8 GEMM when ``int8`` is set (and Dynamo is not
+        tracing), else ``F.linear`` on the dense weight
         (``RuntimeError`` when it is not held: see ``dense_weight``). Deferred large-batch
         weights are built first (``prepare_large``)."""
+        if self.large_q8:
+            y = torch.ops.treeserve.gguf_linear_q8(x.float(), self.raw, self.qtype, self.in_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         self.prepare_large()
         if self.int8 is None or _tracing():
             if not self.has_dense:
@@ -355,6 +363,24 @@ class PackedLinear(nn.Module):
         if x.shape[0] <= self.packed_max_rows:
             return self.packed_forward(x)
         return self.large_forward(x)
+
+
+def path_rows(model: nn.Module) -> tuple[int, ...]:
+    """The row counts at which a projection of ``model`` changes how it computes a row (sorted,
+    distinct): the ``packed_max_rows`` of its ``PackedLinear`` layers that have a large-batch path,
+    and ``gguf_op.SAME_ROWS`` where the GGUF operator's int16 path serves more rows than that (up
+    to it, every row is summed as when it is alone). A step that stays at or below the first
+    threshold at or above its row count computes each row as a one-row step would (the scheduler's
+    ``speculative_path_rows``: greedy speculation keeps plain decoding's output)."""
+    rows: set[int] = set()
+    for m in model.modules():
+        if not isinstance(m, PackedLinear):
+            continue
+        if m.packed_max_rows < _ALL_ROWS:
+            rows.add(m.packed_max_rows)
+        if m.qtype is not None and m.use_op and m.packed_max_rows > SAME_ROWS:
+            rows.add(SAME_ROWS)
+    return tuple(sorted(rows))
 
 
 def restore_dense(model: nn.Module) -> None:
@@ -469,6 +495,41 @@ def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
 
     return _crossover("packed-rows", key, group[0].in_features, group[0].weight_dtype,
                       run(lambda m, x: m.packed_forward(x)), run(lambda m, x: m.large_forward(x)))
+
+
+def use_q8_large(layers: Sequence[PackedLinear]) -> int:
+    """For a group of GGUF-code layers (one input width) whose codes serve every batch (no room for
+    other large-batch weights): give them the int8-activation path of their codes
+    (``treeserve::gguf_linear_q8``: activations rounded to int8 per 32-block, about 2^-8 of each
+    block's largest activation, vs 2^-16 for ``gguf_linear``'s int16) for the batches where it is
+    faster on this machine, and return the row count up to which the int16 path stays
+    (``packed_max_rows``: at least 1, a single stream keeps the finer activations; ``_ALL_ROWS``
+    when the int8 path is never faster or not built). Measured once per host per set of shapes and
+    thread count (``treeserve._tuning``), on hosts where it runs as a tiled ``vpdpbusd`` kernel
+    (``gguf_op.q8_vnni``: AVX-512 VNNI / AVX-VNNI; elsewhere its scalar loop is not measured, nor
+    taken); ``TREESERVE_PACKED_MAX_ROWS`` (an int) overrides both."""
+    group = list(layers)
+    env = _env_rows("TREESERVE_PACKED_MAX_ROWS")
+    if not group or any(m.qtype is None or not m.use_op for m in group) or (env is None and not q8_vnni()):
+        return _ALL_ROWS
+    if env is None:
+        timed = _measured_part(group)
+        key = tuple((m.out_features, m.in_features, m.qtype) for m in timed)
+
+        def run(fn: Callable[[PackedLinear, torch.Tensor], object]) -> Callable[[torch.Tensor], None]:
+            return lambda x: [fn(m, x) for m in timed] and None
+
+        def q8(m: PackedLinear, x: torch.Tensor) -> object:
+            return torch.ops.treeserve.gguf_linear_q8(x, m.raw, m.qtype, m.in_features)
+
+        rows = _crossover("q8-rows", key, group[0].in_features, torch.float32,
+                          run(lambda m, x: m.packed_forward(x)), run(q8))
+        rows = _ALL_ROWS if rows >= _CROSSOVER_ROWS[-1] else max(rows, 1)
+    else:
+        rows = env
+    for m in group:
+        m.large_q8 = rows < _ALL_ROWS
+    return rows
 
 
 def use_int8(layers: Sequence[PackedLinear], rows: int = 64, defer: bool = False) -> bool:
@@ -834,9 +895,10 @@ def pack_model(
     (``PackedLinear.prepare_large``), not here.
     ``TREESERVE_PACKED_MAX_ROWS=all``: the packed path serves every batch size, so no int8 copy is
     made and ``unloaded`` projections never hold a dense weight (the codes alone stay resident).
-    The same holds for a model whose projections have more weights than ``large_tier_budget()``
-    bytes (unless ``TREESERVE_INT8=1``), and for a group whose dense large-batch weights (int8 not
-    chosen) would not fit what is left of it.
+    A model whose projections have more weights than ``large_tier_budget()`` bytes (unless
+    ``TREESERVE_INT8=1``), and a group whose dense large-batch weights (int8 not chosen) would not
+    fit what is left of it, keep the codes alone too; their large batches read the same codes with
+    int8 activations where that is measured faster (``use_q8_large``).
     ``source``: the shipped codes' file (``int8_cache.source_id``): the int8 copies are kept on disk
     for it and read back at the next load (``int8_cache.int8_weight``); None: built every time.
     """
@@ -865,11 +927,11 @@ def pack_model(
             packed.setdefault(new.in_features, []).append(new)
     budget = large_tier_budget()
     weights = sum(m.in_features * m.out_features for group in packed.values() for m in group)
-    packed_everywhere = (_env_rows("TREESERVE_PACKED_MAX_ROWS") == _ALL_ROWS  # no large-batch path
-                         or (weights > budget and os.environ.get("TREESERVE_INT8") != "1"))
+    codes_only = _env_rows("TREESERVE_PACKED_MAX_ROWS") == _ALL_ROWS  # no large-batch path at all
+    over_budget = weights > budget and os.environ.get("TREESERVE_INT8") != "1"  # none with weights of its own
     for group in packed.values():
-        rows = _ALL_ROWS if packed_everywhere else None
-        if not packed_everywhere:
+        rows = _ALL_ROWS if codes_only or over_budget else None
+        if rows is None:
             # The large batches' weights: the int8 copies where they pay, else the dense ones (F.linear
             # reads them) while they fit the budget; built at the group's first large batch
             # (``prepare_large``: the crossover's measurement, when it runs, is one), not now.
@@ -883,8 +945,10 @@ def pack_model(
                     budget -= dense_bytes
                 else:
                     rows = _ALL_ROWS  # the codes serve every batch of this group
-        if rows is None:
-            rows = measure_crossover(group)
+            if rows is None:
+                rows = measure_crossover(group)
+        if rows == _ALL_ROWS and not codes_only:  # large batches on the codes, with int8 activations where faster
+            rows = use_q8_large(group)
         for m in group:
             m.packed_max_rows = rows
             m.drop_dense()  # eager calls no longer read it

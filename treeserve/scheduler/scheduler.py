@@ -67,6 +67,11 @@ class SchedulerConfig:
     relative to a step's fixed part, measured (``treeserve.runner.step_cost``); with it, each
     step's draft lengths follow the goodput rule of :mod:`treeserve.scheduler.draft_plan` and each
     request's acceptance so far (0 = rows are free: every asking request gets its whole room).
+    ``speculative_path_rows``: step row counts at which the model's arithmetic changes path (a
+    CPU projection serves up to ``PackedLinear.packed_max_rows`` rows from its codes, more by its
+    large-batch path): drafts never carry a step across one, so every row of a verify step is
+    computed as in the plain decode step it extends and greedy speculation keeps the output of
+    plain decoding (empty: one path).
     ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
     being prefilled (and not yet cached) waits for that prefill instead of duplicating it.
     ``jump_forward_tokens``: a decoding grammar-constrained request (``Request.grammar``) whose
@@ -80,6 +85,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     speculative_max_batch: int = 0
     speculative_row_cost: float = 0.0
+    speculative_path_rows: tuple[int, ...] = ()
     lpm_window: int = 128
     min_shared_prefix: int = 32
     jump_forward_tokens: int = 0
@@ -93,6 +99,9 @@ class SchedulerConfig:
                      "jump_forward_tokens", "speculative_row_cost"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        rows = self.speculative_path_rows
+        if not isinstance(rows, tuple) or not all(isinstance(r, int) and r >= 0 for r in rows):
+            raise ValueError(f"speculative_path_rows must be a tuple of ints >= 0, got {rows!r}")
 
 
 @dataclass(slots=True, eq=False)
@@ -317,11 +326,14 @@ class Scheduler:
         draft slots without preempting or evicting for anyone else's need: a grammar-constrained
         item first the jump-forward tokens its grammar forces (oldest first), then draft nodes,
         at most ``num_speculative_tokens`` per item in all (none on a step over
-        ``speculative_max_batch``), as many as :func:`plan_draft_lengths` finds worth their rows."""
+        ``speculative_max_batch``), as many as :func:`plan_draft_lengths` finds worth their rows,
+        and never so many that the step crosses one of ``speculative_path_rows``."""
         cfg = self.config
         k, jump = cfg.num_speculative_tokens, cfg.jump_forward_tokens
         max_len = cfg.max_model_len
         items = batch.items
+        plain = sum(it.num_scheduled_tokens for it in items)
+        budget = min([budget] + [t - plain for t in cfg.speculative_path_rows if t >= plain])
         decoding = [j for j, it in enumerate(items) if it.start == it.req.seq_len - 1]
         if cfg.speculative_max_batch and len(decoding) > cfg.speculative_max_batch:
             k = 0  # a batch-heavy step: plain decoding is faster (forced tokens are still drafted)

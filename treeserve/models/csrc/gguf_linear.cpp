@@ -1,7 +1,7 @@
 // treeserve::gguf_linear: y[M, N] = x[M, K] @ dequant(W)[N, K]^T with W held as GGUF blocks as shipped
 // (one row of N: K/32 blocks; Q4_0 18 B = f16 d + 16 B nibbles, w = d (q - 8); Q4_1 20 B = f16 d, f16 m
 // + 16 B nibbles, w = d q + m; Q8_0 34 B = f16 d + 32 int8, w = d q; nibble byte j holds element j
-// (low) and j + 16 (high)). Two operators, two activation modes:
+// (low) and j + 16 (high)). Three operators, three activation modes:
 // - gguf_linear_exact: float32 activations and accumulation; each block is decoded once into float32 and
 //   used for up to 8 rows of x.
 // - gguf_linear (the decoder layers'): int16 activations; each 32-block b of each row of x is rounded once per call to int16 codes
@@ -9,6 +9,7 @@
 //   per weight block the integer dot product sum q xq is exact in int32 (and in the float it is converted
 //   to: |sum| < 2^24), then y += (d s_b) * sum in float32; Q4_1's offset adds m * sum(x) with the float32
 //   block sums of the unrounded x. Q4_0 codes are q - 8 in integers.
+// - gguf_linear_q8 (large batches of models whose codes serve every batch): int8 activations, below.
 // Parallel over N.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -393,12 +394,18 @@ QType parse_qtype(const std::string& s) {
   return QType::Q8_0;
 }
 
-at::Tensor gguf_linear_impl(const at::Tensor& x, const at::Tensor& w, const std::string& qtype, int64_t K, bool exact) {
+// The qtype of a checked call: x float32 [M, K], K a multiple of 32, w uint8 [N, K/32 * block bytes].
+QType checked_qtype(const at::Tensor& x, const at::Tensor& w, const std::string& qtype, int64_t K) {
   const QType t = parse_qtype(qtype);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K, "gguf_linear: x must be float32 [M, K]");
   TORCH_CHECK(K % GROUP == 0, "gguf_linear: K must be a multiple of 32");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / GROUP * block_bytes(t),
               "gguf_linear: w must be uint8 [N, K/32 * block bytes]");
+  return t;
+}
+
+at::Tensor gguf_linear_impl(const at::Tensor& x, const at::Tensor& w, const std::string& qtype, int64_t K, bool exact) {
+  const QType t = checked_qtype(x, w, qtype, K);
   const at::Tensor xc = x.contiguous(), wc = w.contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -478,6 +485,203 @@ at::Tensor gguf_dequantize(const at::Tensor& w, std::string qtype, int64_t K) {
   return out;
 }
 
+// ---- int8 activations (gguf_linear_q8: large batches of a model whose codes serve every batch) ----
+// Each 32-block b of each row of x is rounded to int8, xq = round(x / s_b), s_b = max|x_b| / 127
+// (|x - s_b xq| <= s_b / 2 up to float rounding); per weight block the codes as unsigned bytes u (Q4_0,
+// Q4_1: q in 0..15; Q8_0: q + 128) and sum u xq exact in int32; y += (d s_b) (sum u xq + c sum xq) with
+// c = -8 (Q4_0), -128 (Q8_0), 0 (Q4_1, whose offset adds m * sum(x) of the unrounded x as gguf_linear).
+// Where the host has AVX-512 VNNI or AVX-VNNI: vpdpbusd, a tile of two weight rows by up to 8 rows of x
+// (each x load serves both weight rows). Elsewhere a scalar loop (correct, slow: the caller measures).
+
+template <QType T>
+constexpr float Q8_SHIFT = T == QType::Q4_0 ? -8.0f : (T == QType::Q8_0 ? -128.0f : 0.0f);
+
+// x [blocks * 32] rounded per 32-block to int8 (xs: the scales, NaN for a block with a non-finite value);
+// xc = shift * sum(xq) per block (exact in float: |xc| <= 128 * 127 * 32 < 2^24).
+void quantize_rows_i8(const float* x, int64_t blocks, float shift, int8_t* xq, float* xs, float* xc) {
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* xb = x + i * GROUP;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t j = 0; j < GROUP; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      finite = finite && std::isfinite(xb[j]);
+    }
+    const float inv = amax > 0.0f && finite ? 127.0f / amax : 0.0f;
+    xs[i] = finite ? amax / 127.0f : std::nanf("");
+    int32_t sum = 0;
+    for (int64_t j = 0; j < GROUP; ++j) {
+      const int8_t q = static_cast<int8_t>(std::rint(std::min(127.0f, std::max(-127.0f, xb[j] * inv))));
+      xq[i * GROUP + j] = q;
+      sum += q;
+    }
+    xc[i] = shift * static_cast<float>(sum);
+  }
+}
+
+// The unsigned codes u of one block (element order).
+template <QType T>
+inline void codes_u8(const uint8_t* blk, int32_t* u) {
+  if constexpr (T == QType::Q8_0) {
+    for (int i = 0; i < 32; ++i) u[i] = static_cast<int8_t>(blk[2 + i]) + 128;
+  } else {
+    const uint8_t* qs = blk + (T == QType::Q4_1 ? 4 : 2);
+    for (int j = 0; j < 16; ++j) {
+      u[j] = qs[j] & 15;
+      u[j + 16] = qs[j] >> 4;
+    }
+  }
+}
+
+template <QType T, int MC>
+void rows_q8_scalar(const int8_t* xq, const float* xs, const float* xc, const float* xsum, const uint8_t* w, float* y,
+                    int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = K / GROUP;
+  int32_t u[GROUP];
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc[MC] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + (n * nb + b) * BB<T>;
+      codes_u8<T>(blk, u);
+      const float d = half_at(blk);
+      for (int m = 0; m < MC; ++m) {
+        const int8_t* xb = xq + (m * nb + b) * GROUP;
+        int32_t dot = 0;
+        for (int i = 0; i < GROUP; ++i) dot += u[i] * xb[i];
+        const float ds = d * xs[m * nb + b];
+        acc[m] += ds * static_cast<float>(dot) + ds * xc[m * nb + b];
+        if constexpr (T == QType::Q4_1) acc[m] += half_at(blk + 2) * xsum[m * nb + b];
+      }
+    }
+    for (int m = 0; m < MC; ++m) y[m * N + n] = acc[m];
+  }
+}
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define TREESERVE_Q8_VNNI 1
+inline __m256i dot_u8s8(__m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+#endif
+}
+
+template <QType T>
+inline __m256i codes_u8_vec(const uint8_t* blk) {
+  if constexpr (T == QType::Q8_0)
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == QType::Q4_1 ? 4 : 2)));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+}
+
+// Weight rows [n0, n0 + NR) against x rows [0, MC).
+template <QType T, int MC, int NR>
+void rows_q8_vnni(const int8_t* xq, const float* xs, const float* xc, const float* xsum, const uint8_t* w, float* y,
+                  int64_t K, int64_t N, int64_t n0) {
+  const int64_t nb = K / GROUP;
+  alignas(32) float ds[NR][MC][CHUNK];
+  __m256 acc[NR][MC], offv[NR][MC];
+  float off[NR][MC] = {};
+  const uint8_t* rows[NR];
+  for (int r = 0; r < NR; ++r) {
+    rows[r] = w + (n0 + r) * nb * BB<T>;
+    for (int m = 0; m < MC; ++m) acc[r][m] = offv[r][m] = _mm256_setzero_ps();
+  }
+  for (int64_t c0 = 0; c0 < nb; c0 += CHUNK) {
+    const int64_t c1 = std::min(nb, c0 + CHUNK);
+    int64_t b = c0;
+    for (; b + 8 <= c1; b += 8)  // the scales of eight blocks at a time (d s, and the offsets)
+      for (int r = 0; r < NR; ++r) {
+        uint16_t h[8], g[8];
+        for (int i = 0; i < 8; ++i) {
+          std::memcpy(&h[i], rows[r] + (b + i) * BB<T>, 2);
+          if constexpr (T == QType::Q4_1) std::memcpy(&g[i], rows[r] + (b + i) * BB<T> + 2, 2);
+        }
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+        for (int m = 0; m < MC; ++m) {
+          const __m256 d = _mm256_mul_ps(dv, _mm256_loadu_ps(xs + m * nb + b));
+          _mm256_store_ps(ds[r][m] + (b - c0), d);
+          if constexpr (T == QType::Q4_1)
+            offv[r][m] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g))),
+                                         _mm256_loadu_ps(xsum + m * nb + b), offv[r][m]);
+          else
+            offv[r][m] = _mm256_fmadd_ps(d, _mm256_loadu_ps(xc + m * nb + b), offv[r][m]);
+        }
+      }
+    for (; b < c1; ++b)
+      for (int r = 0; r < NR; ++r) {
+        const float d = half_at(rows[r] + b * BB<T>);
+        for (int m = 0; m < MC; ++m) {
+          ds[r][m][b - c0] = d * xs[m * nb + b];
+          off[r][m] += T == QType::Q4_1 ? half_at(rows[r] + b * BB<T> + 2) * xsum[m * nb + b]
+                                        : ds[r][m][b - c0] * xc[m * nb + b];
+        }
+      }
+    for (b = c0; b < c1; ++b) {
+      __m256i q[NR];
+      for (int r = 0; r < NR; ++r) {
+        prefetch_ahead(rows[r] + b * BB<T>);
+        q[r] = codes_u8_vec<T>(rows[r] + b * BB<T>);
+      }
+      for (int m = 0; m < MC; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m * nb + b) * GROUP));
+        for (int r = 0; r < NR; ++r)
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q[r], xv)), _mm256_broadcast_ss(&ds[r][m][b - c0]),
+                                      acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MC; ++m) y[m * N + n0 + r] = hsum(acc[r][m]) + (hsum(offv[r][m]) + off[r][m]);
+}
+#endif
+
+// Weight rows [n0, n1) against x rows [0, MC): the VNNI tile where built, else the scalar loop.
+template <QType T, int MC>
+void rows_q8(const int8_t* xq, const float* xs, const float* xc, const float* xsum, const uint8_t* w, float* y,
+             int64_t K, int64_t N, int64_t n0, int64_t n1) {
+#ifdef TREESERVE_Q8_VNNI
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) rows_q8_vnni<T, MC, 2>(xq, xs, xc, xsum, w, y, K, N, n);
+  if (n < n1) rows_q8_vnni<T, MC, 1>(xq, xs, xc, xsum, w, y, K, N, n);
+#else
+  rows_q8_scalar<T, MC>(xq, xs, xc, xsum, w, y, K, N, n0, n1);
+#endif
+}
+
+// int8 activations: large batches of models whose codes serve every batch (PackedLinear.large_forward).
+at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& w, std::string qtype, int64_t K) {
+  const QType t = checked_qtype(x, w, qtype, K);
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t M = x.size(0), N = w.size(0), nb = K / GROUP;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * nb), xcorr(M * nb), xsum(M * nb, 0.0f);
+  by_qtype(t, [&](auto qt) { quantize_rows_i8(xp, M * nb, Q8_SHIFT<qt.value>, xq.data(), xs.data(), xcorr.data()); });
+  if (t == QType::Q4_1)
+    for (int64_t i = 0; i < M * nb; ++i)
+      for (int64_t j = 0; j < GROUP; ++j) xsum[i] += xp[i * GROUP + j];
+  // Pairs of weight rows over the threads; each ~64 KiB span of them serves every register block of x.
+  const int64_t pairs = (N + 1) / 2, span = std::max<int64_t>(1, 32768 / (nb * block_bytes(t)));
+  at::parallel_for(0, pairs, std::max<int64_t>(1, 16384 / K), [&](int64_t p0, int64_t p1) {
+    for (int64_t s0 = p0; s0 < p1; s0 += span) {
+      const int64_t n0 = 2 * s0, n1 = std::min(N, 2 * std::min(p1, s0 + span));
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
+        by_rows(std::min(MAX_ROWS, M - m0), [&](auto mc) {
+          by_qtype(t, [&](auto qt) {
+            rows_q8<qt.value, mc.value>(xq.data() + m0 * K, xs.data() + m0 * nb, xcorr.data() + m0 * nb,
+                                        xsum.data() + m0 * nb, wp, yp + m0 * N, K, N, n0, n1);
+          });
+        });
+    }
+  });
+  return y;
+}
+
 // int16 activations: the quantized decoder layers' path (PackedLinear, decode_layers).
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, std::string qtype, int64_t K) {
   return gguf_linear_impl(x, w, qtype, K, false);
@@ -501,10 +705,12 @@ GGUF_FRAGMENT(GGUF_LIBRARY, m) {
   m.def("gguf_linear(Tensor x, Tensor w, str qtype, int K) -> Tensor");
   m.def("gguf_linear_exact(Tensor x, Tensor w, str qtype, int K) -> Tensor");
   m.def("gguf_dequantize(Tensor w, str qtype, int K) -> Tensor");
+  m.def("gguf_linear_q8(Tensor x, Tensor w, str qtype, int K) -> Tensor");
 }
 
 GGUF_IMPL(GGUF_LIBRARY, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_linear_exact", &gguf_linear_exact);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_linear_q8", &gguf_linear_q8);
 }
