@@ -103,23 +103,28 @@ def test_unused_draft_slots_are_freed_at_commit() -> None:
 def test_batch_heavy_steps_ask_for_no_drafts(limit: int) -> None:
     """``speculative_max_batch``: a step with more decoding requests than the limit gives no
     item a draft budget; at or under it (or with no limit, 0) every decode gets one."""
-    kv = make_pool(200, 1)
-    radix = RadixCache(kv.allocator, 1)
-    table = ReqToTokenTable(4, 64)
-    config = SchedulerConfig(256, 4, 64, num_speculative_tokens=2, speculative_max_batch=limit)
-    sched = Scheduler(config, kv.allocator, radix, table, StopChecker([EOS], None))
-    runner = FakeRunner(kv, table, VOCAB)
-    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    for i in range(3):
-        sched.new_request([1 + i, 2, 3], params, 1, VOCAB)
-    batch = sched.schedule()  # the three prefills
-    sched.update(batch, runner.run(batch))
-    batch = sched.schedule()  # three decodes
-    assert len(batch.items) == 3
+    sched, runner, batch = first_decode_step(3, SchedulerConfig(256, 4, 64, num_speculative_tokens=2,
+                                                                speculative_max_batch=limit))
     budgets = [it.draft_budget for it in batch.items]
     assert budgets == ([0, 0, 0] if limit == 2 else [2, 2, 2])
     sched.update(batch, runner.run(batch))
     sched.check_invariants()
+
+
+def first_decode_step(n: int, config: SchedulerConfig) -> tuple[Scheduler, FakeRunner, ScheduledBatch]:
+    """A scheduler under ``config`` with ``n`` short requests prefilled, and its first step of
+    ``n`` decodes (not yet run)."""
+    kv = make_pool(200, 1)
+    table = ReqToTokenTable(4, 64)
+    sched = Scheduler(config, kv.allocator, RadixCache(kv.allocator, 1), table, StopChecker([EOS], None))
+    runner = FakeRunner(kv, table, VOCAB)
+    for i in range(n):
+        sched.new_request([1 + i, 2, 3], SamplingParams(max_new_tokens=20, ignore_eos=True), 1, VOCAB)
+    batch = sched.schedule()  # the prefills
+    sched.update(batch, runner.run(batch))
+    batch = sched.schedule()
+    assert len(batch.items) == n
+    return sched, runner, batch
 
 
 def test_speculative_max_batch_is_checked() -> None:
@@ -167,18 +172,8 @@ def test_drafts_never_carry_a_step_across_a_path_threshold(n: int, path_rows: tu
     """``speculative_path_rows``: a step of ``n`` decodes grows by drafts up to the first threshold at
     or above ``n`` rows and no further (without one at or above it, as far as the other limits
     allow), so every verified row is computed as in the plain decode step."""
-    kv = make_pool(200, 1)
-    radix = RadixCache(kv.allocator, 1)
-    table = ReqToTokenTable(4, 64)
-    config = SchedulerConfig(256, 4, 64, num_speculative_tokens=4, speculative_path_rows=path_rows)
-    sched = Scheduler(config, kv.allocator, radix, table, StopChecker([EOS], None))
-    runner = FakeRunner(kv, table, VOCAB)
-    for i in range(n):
-        sched.new_request([1 + i, 2, 3], SamplingParams(max_new_tokens=20, ignore_eos=True), 1, VOCAB)
-    batch = sched.schedule()  # the prefills
-    sched.update(batch, runner.run(batch))
-    batch = sched.schedule()  # n decodes
-    assert len(batch.items) == n
+    sched, runner, batch = first_decode_step(n, SchedulerConfig(256, 4, 64, num_speculative_tokens=4,
+                                                                speculative_path_rows=path_rows))
     cap = min([4 * n] + [t - n for t in path_rows if t >= n])
     assert sum(it.draft_budget for it in batch.items) == cap
     sched.update(batch, runner.run(batch))

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -369,9 +370,13 @@ void by_qtype(QType t, Fn&& fn) {
   }
 }
 
-// x [M, K] rounded per 32-block to int16: xq = round(x / s), s = max|x_b| / 32767 (0 for an all-zero
-// block, NaN for a block with a non-finite value, which then makes the outputs NaN as float32 would).
-void quantize_rows(const float* x, int64_t blocks, int16_t* xq, float* xs) {
+// x [blocks * 32] rounded per 32-block to Q codes (int16 for gguf_linear, int8 for gguf_linear_q8):
+// xq = round(x / s), s = max|x_b| / QMAX (QMAX = 32767 or 127; 0 for an all-zero block, NaN for a block
+// with a non-finite value, which then makes the outputs NaN as float32 would). With xc: xc = shift *
+// sum(xq) per block (int8: exact in float, |xc| <= 128 * 127 * 32 < 2^24).
+template <typename Q>
+void quantize_rows(const float* x, int64_t blocks, Q* xq, float* xs, float shift = 0.0f, float* xc = nullptr) {
+  constexpr float QMAX = static_cast<float>(std::numeric_limits<Q>::max());
   for (int64_t i = 0; i < blocks; ++i) {
     const float* xb = x + i * GROUP;
     float amax = 0.0f;
@@ -380,10 +385,15 @@ void quantize_rows(const float* x, int64_t blocks, int16_t* xq, float* xs) {
       amax = std::max(amax, std::fabs(xb[j]));
       finite = finite && std::isfinite(xb[j]);
     }
-    const float inv = amax > 0.0f && finite ? 32767.0f / amax : 0.0f;
-    xs[i] = finite ? amax / 32767.0f : std::nanf("");
-    for (int64_t j = 0; j < GROUP; ++j)
-      xq[i * GROUP + j] = static_cast<int16_t>(std::rint(std::min(32767.0f, std::max(-32767.0f, xb[j] * inv))));
+    const float inv = amax > 0.0f && finite ? QMAX / amax : 0.0f;
+    xs[i] = finite ? amax / QMAX : std::nanf("");
+    int32_t sum = 0;
+    for (int64_t j = 0; j < GROUP; ++j) {
+      const Q q = static_cast<Q>(std::rint(std::min(QMAX, std::max(-QMAX, xb[j] * inv))));
+      xq[i * GROUP + j] = q;
+      sum += q;
+    }
+    if (xc != nullptr) xc[i] = shift * static_cast<float>(sum);
   }
 }
 
@@ -495,29 +505,6 @@ at::Tensor gguf_dequantize(const at::Tensor& w, std::string qtype, int64_t K) {
 
 template <QType T>
 constexpr float Q8_SHIFT = T == QType::Q4_0 ? -8.0f : (T == QType::Q8_0 ? -128.0f : 0.0f);
-
-// x [blocks * 32] rounded per 32-block to int8 (xs: the scales, NaN for a block with a non-finite value);
-// xc = shift * sum(xq) per block (exact in float: |xc| <= 128 * 127 * 32 < 2^24).
-void quantize_rows_i8(const float* x, int64_t blocks, float shift, int8_t* xq, float* xs, float* xc) {
-  for (int64_t i = 0; i < blocks; ++i) {
-    const float* xb = x + i * GROUP;
-    float amax = 0.0f;
-    bool finite = true;
-    for (int64_t j = 0; j < GROUP; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      finite = finite && std::isfinite(xb[j]);
-    }
-    const float inv = amax > 0.0f && finite ? 127.0f / amax : 0.0f;
-    xs[i] = finite ? amax / 127.0f : std::nanf("");
-    int32_t sum = 0;
-    for (int64_t j = 0; j < GROUP; ++j) {
-      const int8_t q = static_cast<int8_t>(std::rint(std::min(127.0f, std::max(-127.0f, xb[j] * inv))));
-      xq[i * GROUP + j] = q;
-      sum += q;
-    }
-    xc[i] = shift * static_cast<float>(sum);
-  }
-}
 
 // The unsigned codes u of one block (element order).
 template <QType T>
@@ -661,7 +648,7 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& w, std::string 
   float* yp = y.data_ptr<float>();
   std::vector<int8_t> xq(M * K);
   std::vector<float> xs(M * nb), xcorr(M * nb), xsum(M * nb, 0.0f);
-  by_qtype(t, [&](auto qt) { quantize_rows_i8(xp, M * nb, Q8_SHIFT<qt.value>, xq.data(), xs.data(), xcorr.data()); });
+  by_qtype(t, [&](auto qt) { quantize_rows(xp, M * nb, xq.data(), xs.data(), Q8_SHIFT<qt.value>, xcorr.data()); });
   if (t == QType::Q4_1)
     for (int64_t i = 0; i < M * nb; ++i)
       for (int64_t j = 0; j < GROUP; ++j) xsum[i] += xp[i * GROUP + j];
