@@ -48,7 +48,7 @@ from torch import nn
 
 from treeserve._cpp import cpp_op_loader, load_cpp_op
 from treeserve._tuning import measured
-from treeserve.models.gguf_op import SAME_ROWS, GGUFWeight, gguf_op_available, q8_vnni
+from treeserve.models.gguf_op import GGUFWeight, gguf_op_available, q8_vnni, same_rows
 from treeserve.models.int8_op import BLOCK as INT8_BLOCK
 from treeserve.models.int8_cache import int8_weight
 from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear, int8_swiglu_linear
@@ -368,8 +368,8 @@ class PackedLinear(nn.Module):
 def path_rows(model: nn.Module) -> tuple[int, ...]:
     """The row counts at which a projection of ``model`` changes how it computes a row (sorted,
     distinct): the ``packed_max_rows`` of its ``PackedLinear`` layers that have a large-batch path,
-    and ``gguf_op.SAME_ROWS`` where the GGUF operator's int16 path serves more rows than that (up
-    to it, every row is summed as when it is alone). A step that stays at or below the first
+    and ``gguf_op.same_rows()`` where the GGUF operator's int16 path serves more rows than that (up
+    to it, every row is summed as when it is alone; with AVX-512, no limit). A step that stays at or below the first
     threshold at or above its row count computes each row as a one-row step would (the scheduler's
     ``speculative_path_rows``: greedy speculation keeps plain decoding's output)."""
     rows: set[int] = set()
@@ -378,8 +378,9 @@ def path_rows(model: nn.Module) -> tuple[int, ...]:
             continue
         if m.packed_max_rows < _ALL_ROWS:
             rows.add(m.packed_max_rows)
-        if m.qtype is not None and m.use_op and m.packed_max_rows > SAME_ROWS:
-            rows.add(SAME_ROWS)
+        same = same_rows()
+        if m.qtype is not None and m.use_op and same is not None and m.packed_max_rows > same:
+            rows.add(same)
     return tuple(sorted(rows))
 
 
