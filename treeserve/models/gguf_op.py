@@ -49,8 +49,10 @@ register blocks of 8); with AVX-512 every row of every call (``same_rows``)."""
 def same_rows() -> int | None:
     """Rows up to which ``gguf_linear`` computes each row of a call bit for bit as the row alone:
     ``None`` (every call) where the operator is built with AVX-512 VL (32 vector registers: two
-    chains for every register block), else ``SAME_ROWS``."""
-    return None if "avx512vl" in cpu_flags().split() else SAME_ROWS
+    chains for every register block) or without AVX2 (its scalar loop sums a row alone), else
+    ``SAME_ROWS``."""
+    flags = cpu_flags().split()
+    return None if "avx512vl" in flags or "avx2" not in flags else SAME_ROWS
 
 
 class GGUFWeight(NamedTuple):

@@ -365,13 +365,16 @@ class PackedLinear(nn.Module):
         return self.large_forward(x)
 
 
-def path_rows(model: nn.Module) -> tuple[int, ...]:
+def path_rows(model: object) -> tuple[int, ...]:
     """The row counts at which a projection of ``model`` changes how it computes a row (sorted,
     distinct): the ``packed_max_rows`` of its ``PackedLinear`` layers that have a large-batch path,
     and ``gguf_op.same_rows()`` where the GGUF operator's int16 path serves more rows than that (up
     to it, every row is summed as when it is alone; with AVX-512, no limit). A step that stays at or below the first
     threshold at or above its row count computes each row as a one-row step would (the scheduler's
-    ``speculative_path_rows``: greedy speculation keeps plain decoding's output)."""
+    ``speculative_path_rows``: greedy speculation keeps plain decoding's output). ``()`` for a
+    model that is not an ``nn.Module`` (tensor parallel: its layers live in the ranks' processes)."""
+    if not isinstance(model, nn.Module):
+        return ()
     rows: set[int] = set()
     for m in model.modules():
         if not isinstance(m, PackedLinear):
