@@ -376,12 +376,12 @@ def path_rows(model: object) -> tuple[int, ...]:
     if not isinstance(model, nn.Module):
         return ()
     rows: set[int] = set()
+    same = same_rows()
     for m in model.modules():
         if not isinstance(m, PackedLinear):
             continue
         if m.packed_max_rows < _ALL_ROWS:
             rows.add(m.packed_max_rows)
-        same = same_rows()
         if m.qtype is not None and m.use_op and same is not None and m.packed_max_rows > same:
             rows.add(same)
     return tuple(sorted(rows))
@@ -493,12 +493,14 @@ def measure_crossover(layers: PackedLinear | Sequence[PackedLinear]) -> int:
     group = _measured_part(group)
     key = tuple((m.out_features, m.in_features, m.planes, m.qtype, m.weight_dtype, m.act_dtype, m.large_int8)
                 for m in group)
-
-    def run(fn: Callable[[PackedLinear, torch.Tensor], object]) -> Callable[[torch.Tensor], None]:
-        return lambda x: [fn(m, x) for m in group] and None
-
     return _crossover("packed-rows", key, group[0].in_features, group[0].weight_dtype,
-                      run(lambda m, x: m.packed_forward(x)), run(lambda m, x: m.large_forward(x)))
+                      _in_turn(group, lambda m, x: m.packed_forward(x)), _in_turn(group, lambda m, x: m.large_forward(x)))
+
+
+def _in_turn(layers: Sequence[PackedLinear], fn: Callable[[PackedLinear, torch.Tensor], object]
+             ) -> Callable[[torch.Tensor], None]:
+    """``x -> fn(m, x)`` for every layer one after another, as a step reads them (a crossover's timed call)."""
+    return lambda x: [fn(m, x) for m in layers] and None
 
 
 def use_q8_large(layers: Sequence[PackedLinear]) -> int:
@@ -520,14 +522,11 @@ def use_q8_large(layers: Sequence[PackedLinear]) -> int:
         timed = _measured_part(group)
         key = tuple((m.out_features, m.in_features, m.qtype) for m in timed)
 
-        def run(fn: Callable[[PackedLinear, torch.Tensor], object]) -> Callable[[torch.Tensor], None]:
-            return lambda x: [fn(m, x) for m in timed] and None
-
         def q8(m: PackedLinear, x: torch.Tensor) -> object:
             return torch.ops.treeserve.gguf_linear_q8(x, m.raw, m.qtype, m.in_features)
 
         rows = _crossover("q8-rows", key, group[0].in_features, torch.float32,
-                          run(lambda m, x: m.packed_forward(x)), run(q8))
+                          _in_turn(timed, lambda m, x: m.packed_forward(x)), _in_turn(timed, q8))
         rows = _ALL_ROWS if rows >= _CROSSOVER_ROWS[-1] else max(rows, 1)
     else:
         rows = env

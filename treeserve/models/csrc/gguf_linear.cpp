@@ -235,22 +235,25 @@ void rows_int_scalar(const int16_t* xq, const float* xs, const float* xsum, cons
 }
 
 #ifdef __AVX2__
-// block_scales_scalar eight blocks at a time: the eight f16 d (and m) converted by one F16C instruction.
+// The f16 at p of eight consecutive blocks (p, p + BB, ...: their d, or at + 2 Q4_1's m) as float32,
+// converted by one F16C instruction.
+template <QType T>
+inline __m256 halves8(const uint8_t* p) {
+  uint16_t h[8];
+  for (int i = 0; i < 8; ++i) std::memcpy(&h[i], p + i * BB<T>, 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// block_scales_scalar eight blocks at a time (halves8).
 template <QType T, int MC>
 void block_scales_avx2(const uint8_t* row, const float* xs, const float* xsum, int64_t nb, int64_t c0, int64_t c1,
                        float (*ds)[CHUNK], __m256 (&offv)[MC], float* off) {
   int64_t b = c0;
   for (; b + 8 <= c1; b += 8) {
-    const uint8_t* p = row + b * BB<T>;
-    uint16_t h[8], g[8];
-    for (int i = 0; i < 8; ++i) {
-      std::memcpy(&h[i], p + i * BB<T>, 2);
-      if constexpr (T == QType::Q4_1) std::memcpy(&g[i], p + i * BB<T> + 2, 2);
-    }
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    const __m256 dv = halves8<T>(row + b * BB<T>);
     for (int m = 0; m < MC; ++m) _mm256_storeu_ps(ds[m] + (b - c0), _mm256_mul_ps(dv, _mm256_loadu_ps(xs + m * nb + b)));
     if constexpr (T == QType::Q4_1) {
-      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+      const __m256 mv = halves8<T>(row + b * BB<T> + 2);
       for (int m = 0; m < MC; ++m) offv[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + m * nb + b), offv[m]);
     }
   }
@@ -274,9 +277,9 @@ inline __m256i dot_pairs(__m256i a, __m256i x, __m256i b, __m256i y) {
 // Accumulator chains per row for a register block of MC rows: two (even / odd blocks) where registers
 // allow, so that each row is summed as it is alone: with AVX-512's 32 vector registers for every block
 // size (every row of every call, ~1-3% slower at 8 rows than one chain), up to 4 rows with AVX2's 16.
-constexpr int chains(int mc) {
+constexpr int chains([[maybe_unused]] int mc) {
 #ifdef __AVX512VL__
-  return mc > 0 ? 2 : 0;
+  return 2;
 #else
   return mc <= 4 ? 2 : 1;
 #endif
@@ -415,6 +418,14 @@ QType parse_qtype(const std::string& s) {
   return QType::Q8_0;
 }
 
+// The float32 sum of each 32-block of x [blocks * 32] (the Q4_1 offsets' factor).
+std::vector<float> block_sums(const float* x, int64_t blocks) {
+  std::vector<float> sums(blocks, 0.0f);
+  for (int64_t i = 0; i < blocks; ++i)
+    for (int64_t j = 0; j < GROUP; ++j) sums[i] += x[i * GROUP + j];
+  return sums;
+}
+
 // The qtype of a checked call: x float32 [M, K], K a multiple of 32, w uint8 [N, K/32 * block bytes].
 QType checked_qtype(const at::Tensor& x, const at::Tensor& w, const std::string& qtype, int64_t K) {
   const QType t = parse_qtype(qtype);
@@ -433,11 +444,9 @@ at::Tensor gguf_linear_impl(const at::Tensor& x, const at::Tensor& w, const std:
   const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  // Block sums of x (the Q4_x offsets' factor), float32 like every other sum.
   const int64_t nb = K / GROUP;
-  std::vector<float> xsum(M * nb, 0.0f), xs;
-  for (int64_t i = 0; i < M * nb; ++i)
-    for (int64_t j = 0; j < GROUP; ++j) xsum[i] += xp[i * GROUP + j];
+  const std::vector<float> xsum = block_sums(xp, M * nb);
+  std::vector<float> xs;
   std::vector<int16_t> xq;
   if (!exact) {
     xq.resize(M * K);
@@ -591,18 +600,13 @@ void rows_q8_vnni(const int8_t* xq, const float* xs, const float* xc, const floa
     int64_t b = c0;
     for (; b + 8 <= c1; b += 8)  // the scales of eight blocks at a time (d s, and the offsets)
       for (int r = 0; r < NR; ++r) {
-        uint16_t h[8], g[8];
-        for (int i = 0; i < 8; ++i) {
-          std::memcpy(&h[i], rows[r] + (b + i) * BB<T>, 2);
-          if constexpr (T == QType::Q4_1) std::memcpy(&g[i], rows[r] + (b + i) * BB<T> + 2, 2);
-        }
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+        const __m256 dv = halves8<T>(rows[r] + b * BB<T>);
         for (int m = 0; m < MC; ++m) {
           const __m256 d = _mm256_mul_ps(dv, _mm256_loadu_ps(xs + m * nb + b));
           _mm256_store_ps(ds[r][m] + (b - c0), d);
           if constexpr (T == QType::Q4_1)
-            offv[r][m] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g))),
-                                         _mm256_loadu_ps(xsum + m * nb + b), offv[r][m]);
+            offv[r][m] = _mm256_fmadd_ps(halves8<T>(rows[r] + b * BB<T> + 2), _mm256_loadu_ps(xsum + m * nb + b),
+                                         offv[r][m]);
           else
             offv[r][m] = _mm256_fmadd_ps(d, _mm256_loadu_ps(xc + m * nb + b), offv[r][m]);
         }
@@ -658,11 +662,9 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& w, std::string 
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   std::vector<int8_t> xq(M * K);
-  std::vector<float> xs(M * nb), xcorr(M * nb), xsum(M * nb, 0.0f);
+  std::vector<float> xs(M * nb), xcorr(M * nb);
   by_qtype(t, [&](auto qt) { quantize_rows(xp, M * nb, xq.data(), xs.data(), Q8_SHIFT<qt.value>, xcorr.data()); });
-  if (t == QType::Q4_1)
-    for (int64_t i = 0; i < M * nb; ++i)
-      for (int64_t j = 0; j < GROUP; ++j) xsum[i] += xp[i * GROUP + j];
+  const std::vector<float> xsum = t == QType::Q4_1 ? block_sums(xp, M * nb) : std::vector<float>(M * nb, 0.0f);
   // Pairs of weight rows over the threads; each ~64 KiB span of them serves every register block of x.
   const int64_t pairs = (N + 1) / 2, span = std::max<int64_t>(1, 32768 / (nb * block_bytes(t)));
   at::parallel_for(0, pairs, std::max<int64_t>(1, 16384 / K), [&](int64_t p0, int64_t p1) {
