@@ -160,7 +160,7 @@ def test_killed_replica_mid_load(cluster, oai) -> None:
     def stream(i: int) -> tuple[str, str | None]:
         finish = None
         try:
-            for c in oai.completions.create(model=NAME, prompt=f"Story {i}:", max_tokens=150, stream=True,
+            for c in oai.completions.create(model=NAME, prompt=f"Story {i}:", max_tokens=400, stream=True,
                                             extra_body=NO_EOS):  # fmt: skip
                 finish = c.choices[0].finish_reason if c.choices else finish
             return "done", finish
@@ -172,7 +172,12 @@ def test_killed_replica_mid_load(cluster, oai) -> None:
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futs = [pool.submit(stream, i) for i in range(6)]
         wait_until(lambda: _metric(cluster[0], "vllm:num_requests_running") >= 4, 60, what="the streams to run")
-        ray.kill(ray.get_actor(before[0], namespace="serve"), no_restart=True)
+        # The prefix router may send every stream to one replica: kill one that is serving some.
+        wait_until(lambda: sum(st.get("num_running", 0) for st in replica_stats(DEPLOYMENT_NAME).values()) >= 4, 30,
+                   what="the replicas' routing stats to show the streams")  # fmt: skip
+        busy, _ = max(replica_stats(DEPLOYMENT_NAME).items(), key=lambda kv: kv[1].get("num_running", 0))
+        victim = next(name for name in before if name.endswith(f"#{busy}"))
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         ok = oai.completions.create(model=NAME, prompt="Still there?", max_tokens=4, extra_body=NO_EOS)
         assert ok.choices[0].finish_reason == "length"
         results = [f.result(timeout=120) for f in futs]
