@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from treeserve._cpp import cpu_flags
@@ -103,9 +103,10 @@ def q8_bound(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
 
 @requires_op
 @settings(max_examples=40, deadline=None)
+@example(qtype="Q4_1", m=150, groups=3, n=6, spread=3.0, seed=1)  # more rows than one pass over the weights
 @given(
     qtype=st.sampled_from(QTYPES),
-    m=st.integers(1, 19),
+    m=st.integers(1, 40),
     groups=st.integers(1, 80),
     n=st.integers(1, 41),
     spread=st.sampled_from([0.0, 3.0]),
@@ -113,9 +114,9 @@ def q8_bound(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
 )
 def test_q8_op_within_bound_of_float64_dequantized_gemm(qtype: str, m: int, groups: int, n: int, spread: float,
                                                          seed: int) -> None:
-    """``treeserve::gguf_linear_q8`` (int8 activations per 32-block): every row count (register blocks
-    of 1..8 rows and their remainders, more than 8), odd and even weight rows (tiles of two and the
-    last one alone), block counts across the 64-block scale chunks and their 8-block scale groups."""
+    """``treeserve::gguf_linear_q8`` (int8 activations per 32-block): every row count (lane groups of
+    8 or 16 rows, their remainders, several groups), weight tiles of 4 rows and the 1-3 left over,
+    block counts across the 8-block code chunks."""
     k = 32 * groups
     w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, seed), (n, k))
     x = block_scaled(m, k, seed, spread)
@@ -123,6 +124,23 @@ def test_q8_op_within_bound_of_float64_dequantized_gemm(qtype: str, m: int, grou
     y = torch.ops.treeserve.gguf_linear_q8(x, w.raw, qtype, k)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert bool(((y.double() - ref).abs() <= q8_bound(x, w)).all())
+
+
+@requires_op
+@settings(max_examples=25, deadline=None)
+@given(qtype=st.sampled_from(QTYPES), m=st.integers(2, 40), groups=st.integers(1, 20), n=st.integers(1, 11),
+       seed=st.integers(0, 2**20))
+def test_q8_rows_of_any_call_are_the_rows_alone(qtype: str, m: int, groups: int, n: int, seed: int) -> None:
+    """``treeserve::gguf_linear_q8``: each row of a call of any size (lane groups of 8 or 16 rows and
+    their zero-padded remainders, several groups, weight tiles of 1-4 rows) is bit for bit the row
+    computed alone."""
+    k = 32 * groups
+    w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, seed), (n, k))
+    x = block_scaled(m, k, seed, 3.0)
+    y = torch.ops.treeserve.gguf_linear_q8(x, w.raw, qtype, k)
+    rows = sorted({0, m - 1, seed % m})
+    assert torch.equal(y[rows], torch.cat([torch.ops.treeserve.gguf_linear_q8(x[i : i + 1], w.raw, qtype, k)
+                                           for i in rows]))
 
 
 @requires_op
@@ -307,7 +325,8 @@ def check_greedy_pick(logits: torch.Tensor, x: torch.Tensor, dense: torch.Tensor
 @pytest.mark.slow
 def test_scalar_fallback_within_bound(tmp_path) -> None:
     """The operator built without AVX2/FMA/F16C (as on a host without them; registered as
-    ``treeserve_scalar``) is within the same bounds in both modes, every row count."""
+    ``treeserve_scalar``) is within the same bounds in both modes, every row count; its int8 path
+    is bit for bit the native build's (the same operations per row in the same order)."""
     from torch.utils.cpp_extension import load
 
     load(
@@ -328,6 +347,7 @@ def test_scalar_fallback_within_bound(tmp_path) -> None:
                 assert bool(((y.double() - ref).abs() <= error_bound(x, w, exact)).all())
             y = torch.ops.treeserve_scalar.gguf_linear_q8(x, w.raw, qtype, k)
             assert bool(((y.double() - ref).abs() <= q8_bound(x, w)).all())
+            assert torch.equal(y, torch.ops.treeserve.gguf_linear_q8(x, w.raw, qtype, k))
             assert torch.equal(torch.ops.treeserve_scalar.gguf_dequantize(w.raw, qtype, k), w.dequantize())
 
 
@@ -347,7 +367,7 @@ def test_vnni_build_is_bitwise_the_avx2_one(tmp_path) -> None:
     host has AVX-512 VNNI (or AVX-VNNI): the native build holds them exactly on such hosts, and its
     int16 outputs are bit for bit those of the same source built without VNNI (exact int32 lanes, the
     same float32 order), every qtype and row-block size; that build's int8 path (the scalar loop)
-    keeps its bound."""
+    keeps its bound and is bit for bit the native one too."""
     import subprocess
 
     from torch.utils.cpp_extension import load
@@ -377,6 +397,7 @@ def test_vnni_build_is_bitwise_the_avx2_one(tmp_path) -> None:
             ref = x.double() @ w.dequantize(torch.float64).T  # the int8 path without VNNI: the scalar loop
             y = torch.ops.treeserve_novnni.gguf_linear_q8(x, w.raw, qtype, k)
             assert bool(((y.double() - ref).abs() <= q8_bound(x, w)).all())
+            assert torch.equal(y, torch.ops.treeserve.gguf_linear_q8(x, w.raw, qtype, k))
 
 
 @requires_op

@@ -68,10 +68,12 @@ def test_bad_codes() -> None:
 
 @requires_op
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**20), margin=st.sampled_from([0.0, 1e-6, 1e-4]), qtype=st.sampled_from(QTYPES))
-def test_codes_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: float, qtype: str) -> None:
+@given(seed=st.integers(0, 2**20), margin=st.sampled_from([0.0, 1e-6, 1e-4]), qtype=st.sampled_from(QTYPES),
+       q8=st.booleans())
+def test_codes_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: float, qtype: str, q8: bool) -> None:
     """Rows whose two best logits differ by ~margin pick the float32 head's token (at margin 0, a
-    token float32 rounding cannot order against it); every logit within the first pass's bound."""
+    token float32 rounding cannot order against it); every logit within the first pass's bound;
+    with the int8 first pass (``q8_min_rows``) too."""
     v, k, m = 257, 64, 5
     gen = torch.Generator().manual_seed(seed)
     w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, v, k, seed), (v, k))
@@ -88,9 +90,10 @@ def test_codes_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: f
         x[r, element] = margin / 0.01
     dense = w.dequantize()
     head = CodesHead(w)
+    head.q8_min_rows = 1 if q8 else None
     logits = head(x)
     ref, noise = check_greedy_pick(logits, x, dense, margin)
-    bound = head.row_bound(x) * dense.double().norm(dim=1).float()
+    bound = head.row_bound(x, q8 and head.int16) * dense.double().norm(dim=1).float()
     assert bool(((logits - ref).abs() <= bound + noise[:, None]).all())
 
 
@@ -114,6 +117,44 @@ def test_the_first_pass_is_within_its_row_bound(seed: int, spread: float, qtype:
     bound = (head.row_bound(x) * head.row_norms).double()
     assert bool(((first - ref).abs() <= bound).all())
     assert bool((head.row_bound(x) >= head.bound_factor * x.norm(dim=1, keepdim=True)).all())
+    if head.int16:  # the int8 pass: within its own, wider bound (beyond the int16 one on even blocks)
+        first = torch.ops.treeserve.gguf_linear_q8(x, w.raw, qtype, k).double()
+        bound8 = (head.row_bound(x, True) * head.row_norms).double()
+        assert bool(((first - ref).abs() <= bound8).all())
+        assert spread != 1.0 or bool(((first - ref).abs() > bound).any())
+
+
+@requires_op
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_use_q8_head_measures_or_takes_the_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                    qtype: str) -> None:
+    """``quant.use_q8_head``: the override sets the int16 pass's last row count (``all``: never int8);
+    without it the measured choice is None or more than one row (a single stream keeps int16), and
+    none where the operator has no VNNI kernel; Q4_1 heads never take int8; a head with the int8
+    pass still picks the float32 head's greedy tokens."""
+    from treeserve.models.gguf_op import q8_vnni
+    from treeserve.models.quant import use_q8_head
+
+    w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, 300, 128, 3), (300, 128))
+    monkeypatch.setenv("TREESERVE_HEAD_INT16_MAX_ROWS", "3")
+    head = CodesHead(w)
+    use_q8_head(head)
+    assert head.q8_min_rows == (4 if head.int16 else None)
+    monkeypatch.setenv("TREESERVE_HEAD_INT16_MAX_ROWS", "all")
+    head = CodesHead(w)
+    use_q8_head(head)
+    assert head.q8_min_rows is None
+    monkeypatch.delenv("TREESERVE_HEAD_INT16_MAX_ROWS")
+    monkeypatch.setenv("TREESERVE_CACHE_DIR", str(tmp_path))
+    head = CodesHead(w)
+    use_q8_head(head)
+    if not (head.int16 and q8_vnni()):
+        assert head.q8_min_rows is None
+    else:
+        assert head.q8_min_rows is None or head.q8_min_rows >= 2
+    head.q8_min_rows = 1 if head.int16 else None
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(1))
+    check_greedy_pick(head(x), x, w.dequantize(), 0.0)
 
 
 @requires_op
@@ -129,6 +170,7 @@ def test_a_load_keeps_the_vocabulary_as_codes_by_the_rule(tmp_path: Path, tied: 
     monkeypatch.setenv("TREESERVE_HEAD_CODES", "0")
     small, _ = load(path, quantization="auto")
     monkeypatch.setenv("TREESERVE_HEAD_CODES", "1")
+    monkeypatch.setenv("TREESERVE_HEAD_INT16_MAX_ROWS", "all")  # the int8 pass's logits: 2^-8, not 1e-4
     big, _ = load(path, quantization="auto")
     assert isinstance(small.lm_head, ExactHead) and isinstance(big.lm_head, CodesHead)
     assert isinstance(small.embed_tokens, Embedding if tied else CodesEmbedding)

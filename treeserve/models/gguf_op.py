@@ -17,7 +17,8 @@ them, a scalar loop otherwise), in one of two activation modes, one C++ operator
 A third operator, ``treeserve::gguf_linear_q8``, rounds each 32-block of ``x`` to int8 instead
 (``s_b = max|x_b| / 127``, llama.cpp's Q8_0 activations: about 2^-8 of each block's largest
 activation) for the large batches of a model whose codes serve every batch (``quant.use_q8_large``);
-``q8_vnni`` says whether it runs its VNNI tile here.
+``q8_vnni`` says whether it runs its VNNI kernel here (the rows of ``x`` in the lanes of
+``vpdpbusd``).
 
 Without a compiler the same product runs through torch (``dequantize`` then ``F.linear``, float32
 activations in both modes).
@@ -157,7 +158,7 @@ def load_gguf_linear_op() -> str | None:
     return None
 
 def q8_vnni() -> bool:
-    """Whether ``treeserve::gguf_linear_q8`` runs its ``vpdpbusd`` tile here: the operator is built and
+    """Whether ``treeserve::gguf_linear_q8`` runs its ``vpdpbusd`` kernel here: the operator is built and
     the host (``-march=native``) has AVX-512 VNNI with AVX-512 VL, or AVX-VNNI. Elsewhere it is a
     scalar loop, correct but never faster than ``gguf_linear``: not worth measuring."""
     flags = cpu_flags().split()

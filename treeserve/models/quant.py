@@ -52,6 +52,7 @@ from treeserve.models.gguf_op import GGUFWeight, gguf_op_available, q8_vnni, sam
 from treeserve.models.int8_op import BLOCK as INT8_BLOCK
 from treeserve.models.int8_cache import int8_weight
 from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear, int8_swiglu_linear
+from treeserve.models.vocab_codes import CodesHead
 
 __all__ = [
     "GROUP",
@@ -72,6 +73,7 @@ __all__ = [
     "quantize_int8",
     "restore_dense",
     "use_int8",
+    "use_q8_head",
     "use_q8_large",
 ]
 
@@ -511,7 +513,7 @@ def use_q8_large(layers: Sequence[PackedLinear]) -> int:
     faster on this machine, and return the row count up to which the int16 path stays
     (``packed_max_rows``: at least 1, a single stream keeps the finer activations; ``_ALL_ROWS``
     when the int8 path is never faster or not built). Measured once per host per set of shapes and
-    thread count (``treeserve._tuning``), on hosts where it runs as a tiled ``vpdpbusd`` kernel
+    thread count (``treeserve._tuning``), on hosts where it runs as a ``vpdpbusd`` kernel
     (``gguf_op.q8_vnni``: AVX-512 VNNI / AVX-VNNI; elsewhere its scalar loop is not measured, nor
     taken); ``TREESERVE_PACKED_MAX_ROWS`` (an int) overrides both."""
     group = list(layers)
@@ -533,6 +535,23 @@ def use_q8_large(layers: Sequence[PackedLinear]) -> int:
     for m in group:
         m.large_q8 = rows < _ALL_ROWS
     return rows
+
+
+def use_q8_head(head: CodesHead) -> None:
+    """Give a head kept as Q4_0 / Q8_0 codes (``CodesHead``) the int8-activation first pass
+    (``gguf_linear_q8``) for the batches where, re-scoring included, it beats the int16 one on this
+    machine (``head.q8_min_rows``; random activations, whose flat logits re-score the most).
+    Measured once per host per shape and thread count, where the operator runs its VNNI kernel
+    (``q8_vnni``); ``TREESERVE_HEAD_INT16_MAX_ROWS`` (an int, or ``all``) sets the rows up to which
+    the int16 pass stays."""
+    env = _env_rows("TREESERVE_HEAD_INT16_MAX_ROWS")
+    if not head.int16 or (env is None and not q8_vnni()):
+        return
+    if env is None:
+        env = _crossover("head-q8-rows", (head.out_features, head.qtype), head.in_features, torch.float32,
+                         lambda x: head.logits(x, False), lambda x: head.logits(x, True))
+        env = _ALL_ROWS if env >= _CROSSOVER_ROWS[-1] else max(env, 1)
+    head.q8_min_rows = None if env >= _ALL_ROWS else env + 1
 
 
 def use_int8(layers: Sequence[PackedLinear], rows: int = 64, defer: bool = False) -> bool:
@@ -958,4 +977,6 @@ def pack_model(
     head_weight = getattr(model.lm_head, "weight", None)  # absent: a head kept as codes (``vocab_codes``)
     if head_weight is not None and head_weight.dtype == torch.float32:
         model.lm_head = ExactHead(head_weight, packed=head_codes)
+    if isinstance(model.lm_head, CodesHead) and not codes_only:
+        use_q8_head(model.lm_head)
     return model

@@ -8,7 +8,8 @@ mapping):
   bitwise the rows of the dequantized matrix, so a model's outputs do not change;
 - ``CodesHead``: logits from ``treeserve::gguf_linear`` (Q4_0 / Q8_0: activations rounded to int16
   codes per 32-block, bound ``(2 (K + 2) 2^-24 (|x| + e) + e) |W_j|`` with ``e`` the rounding's
-  norm, ``CodesHead.row_bound``) or ``gguf_linear_exact`` (Q4_1: float32 activations, the float32
+  norm, ``CodesHead.row_bound``; from ``q8_min_rows`` rows, where set, ``gguf_linear_q8``'s int8
+  codes, the same bound with int8's wider ``e``) or ``gguf_linear_exact`` (Q4_1: float32 activations, the float32
   product of the dequantized head up to summation order, bound ``2 (K + 2) 2^-24 |x| |W_j|``), then
   every entry the bound cannot rule out of the argmax re-scored in float32 from its dequantized row
   (``ExactHead``'s contract: greedy picks the float32 head's token), for every batch size. The
@@ -137,26 +138,41 @@ class CodesHead(_Codes):
         # Q4_0 / Q8_0: the first pass rounds x to int16 codes per 32-block (``gguf_linear``, ~3x faster
         # than float32 activations); Q4_1's offset term is not covered by the bound below, so it keeps them.
         self.int16 = codes.qtype != "Q4_1"
+        self.q8_min_rows: int | None = None
+        """Batches of at least this many rows round x to int8 codes instead (``gguf_linear_q8``: more
+        entries to re-score, a faster pass; ``quant.use_q8_head`` measures where it pays). None: never.
+        Eager steps of Q4_0 / Q8_0 heads only (a traced step re-scores a fixed number per row)."""
 
-    def row_bound(self, x: torch.Tensor) -> torch.Tensor:
+    def _q8(self, x: torch.Tensor) -> bool:
+        return self.int16 and self.q8_min_rows is not None and x.shape[0] >= self.q8_min_rows and not _tracing()
+
+    def row_bound(self, x: torch.Tensor, q8: bool = False) -> torch.Tensor:
         """``[M, 1]``: the first pass's logit ``j`` of row ``m`` is within ``row_bound(x)[m] * |W_j|`` of
-        the float32 head's. Float32 activations: ``2 (K + 2) 2^-24 |x|``. Int16 codes ``x'`` (Q4_0,
+        the float32 head's. Float32 activations: ``2 (K + 2) 2^-24 |x|``. Integer codes ``x'`` (Q4_0,
         Q8_0): ``|x - x'| <= e = sqrt(9 sum_b s_b^2)`` (each element within ``s_b / 2``, ``s_b = max|x_b|
-        / 32767``, float rounding included) adds ``e`` and ``2 (K + 2) 2^-24 e`` to it (the integer dot
-        products are exact; the float32 sum of the block terms, at most ``|x'| |W_j|`` in all, is
-        within the same factor)."""
+        / 32767`` for int16, ``/ 127`` for int8 (``q8``), float rounding included) adds ``e`` and
+        ``2 (K + 2) 2^-24 e`` to it (the integer dot products are exact; the float32 sum of the block
+        terms, at most ``|x'| |W_j|`` in all, is within the same factor)."""
         norm = x.norm(dim=1, keepdim=True)
         if not self.int16:
             return self.bound_factor * norm
-        s = x.view(x.shape[0], -1, 32).abs().amax(-1) / 32767
+        s = x.view(x.shape[0], -1, 32).abs().amax(-1) / (127 if q8 else 32767)
         e = (9 * s.square().sum(-1, keepdim=True)).sqrt()
         return self.bound_factor * (norm + e) + e
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits(x, self._q8(x))
+
+    def logits(self, x: torch.Tensor, q8: bool) -> torch.Tensor:
+        """``forward`` with the first pass chosen: ``q8`` the int8 codes (Q4_0 / Q8_0, eager), else
+        the default (int16 codes, float32 for Q4_1)."""
         x = x.float().contiguous()
-        first = torch.ops.treeserve.gguf_linear if self.int16 else torch.ops.treeserve.gguf_linear_exact
+        if q8:
+            first = torch.ops.treeserve.gguf_linear_q8
+        else:
+            first = torch.ops.treeserve.gguf_linear if self.int16 else torch.ops.treeserve.gguf_linear_exact
         logits = first(x, self.raw, self.qtype, self.in_features)
-        bound = self.row_bound(x) * self.row_norms
+        bound = self.row_bound(x, q8) * self.row_norms
         if _tracing():
             return self._rescore_static(x, logits, bound)
         threshold = (logits - bound).amax(dim=1, keepdim=True)

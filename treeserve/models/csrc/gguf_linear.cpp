@@ -386,10 +386,9 @@ void by_qtype(QType t, Fn&& fn) {
 
 // x [blocks * 32] rounded per 32-block to Q codes (int16 for gguf_linear, int8 for gguf_linear_q8):
 // xq = round(x / s), s = max|x_b| / QMAX (QMAX = 32767 or 127; 0 for an all-zero block, NaN for a block
-// with a non-finite value, which then makes the outputs NaN as float32 would). With xc: xc = shift *
-// sum(xq) per block (int8: exact in float, |xc| <= 128 * 127 * 32 < 2^24).
+// with a non-finite value, which then makes the outputs NaN as float32 would).
 template <typename Q>
-void quantize_rows(const float* x, int64_t blocks, Q* xq, float* xs, float shift = 0.0f, float* xc = nullptr) {
+void quantize_rows(const float* x, int64_t blocks, Q* xq, float* xs) {
   constexpr float QMAX = static_cast<float>(std::numeric_limits<Q>::max());
   for (int64_t i = 0; i < blocks; ++i) {
     const float* xb = x + i * GROUP;
@@ -401,13 +400,8 @@ void quantize_rows(const float* x, int64_t blocks, Q* xq, float* xs, float shift
     }
     const float inv = amax > 0.0f && finite ? QMAX / amax : 0.0f;
     xs[i] = finite ? amax / QMAX : std::nanf("");
-    int32_t sum = 0;
-    for (int64_t j = 0; j < GROUP; ++j) {
-      const Q q = static_cast<Q>(std::rint(std::min(QMAX, std::max(-QMAX, xb[j] * inv))));
-      xq[i * GROUP + j] = q;
-      sum += q;
-    }
-    if (xc != nullptr) xc[i] = shift * static_cast<float>(sum);
+    for (int64_t j = 0; j < GROUP; ++j)
+      xq[i * GROUP + j] = static_cast<Q>(std::rint(std::min(QMAX, std::max(-QMAX, xb[j] * inv))));
   }
 }
 
@@ -515,142 +509,240 @@ at::Tensor gguf_dequantize(const at::Tensor& w, std::string qtype, int64_t K) {
   return out;
 }
 
-// ---- int8 activations (gguf_linear_q8: large batches of a model whose codes serve every batch) ----
+// ---- int8 activations (gguf_linear_q8: large batches of models whose codes serve every batch) ----
 // Each 32-block b of each row of x is rounded to int8, xq = round(x / s_b), s_b = max|x_b| / 127
-// (|x - s_b xq| <= s_b / 2 up to float rounding); per weight block the codes as unsigned bytes u (Q4_0,
-// Q4_1: q in 0..15; Q8_0: q + 128) and sum u xq exact in int32; y += (d s_b) (sum u xq + c sum xq) with
-// c = -8 (Q4_0), -128 (Q8_0), 0 (Q4_1, whose offset adds m * sum(x) of the unrounded x as gguf_linear).
-// Where the host has AVX-512 VNNI or AVX-VNNI: vpdpbusd, a tile of two weight rows by up to 8 rows of x
-// (each x load serves both weight rows). Elsewhere a scalar loop (correct, slow: the caller measures).
+// (|x - s_b xq| <= s_b / 2 up to float rounding). Per weight block the signed integer codes c (Q4_0: q - 8,
+// Q4_1: q, Q8_0: q) and D = sum c xq, exact in int32 (|D| <= 128 * 127 * 32 < 2^24: exact in float32 too).
+// Per row of x, in block order: acc = fma(float(D), d * s_b, acc) and for Q4_1 off = fma(m, sum(x_b), off)
+// with the float32 sums of the unrounded x; y = acc + off. Every row of x goes through the same operations
+// in the same order whatever the call's other rows: a row of any call is bit for bit the row alone, and
+// the VNNI build's rows are the scalar loop's.
+// Where the host has AVX-512 VNNI (16 rows of x per zmm) or AVX-VNNI (8 per ymm): the rows of x lie in the
+// lanes of vpdpbusd, their bytes stored as xq + 128 (unsigned), each 4-byte group of a weight block's codes
+// broadcast across the lanes, and the + 128 (128 sum c per block) subtracted in int32. A tile of Q8_ROWS
+// weight rows decodes Q8_CHUNK blocks of codes at a time and serves every row of x with them. Elsewhere the
+// scalar loop (correct, slow: the caller measures).
 
+// The signed codes c of one block (element order), scalar.
 template <QType T>
-constexpr float Q8_SHIFT = T == QType::Q4_0 ? -8.0f : (T == QType::Q8_0 ? -128.0f : 0.0f);
-
-// The unsigned codes u of one block (element order).
-template <QType T>
-inline void codes_u8(const uint8_t* blk, int32_t* u) {
+inline void codes_s8(const uint8_t* blk, int8_t* c) {
   if constexpr (T == QType::Q8_0) {
-    for (int i = 0; i < 32; ++i) u[i] = static_cast<int8_t>(blk[2 + i]) + 128;
+    std::memcpy(c, blk + 2, GROUP);
   } else {
+    constexpr int bias = T == QType::Q4_0 ? 8 : 0;
     const uint8_t* qs = blk + (T == QType::Q4_1 ? 4 : 2);
     for (int j = 0; j < 16; ++j) {
-      u[j] = qs[j] & 15;
-      u[j + 16] = qs[j] >> 4;
+      c[j] = static_cast<int8_t>((qs[j] & 15) - bias);
+      c[j + 16] = static_cast<int8_t>((qs[j] >> 4) - bias);
     }
   }
-}
-
-template <QType T, int MC>
-void rows_q8_scalar(const int8_t* xq, const float* xs, const float* xc, const float* xsum, const uint8_t* w, float* y,
-                    int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t nb = K / GROUP;
-  int32_t u[GROUP];
-  for (int64_t n = n0; n < n1; ++n) {
-    float acc[MC] = {};
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = w + (n * nb + b) * BB<T>;
-      codes_u8<T>(blk, u);
-      const float d = half_at(blk);
-      for (int m = 0; m < MC; ++m) {
-        const int8_t* xb = xq + (m * nb + b) * GROUP;
-        int32_t dot = 0;
-        for (int i = 0; i < GROUP; ++i) dot += u[i] * xb[i];
-        const float ds = d * xs[m * nb + b];
-        acc[m] += ds * static_cast<float>(dot) + ds * xc[m * nb + b];
-        if constexpr (T == QType::Q4_1) acc[m] += half_at(blk + 2) * xsum[m * nb + b];
-      }
-    }
-    for (int m = 0; m < MC; ++m) y[m * N + n] = acc[m];
-  }
-}
-
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define TREESERVE_Q8_VNNI 1
-inline __m256i dot_u8s8(__m256i u, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
-#else
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
-#endif
 }
 
 template <QType T>
-inline __m256i codes_u8_vec(const uint8_t* blk) {
-  if constexpr (T == QType::Q8_0)
-    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == QType::Q4_1 ? 4 : 2)));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+void rows_q8_scalar(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w, float* y, int64_t M,
+                    int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = K / GROUP;
+  int8_t c[GROUP];
+  std::vector<float> acc(M), off(M);
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(off.begin(), off.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + (n * nb + b) * BB<T>;
+      codes_s8<T>(blk, c);
+      const float d = half_at(blk);
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* xb = xq + (m * nb + b) * GROUP;
+        int32_t dot = 0;
+        for (int i = 0; i < GROUP; ++i) dot += c[i] * xb[i];
+        acc[m] = std::fma(static_cast<float>(dot), d * xs[m * nb + b], acc[m]);
+        if constexpr (T == QType::Q4_1) off[m] = std::fma(half_at(blk + 2), xsum[m * nb + b], off[m]);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = acc[m] + off[m];
+  }
 }
 
-// Weight rows [n0, n0 + NR) against x rows [0, MC).
-template <QType T, int MC, int NR>
-void rows_q8_vnni(const int8_t* xq, const float* xs, const float* xc, const float* xsum, const uint8_t* w, float* y,
-                  int64_t K, int64_t N, int64_t n0) {
-  const int64_t nb = K / GROUP;
-  alignas(32) float ds[NR][MC][CHUNK];
-  __m256 acc[NR][MC], offv[NR][MC];
-  float off[NR][MC] = {};
-  const uint8_t* rows[NR];
-  for (int r = 0; r < NR; ++r) {
-    rows[r] = w + (n0 + r) * nb * BB<T>;
-    for (int m = 0; m < MC; ++m) acc[r][m] = offv[r][m] = _mm256_setzero_ps();
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVXVNNI__)
+#define TREESERVE_Q8_VNNI 1
+// L rows of x per register: 16 (a zmm) with AVX-512 VNNI, else 8 (a ymm, AVX-VNNI). GCC vector types,
+// so that the arithmetic is written once; the two instructions that need a width, by intrinsics.
+struct Lanes {
+#ifdef __AVX512VNNI__
+  static constexpr int L = 16;
+#else
+  static constexpr int L = 8;
+#endif
+  typedef int32_t I __attribute__((vector_size(4 * L)));
+  typedef float F __attribute__((vector_size(4 * L)));
+  template <typename V>
+  static V load(const void* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
   }
-  for (int64_t c0 = 0; c0 < nb; c0 += CHUNK) {
-    const int64_t c1 = std::min(nb, c0 + CHUNK);
-    int64_t b = c0;
-    for (; b + 8 <= c1; b += 8)  // the scales of eight blocks at a time (d s, and the offsets)
+  // acc + per lane the dot product of x's 4 unsigned bytes with the 4 signed codes at c4 (vpdpbusd).
+  static I dot(I acc, I x, const int8_t* c4) {
+    int32_t v;
+    std::memcpy(&v, c4, 4);
+#ifdef __AVX512VNNI__
+    return reinterpret_cast<I>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(x),
+                                                   _mm512_set1_epi32(v)));
+#else
+    return reinterpret_cast<I>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc), reinterpret_cast<__m256i>(x),
+                                                       _mm256_set1_epi32(v)));
+#endif
+  }
+  // a b + c rounded once (std::fma per lane).
+  static F fma(F a, F b, F c) {
+#ifdef __AVX512VNNI__
+    return reinterpret_cast<F>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                               reinterpret_cast<__m512>(c)));
+#else
+    return reinterpret_cast<F>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                               reinterpret_cast<__m256>(c)));
+#endif
+  }
+};
+#endif
+
+#ifdef TREESERVE_Q8_VNNI
+constexpr int Q8_ROWS = 4;         // weight rows of a tile
+constexpr int64_t Q8_CHUNK = 8;    // blocks whose codes a tile decodes at a time
+constexpr int64_t Q8_GROUPS = 8;   // lane groups of x (Q8_GROUPS * L rows) served per pass over the weights
+
+// x in lanes: group g (rows g L .. g L + L - 1, zero-padded), block b, 4-byte step j: L lanes of 4 bytes
+// xq + 128 at xt[((g nb + b) 8 + j) 4 L]; the block's scales and (Q4_1) float32 sums at [(g nb + b) L].
+struct LaneX {
+  std::vector<uint8_t> xt;
+  std::vector<float> xs, xsum;
+};
+
+LaneX lanes_of(const int8_t* xq, const float* xs, const float* xsum, int64_t M, int64_t nb) {
+  constexpr int L = Lanes::L;
+  const int64_t G = (M + L - 1) / L;
+  LaneX lx{std::vector<uint8_t>(G * nb * GROUP * L, 128), std::vector<float>(G * nb * L, 0.0f),
+           std::vector<float>(xsum != nullptr ? G * nb * L : 0, 0.0f)};
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t g = m / L, lane = m % L;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t gb = g * nb + b;
+        for (int64_t i = 0; i < GROUP; ++i)
+          lx.xt[((gb * 8 + i / 4) * L + lane) * 4 + i % 4] = static_cast<uint8_t>(xq[(m * nb + b) * GROUP + i] + 128);
+        lx.xs[gb * L + lane] = xs[m * nb + b];
+        if (xsum != nullptr) lx.xsum[gb * L + lane] = xsum[m * nb + b];
+      }
+    }
+  });
+  return lx;
+}
+
+// One block's signed codes c stored at out (32 bytes); returns sum c.
+template <QType T>
+inline int32_t codes_s8_vec(const uint8_t* blk, int8_t* out) {
+  constexpr int bias = T == QType::Q4_0 ? 8 : (T == QType::Q8_0 ? 128 : 0);  // u = c + bias, unsigned
+  __m256i u;
+  if constexpr (T == QType::Q8_0) {
+    u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == QType::Q4_1 ? 4 : 2)));
+    u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bias ? _mm256_sub_epi8(u, _mm256_set1_epi8(
+                                                                  static_cast<char>(bias))) : u);
+  const __m256i s = _mm256_sad_epu8(u, _mm256_setzero_si256());
+  __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_add_epi64(t, _mm_unpackhi_epi64(t, t));
+  return _mm_cvtsi128_si32(t) - GROUP * bias;
+}
+
+// Weight rows [n0, n0 + NR) against lane groups [g0, g1) of x: acc / off hold [g - g0][r][L] (zeroed by
+// the caller), y is written for the rows < M.
+template <QType T, int NR>
+void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, float* y, int64_t M, int64_t nb,
+                   int64_t N, int64_t n0, int64_t g0, int64_t g1) {
+  constexpr int L = Lanes::L;
+  using I = Lanes::I;
+  using F = Lanes::F;
+  alignas(64) int8_t c[Q8_CHUNK][NR][GROUP];
+  int32_t corr[Q8_CHUNK][NR];
+  float d[Q8_CHUNK][NR], mo[Q8_CHUNK][NR];
+  const uint8_t* rows[NR];
+  for (int r = 0; r < NR; ++r) rows[r] = w + (n0 + r) * nb * BB<T>;
+  for (int64_t c0 = 0; c0 < nb; c0 += Q8_CHUNK) {
+    const int64_t cb = std::min(Q8_CHUNK, nb - c0);
+    for (int r = 0; r < NR; ++r)
+      for (int64_t k = 0; k < cb; ++k) {
+        const uint8_t* blk = rows[r] + (c0 + k) * BB<T>;
+        prefetch_ahead(blk);
+        corr[k][r] = 128 * codes_s8_vec<T>(blk, c[k][r]);
+        d[k][r] = half_at(blk);
+        if constexpr (T == QType::Q4_1) mo[k][r] = half_at(blk + 2);
+      }
+    for (int64_t g = g0; g < g1; ++g) {
+      float* ag = acc + (g - g0) * NR * L;
+      float* og = off + (g - g0) * NR * L;
+      F a[NR], o[NR];
       for (int r = 0; r < NR; ++r) {
-        const __m256 dv = halves8<T>(rows[r] + b * BB<T>);
-        for (int m = 0; m < MC; ++m) {
-          const __m256 d = _mm256_mul_ps(dv, _mm256_loadu_ps(xs + m * nb + b));
-          _mm256_store_ps(ds[r][m] + (b - c0), d);
+        a[r] = Lanes::load<F>(ag + r * L);
+        o[r] = Lanes::load<F>(og + r * L);
+      }
+      for (int64_t k = 0; k < cb; ++k) {
+        const int64_t gb = g * nb + c0 + k;
+        I X[8];
+        for (int j = 0; j < 8; ++j) X[j] = Lanes::load<I>(lx.xt.data() + (gb * 8 + j) * 4 * L);
+        const auto dx = Lanes::load<F>(lx.xs.data() + gb * L);
+        for (int r = 0; r < NR; ++r) {  // two chains of four: exact int32, any order
+          I e = Lanes::dot(I{}, X[0], c[k][r]);
+          I od = Lanes::dot(I{}, X[1], c[k][r] + 4);
+          for (int j = 2; j < 8; j += 2) {
+            e = Lanes::dot(e, X[j], c[k][r] + 4 * j);
+            od = Lanes::dot(od, X[j + 1], c[k][r] + 4 * j + 4);
+          }
+          a[r] = Lanes::fma(__builtin_convertvector(e + od - corr[k][r], F), dx * d[k][r], a[r]);
           if constexpr (T == QType::Q4_1)
-            offv[r][m] = _mm256_fmadd_ps(halves8<T>(rows[r] + b * BB<T> + 2), _mm256_loadu_ps(xsum + m * nb + b),
-                                         offv[r][m]);
-          else
-            offv[r][m] = _mm256_fmadd_ps(d, _mm256_loadu_ps(xc + m * nb + b), offv[r][m]);
+            o[r] = Lanes::fma(F{} + mo[k][r], Lanes::load<F>(lx.xsum.data() + gb * L), o[r]);
         }
       }
-    for (; b < c1; ++b)
       for (int r = 0; r < NR; ++r) {
-        const float d = half_at(rows[r] + b * BB<T>);
-        for (int m = 0; m < MC; ++m) {
-          ds[r][m][b - c0] = d * xs[m * nb + b];
-          off[r][m] += T == QType::Q4_1 ? half_at(rows[r] + b * BB<T> + 2) * xsum[m * nb + b]
-                                        : ds[r][m][b - c0] * xc[m * nb + b];
-        }
-      }
-    for (b = c0; b < c1; ++b) {
-      __m256i q[NR];
-      for (int r = 0; r < NR; ++r) {
-        prefetch_ahead(rows[r] + b * BB<T>);
-        q[r] = codes_u8_vec<T>(rows[r] + b * BB<T>);
-      }
-      for (int m = 0; m < MC; ++m) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m * nb + b) * GROUP));
-        for (int r = 0; r < NR; ++r)
-          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q[r], xv)), _mm256_broadcast_ss(&ds[r][m][b - c0]),
-                                      acc[r][m]);
+        std::memcpy(ag + r * L, &a[r], sizeof a[r]);
+        std::memcpy(og + r * L, &o[r], sizeof o[r]);
       }
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MC; ++m) y[m * N + n0 + r] = hsum(acc[r][m]) + (hsum(offv[r][m]) + off[r][m]);
+  for (int64_t g = g0; g < g1; ++g)
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < L && g * L + i < M; ++i) {
+        const int64_t at = ((g - g0) * NR + r) * L + i;
+        y[(g * L + i) * N + n0 + r] = acc[at] + off[at];
+      }
 }
-#endif
 
-// Weight rows [n0, n1) against x rows [0, MC): the VNNI tile where built, else the scalar loop.
-template <QType T, int MC>
-void rows_q8(const int8_t* xq, const float* xs, const float* xc, const float* xsum, const uint8_t* w, float* y,
-             int64_t K, int64_t N, int64_t n0, int64_t n1) {
-#ifdef TREESERVE_Q8_VNNI
-  int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) rows_q8_vnni<T, MC, 2>(xq, xs, xc, xsum, w, y, K, N, n);
-  if (n < n1) rows_q8_vnni<T, MC, 1>(xq, xs, xc, xsum, w, y, K, N, n);
-#else
-  rows_q8_scalar<T, MC>(xq, xs, xc, xsum, w, y, K, N, n0, n1);
-#endif
+// Weight rows [n0, n1) against every row of x, in passes of Q8_GROUPS lane groups.
+template <QType T>
+void rows_q8(const LaneX& lx, const uint8_t* w, float* y, int64_t M, int64_t nb, int64_t N, int64_t n0,
+             int64_t n1) {
+  const int64_t G = (M + Lanes::L - 1) / Lanes::L;
+  std::vector<float> acc(Q8_GROUPS * Q8_ROWS * Lanes::L), off(acc.size());
+  for (int64_t g0 = 0; g0 < G; g0 += Q8_GROUPS) {
+    const int64_t g1 = std::min(G, g0 + Q8_GROUPS);
+    for (int64_t n = n0; n < n1; n += Q8_ROWS) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(off.begin(), off.end(), 0.0f);
+      auto tile = [&](auto nr) {
+        rows_q8_lanes<T, nr.value>(lx, w, acc.data(), off.data(), y, M, nb, N, n, g0, g1);
+      };
+      switch (std::min<int64_t>(Q8_ROWS, n1 - n)) {
+        case 1: tile(std::integral_constant<int, 1>{}); break;
+        case 2: tile(std::integral_constant<int, 2>{}); break;
+        case 3: tile(std::integral_constant<int, 3>{}); break;
+        default: tile(std::integral_constant<int, Q8_ROWS>{});
+      }
+    }
+  }
 }
+#endif
 
 // int8 activations: large batches of models whose codes serve every batch (PackedLinear.large_forward).
 at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& w, std::string qtype, int64_t K) {
@@ -662,23 +754,20 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& w, std::string 
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   std::vector<int8_t> xq(M * K);
-  std::vector<float> xs(M * nb), xcorr(M * nb);
-  by_qtype(t, [&](auto qt) { quantize_rows(xp, M * nb, xq.data(), xs.data(), Q8_SHIFT<qt.value>, xcorr.data()); });
-  const std::vector<float> xsum = t == QType::Q4_1 ? block_sums(xp, M * nb) : std::vector<float>(M * nb, 0.0f);
-  // Pairs of weight rows over the threads; each ~64 KiB span of them serves every register block of x.
-  const int64_t pairs = (N + 1) / 2, span = std::max<int64_t>(1, 32768 / (nb * block_bytes(t)));
-  at::parallel_for(0, pairs, std::max<int64_t>(1, 16384 / K), [&](int64_t p0, int64_t p1) {
-    for (int64_t s0 = p0; s0 < p1; s0 += span) {
-      const int64_t n0 = 2 * s0, n1 = std::min(N, 2 * std::min(p1, s0 + span));
-      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
-        by_rows(std::min(MAX_ROWS, M - m0), [&](auto mc) {
-          by_qtype(t, [&](auto qt) {
-            rows_q8<qt.value, mc.value>(xq.data() + m0 * K, xs.data() + m0 * nb, xcorr.data() + m0 * nb,
-                                        xsum.data() + m0 * nb, wp, yp + m0 * N, K, N, n0, n1);
-          });
-        });
-    }
+  std::vector<float> xs(M * nb);
+  quantize_rows(xp, M * nb, xq.data(), xs.data());
+  const std::vector<float> xsum = t == QType::Q4_1 ? block_sums(xp, M * nb) : std::vector<float>();
+#ifdef TREESERVE_Q8_VNNI
+  const LaneX lx = lanes_of(xq.data(), xs.data(), xsum.empty() ? nullptr : xsum.data(), M, nb);
+  const int64_t tiles = (N + Q8_ROWS - 1) / Q8_ROWS;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, 16384 / K), [&](int64_t p0, int64_t p1) {
+    by_qtype(t, [&](auto qt) { rows_q8<qt.value>(lx, wp, yp, M, nb, N, p0 * Q8_ROWS, std::min(N, p1 * Q8_ROWS)); });
   });
+#else
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / K), [&](int64_t n0, int64_t n1) {
+    by_qtype(t, [&](auto qt) { rows_q8_scalar<qt.value>(xq.data(), xs.data(), xsum.data(), wp, yp, M, K, N, n0, n1); });
+  });
+#endif
   return y;
 }
 
