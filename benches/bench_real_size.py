@@ -9,6 +9,9 @@ temporary file, then, each in a fresh process (so resident memory is that load's
     ones where it measures faster, float32 embedding and head);
   - ``lean``: ``TREESERVE_PACKED_MAX_ROWS=all`` (the GGUF operator serves every batch: no int8
     copy, no dense weight), the least memory;
+  - ``codes``: ``TREESERVE_LARGE_TIER_BYTES=0`` (what a model over the large-tier budget gets, as
+    8B on 24 GB: the codes serve every batch, large ones with int8 activations where measured
+    faster), the least memory with the large batches' kernel;
 - resident memory after ``LLM()`` (``VmRSS``: anonymous + the mapped file's pages) and the peak
   (``VmHWM``) against the file size;
 - with the warm cache (no speculation): single-stream greedy decode tok/s and a batch of 16 x 64 tokens (token-id
@@ -158,7 +161,7 @@ def run_child(args: argparse.Namespace, path: Path, env: dict[str, str], which: 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-CONFIGS = {"default": {}, "lean": {"TREESERVE_PACKED_MAX_ROWS": "all"}}
+CONFIGS = {"default": {}, "lean": {"TREESERVE_PACKED_MAX_ROWS": "all"}, "codes": {"TREESERVE_LARGE_TIER_BYTES": "0"}}
 
 
 def table(args: argparse.Namespace, path: Path) -> dict[str, dict[str, float]]:

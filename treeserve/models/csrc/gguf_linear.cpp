@@ -384,25 +384,61 @@ void by_qtype(QType t, Fn&& fn) {
   }
 }
 
-// x [blocks * 32] rounded per 32-block to Q codes (int16 for gguf_linear, int8 for gguf_linear_q8):
-// xq = round(x / s), s = max|x_b| / QMAX (QMAX = 32767 or 127; 0 for an all-zero block, NaN for a block
-// with a non-finite value, which then makes the outputs NaN as float32 would).
+// One 32-block of x rounded to Q codes (int16 for gguf_linear, int8 for gguf_linear_q8): q = round(x / s),
+// s = max|x| / QMAX (QMAX = 32767 or 127) returned; s = 0 for an all-zero block, NaN (codes 0) for a block
+// with a non-finite value, which then makes the outputs NaN as float32 would. The same values with AVX2
+// (clamp, then round to nearest even) as without.
+template <typename Q>
+inline float quantize_block(const float* xb, Q* q) {
+  constexpr float QMAX = static_cast<float>(std::numeric_limits<Q>::max());
+#ifdef __AVX2__
+  const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  __m256 v[4], amax = _mm256_setzero_ps();
+  int finite = 0xff;
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 a = _mm256_andnot_ps(sign, v[i]);
+    amax = _mm256_max_ps(amax, a);
+    finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_LE_OQ));
+  }
+  if (finite != 0xff) {
+    std::fill(q, q + GROUP, Q{0});
+    return std::nanf("");
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float am = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const __m256 inv = _mm256_set1_ps(am > 0.0f ? QMAX / am : 0.0f), hi = _mm256_set1_ps(QMAX), lo = _mm256_set1_ps(-QMAX);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(v[i], inv))));
+  const __m256i p0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[0], r[1]), 0xd8);
+  const __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[2], r[3]), 0xd8);
+  if constexpr (sizeof(Q) == 2) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), p1);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute4x64_epi64(_mm256_packs_epi16(p0, p1), 0xd8));
+  }
+  return am / QMAX;
+#else
+  float am = 0.0f;
+  for (int64_t j = 0; j < GROUP; ++j) {
+    if (!std::isfinite(xb[j])) {
+      std::fill(q, q + GROUP, Q{0});
+      return std::nanf("");
+    }
+    am = std::max(am, std::fabs(xb[j]));
+  }
+  const float inv = am > 0.0f ? QMAX / am : 0.0f;
+  for (int64_t j = 0; j < GROUP; ++j) q[j] = static_cast<Q>(std::rint(std::min(QMAX, std::max(-QMAX, xb[j] * inv))));
+  return am / QMAX;
+#endif
+}
+
+// x [blocks * 32] rounded per 32-block (quantize_block): codes xq, scales xs.
 template <typename Q>
 void quantize_rows(const float* x, int64_t blocks, Q* xq, float* xs) {
-  constexpr float QMAX = static_cast<float>(std::numeric_limits<Q>::max());
-  for (int64_t i = 0; i < blocks; ++i) {
-    const float* xb = x + i * GROUP;
-    float amax = 0.0f;
-    bool finite = true;
-    for (int64_t j = 0; j < GROUP; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      finite = finite && std::isfinite(xb[j]);
-    }
-    const float inv = amax > 0.0f && finite ? QMAX / amax : 0.0f;
-    xs[i] = finite ? amax / QMAX : std::nanf("");
-    for (int64_t j = 0; j < GROUP; ++j)
-      xq[i * GROUP + j] = static_cast<Q>(std::rint(std::min(QMAX, std::max(-QMAX, xb[j] * inv))));
-  }
+  for (int64_t i = 0; i < blocks; ++i) xs[i] = quantize_block(x + i * GROUP, xq + i * GROUP);
 }
 
 QType parse_qtype(const std::string& s) {
@@ -413,10 +449,15 @@ QType parse_qtype(const std::string& s) {
 }
 
 // The float32 sum of each 32-block of x [blocks * 32] (the Q4_1 offsets' factor).
+inline float block_sum(const float* xb) {
+  float sum = 0.0f;
+  for (int64_t j = 0; j < GROUP; ++j) sum += xb[j];
+  return sum;
+}
+
 std::vector<float> block_sums(const float* x, int64_t blocks) {
-  std::vector<float> sums(blocks, 0.0f);
-  for (int64_t i = 0; i < blocks; ++i)
-    for (int64_t j = 0; j < GROUP; ++j) sums[i] += x[i * GROUP + j];
+  std::vector<float> sums(blocks);
+  for (int64_t i = 0; i < blocks; ++i) sums[i] = block_sum(x + i * GROUP);
   return sums;
 }
 
@@ -618,20 +659,28 @@ struct LaneX {
   std::vector<float> xs, xsum;
 };
 
-LaneX lanes_of(const int8_t* xq, const float* xs, const float* xsum, int64_t M, int64_t nb) {
+// x [M, nb * 32] rounded to int8 per block (quantize_block) into lanes, with Q4_1's block sums; rows in
+// parallel.
+LaneX lanes_of(const float* x, int64_t M, int64_t nb, bool sums) {
   constexpr int L = Lanes::L;
   const int64_t G = (M + L - 1) / L;
   LaneX lx{std::vector<uint8_t>(G * nb * GROUP * L, 128), std::vector<float>(G * nb * L, 0.0f),
-           std::vector<float>(xsum != nullptr ? G * nb * L : 0, 0.0f)};
+           std::vector<float>(sums ? G * nb * L : 0, 0.0f)};
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    alignas(32) int8_t q[GROUP];
     for (int64_t m = m0; m < m1; ++m) {
       const int64_t g = m / L, lane = m % L;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t gb = g * nb + b;
-        for (int64_t i = 0; i < GROUP; ++i)
-          lx.xt[((gb * 8 + i / 4) * L + lane) * 4 + i % 4] = static_cast<uint8_t>(xq[(m * nb + b) * GROUP + i] + 128);
-        lx.xs[gb * L + lane] = xs[m * nb + b];
-        if (xsum != nullptr) lx.xsum[gb * L + lane] = xsum[m * nb + b];
+        const float* xb = x + (m * nb + b) * GROUP;
+        lx.xs[gb * L + lane] = quantize_block(xb, q);
+        for (int64_t j = 0; j < 8; ++j) {
+          uint32_t v;
+          std::memcpy(&v, q + 4 * j, 4);
+          v ^= 0x80808080u;  // + 128 per byte
+          std::memcpy(&lx.xt[((gb * 8 + j) * L + lane) * 4], &v, 4);
+        }
+        if (sums) lx.xsum[gb * L + lane] = block_sum(xb);
       }
     }
   });
@@ -753,17 +802,17 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& w, std::string 
   const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xs(M * nb);
-  quantize_rows(xp, M * nb, xq.data(), xs.data());
-  const std::vector<float> xsum = t == QType::Q4_1 ? block_sums(xp, M * nb) : std::vector<float>();
 #ifdef TREESERVE_Q8_VNNI
-  const LaneX lx = lanes_of(xq.data(), xs.data(), xsum.empty() ? nullptr : xsum.data(), M, nb);
+  const LaneX lx = lanes_of(xp, M, nb, t == QType::Q4_1);
   const int64_t tiles = (N + Q8_ROWS - 1) / Q8_ROWS;
   at::parallel_for(0, tiles, std::max<int64_t>(1, 16384 / K), [&](int64_t p0, int64_t p1) {
     by_qtype(t, [&](auto qt) { rows_q8<qt.value>(lx, wp, yp, M, nb, N, p0 * Q8_ROWS, std::min(N, p1 * Q8_ROWS)); });
   });
 #else
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * nb);
+  quantize_rows(xp, M * nb, xq.data(), xs.data());
+  const std::vector<float> xsum = t == QType::Q4_1 ? block_sums(xp, M * nb) : std::vector<float>();
   at::parallel_for(0, N, std::max<int64_t>(1, 16384 / K), [&](int64_t n0, int64_t n1) {
     by_qtype(t, [&](auto qt) { rows_q8_scalar<qt.value>(xq.data(), xs.data(), xsum.data(), wp, yp, M, K, N, n0, n1); });
   });
