@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.models._helpers import paged_logits, write_gguf
@@ -149,6 +149,19 @@ def test_measured_crossover_is_a_candidate_row_count(monkeypatch) -> None:
     assert measure_crossover(PackedLinear(planes, torch.from_numpy(ref), None)) in (0, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
+def near_ties(seed: int, v: int, h: int, m: int, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head ``w [v, h]`` and rows ``x [m, h]`` whose two best float32 logits differ by ~margin."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(v, h, generator=gen)
+    x = torch.randn(m, h, generator=gen) * 3
+    f32 = F.linear(x, w)
+    top2 = f32.topk(2, dim=1).indices
+    for r in range(m):  # move the runner-up to within `margin` of the best
+        a, b = top2[r]
+        w[b] = w[b] + (f32[r, a] - f32[r, b] - margin) / x[r].dot(x[r]) * x[r]
+    return w, x
+
+
 @given(
     seed=st.integers(0, 2**20),
     margin=st.sampled_from([0.0, 1e-4, 1e-3, 1e-2]),
@@ -162,16 +175,8 @@ def test_exact_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: f
     the bf16 path forced (on a machine where it is slower the head would skip it). ``static``: the
     static-shape re-scoring a whole-graph compile traces (top candidates + ``torch.cond``), run eagerly;
     ``op``: the C++ re-scoring (``treeserve::exact_head_rescore``), else the torch ops."""
-    gen = torch.Generator().manual_seed(seed)
     v, h, m = 300, 64, 4
-    w = torch.randn(v, h, generator=gen)
-    x = torch.randn(m, h, generator=gen) * 3
-    f32 = F.linear(x, w)
-    top2 = f32.topk(2, dim=1).indices
-    for r in range(m):  # move the runner-up to within `margin` of the best
-        a, b = top2[r]
-        d = (f32[r, a] - f32[r, b] - margin) / x[r].dot(x[r])
-        w[b] = w[b] + d * x[r]
+    w, x = near_ties(seed, v, h, m, margin)
     with mock.patch.dict(os.environ, {"TREESERVE_EXACT_HEAD": "bf16"}):
         head = ExactHead(torch.nn.Parameter(w, requires_grad=False), max_candidates=max_cand)
     with mock.patch.object(quant, "_tracing", lambda: static), mock.patch.object(quant, "_rescore_op_available", lambda: op):
@@ -186,6 +191,31 @@ def test_exact_head_greedy_equals_float32_head_on_near_ties(seed: int, margin: f
     assert bool((ref.gather(1, best[:, None])[:, 0] >= ref.amax(1) - f32_noise).all())
     if margin >= 1e-3:
         assert torch.equal(best, ref.argmax(1))
+
+
+@pytest.mark.skipif(not (quant._rescore_op_available() and quant._rows_op_available()),
+                    reason="needs the C++ re-scoring and head_rows operators")
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**20), max_cand=st.sampled_from([1, 64]), bf16_rows=st.sampled_from([0, 1, 3]))
+def test_exact_head_row_is_the_same_whatever_path_its_step_takes(seed: int, max_cand: int, bf16_rows: int) -> None:
+    """A row alone (the bf16 or float32 first pass) and in a step of 6 rows (float32 GEMM first pass,
+    or bf16 up to ``bf16_rows``): the same greedy pick with bitwise the same logit, on rows whose two
+    best logits tie to float32 rounding; ``max_cand`` 1 sends rows to the full float32 head
+    (``head_rows``), 64 re-scores candidates (the same dot products). This is what keeps speculative
+    verify steps (more rows) exact against the decode steps they stand for."""
+    v, h, m = 300, 64, 6
+    w, x = near_ties(seed, v, h, m, 0.0)
+    with mock.patch.dict(os.environ, {"TREESERVE_EXACT_HEAD": "f32"}):
+        head = ExactHead(torch.nn.Parameter(w, requires_grad=False), max_candidates=max_cand)
+    head.bf16_max_rows = bf16_rows
+    if bf16_rows and "weight_bf16" not in head._buffers:
+        head.bf16_weight()
+    together = head(x)
+    for r in range(m):
+        alone = head(x[r : r + 1])[0]
+        best = int(alone.argmax())
+        assert best == int(together[r].argmax())
+        assert alone[best].item() == together[r, best].item()
 
 
 def test_tiny_gguf_packed_model_tracks_dense(tmp_path, monkeypatch) -> None:
@@ -363,9 +393,10 @@ def test_head_rows_is_float32_per_row_whatever_the_row_count(m: int, k: int, v: 
 
 @pytest.mark.skipif(not quant._rows_op_available(), reason="C++ few-row head unavailable")
 def test_exact_head_serves_a_few_rows_through_head_rows(monkeypatch) -> None:
-    """With the float32 head serving (no first pass), ``rows_min_rows .. rows_max_rows`` rows go
-    through ``head_rows``, others through ``F.linear``; the measured range is a candidate range;
-    bad operands are refused by name."""
+    """With the float32 head serving (no approximate pass), ``rows_min_rows .. rows_max_rows`` rows go
+    through ``head_rows``, others through ``F.linear`` with their argmax contenders re-scored to
+    ``head_rows``' dot products where the re-scoring operator is built; the measured range is a
+    candidate range; bad operands are refused by name."""
     monkeypatch.setenv("TREESERVE_EXACT_HEAD", "f32")
     monkeypatch.setenv("TREESERVE_HEAD_ROWS_MAX_ROWS", "4")
     gen = torch.Generator().manual_seed(3)
@@ -374,8 +405,14 @@ def test_exact_head_serves_a_few_rows_through_head_rows(monkeypatch) -> None:
     assert (head.rows_min_rows, head.rows_max_rows, head.bf16_max_rows) == (1, 4, 0)
     for m in (1, 2, 4, 5):
         x = torch.randn(m, 40, generator=gen)
-        want = torch.ops.treeserve.head_rows(x, w) if m <= 4 else F.linear(x, w)
-        assert torch.equal(head(x), want), m
+        y, rows = head(x), torch.ops.treeserve.head_rows(x, w)
+        if m <= 4 or not quant._rescore_op_available():
+            assert torch.equal(y, rows if m <= 4 else F.linear(x, w)), m
+            continue
+        changed = y != F.linear(x, w)
+        assert torch.equal(y[changed], rows[changed])
+        best = y.argmax(1, keepdim=True)
+        assert torch.equal(y.gather(1, best), rows.gather(1, best))
     monkeypatch.setenv("TREESERVE_HEAD_ROWS_MAX_ROWS", "0")
     assert ExactHead(torch.nn.Parameter(w, requires_grad=False)).rows_max_rows == 0
     monkeypatch.delenv("TREESERVE_HEAD_ROWS_MAX_ROWS")

@@ -682,13 +682,18 @@ class ExactHead(nn.Module):
       and the product rounded to bf16, relative 2^-8: oneDNN's bf16 GEMM returns bf16, widened by
       the re-scoring while it reads the row; ``c = 3 2^-8 + 2^-14 + 2 (K + 2) 2^-24`` covers the
       three roundings, their cross terms and the accumulation);
-    - else the float32 head itself.
+    - else the float32 head itself (``F.linear`` or ``head_rows``; in an eager step with the C++
+      re-scoring, a first pass too, with the packed bound, which covers any summation order).
 
     After an approximate pass every entry ``j`` the bound cannot exclude from the argmax is
     recomputed in float32 and written back (``treeserve::exact_head_rescore``, two passes per row,
     where built; torch ops otherwise), so the argmax row is the float32 head's (up to float32
     rounding between two float32 evaluations of one dot product); a row with more than
-    ``max_candidates`` such entries is computed in float32 entirely.
+    ``max_candidates`` such entries is computed in float32 entirely (``head_rows`` where built).
+    Where both operators are built, every logit that can be a row's greedy pick is the same
+    float32 dot product (``exact_head.cpp``'s order) whichever pass its step's row count takes, so a
+    row's greedy token does not depend on the other rows of its step (speculative verify steps
+    against the decode steps they stand for).
     """
 
     def __init__(self, weight: nn.Parameter, max_candidates: int = 64, packed: GGUFWeight | None = None) -> None:
@@ -804,13 +809,19 @@ class ExactHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
+        eager_op = not _tracing() and _rescore_op_available()
         if x.shape[0] <= self.packed_max_rows:
             approx, factor = self._packed(x), self.packed_bound_factor
         elif x.shape[0] <= self.bf16_max_rows:
             approx, factor = self._bf16(x), self.bound_factor
+        elif eager_op:
+            # The float32 head as a first pass too (its summation order is BLAS's; the packed bound
+            # covers any order): its contenders re-scored like the other passes', so a row's greedy
+            # pick comes from the same float32 dot products whatever path its step's row count takes.
+            approx, factor = self._float32(x), self.packed_bound_factor
         else:
             return self._float32(x)
-        if not _tracing() and _rescore_op_available():
+        if eager_op:
             out = approx if approx.dtype == torch.float32 else torch.empty(approx.shape, dtype=torch.float32)
             full = torch.ops.treeserve.exact_head_rescore(approx, out, x.contiguous(), self.weight, self.row_norms,
                                                           factor, self.max_candidates)
@@ -832,11 +843,15 @@ class ExactHead(nn.Module):
 
     def _recompute_rows(self, approx: torch.Tensor, x: torch.Tensor, full: torch.Tensor) -> torch.Tensor | None:
         """Overwrite the rows of ``approx`` flagged in ``full`` (too many candidates) with the
-        float32 head; their indices, or None when none is flagged."""
+        float32 head (``head_rows`` where built, whatever the number of such rows: its logits are
+        the re-scoring's dot products); their indices, or None when none is flagged."""
         if not bool(full.any()):
             return None
         rows = full.nonzero()[:, 0]
-        approx[rows] = self._float32(x[rows])
+        if _rows_op_available() and not _tracing():
+            approx[rows] = torch.ops.treeserve.head_rows(x[rows].contiguous(), self.weight)
+        else:
+            approx[rows] = self._float32(x[rows])
         return rows
 
     def _rescore_static(self, x: torch.Tensor, approx: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
