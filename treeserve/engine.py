@@ -492,7 +492,8 @@ class LLM:
                 speculative_max_batch=cfg.draft_batch_limit(loaded=isinstance(model, str)),
                 jump_forward_tokens=cfg.jump_forward_tokens,
                 speculative_row_cost=self._row_cost(loaded=isinstance(model, str)),
-                speculative_path_rows=path_rows(self.model),
+                # tensor parallel: rank 0's shard (the ranks hold equal shards, measured alike)
+                speculative_path_rows=path_rows(getattr(self.model, "local", self.model)),
             ),
             self.kv.allocator,
             self.radix,

@@ -374,7 +374,8 @@ def path_rows(model: object) -> tuple[int, ...]:
     to it, every row is summed as when it is alone; with AVX-512, no limit). A step that stays at or below the first
     threshold at or above its row count computes each row as a one-row step would (the scheduler's
     ``speculative_path_rows``: greedy speculation keeps plain decoding's output). ``()`` for a
-    model that is not an ``nn.Module`` (tensor parallel: its layers live in the ranks' processes)."""
+    model that is not an ``nn.Module`` (a tensor-parallel engine passes rank 0's shard: the other
+    ranks' equal shards read the same measurements)."""
     if not isinstance(model, nn.Module):
         return ()
     rows: set[int] = set()
