@@ -125,6 +125,24 @@ def test_the_first_pass_is_within_its_row_bound(seed: int, spread: float, qtype:
 
 
 @requires_op
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**20), qtype=st.sampled_from(QTYPES), q8_from=st.sampled_from([None, 2, 4]))
+def test_a_rows_greedy_logit_is_the_same_alone_and_in_a_step(seed: int, qtype: str, q8_from: int | None) -> None:
+    """A row alone (int16 first pass) and in a step of 9 rows (the int8 pass from ``q8_from`` rows):
+    the same greedy pick with bitwise the same re-scored logit (what keeps speculative verify steps
+    exact against decode steps without a cap for the head)."""
+    w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, 3000, 256, seed), (3000, 256))
+    head = CodesHead(w)
+    head.q8_min_rows = q8_from
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(seed))
+    together = head(x)
+    for r in range(9):
+        alone = head(x[r : r + 1])[0]
+        best = int(alone.argmax())
+        assert best == int(together[r].argmax()) and alone[best].item() == together[r, best].item()
+
+
+@requires_op
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_use_q8_head_measures_or_takes_the_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                     qtype: str) -> None:
