@@ -559,10 +559,11 @@ at::Tensor gguf_dequantize(const at::Tensor& w, std::string qtype, int64_t K) {
 // in the same order whatever the call's other rows: a row of any call is bit for bit the row alone, and
 // the VNNI build's rows are the scalar loop's.
 // Where the host has AVX-512 VNNI (16 rows of x per zmm) or AVX-VNNI (8 per ymm): the rows of x lie in the
-// lanes of vpdpbusd, their bytes stored as xq + 128 (unsigned), each 4-byte group of a weight block's codes
-// broadcast across the lanes, and the + 128 (128 sum c per block) subtracted in int32. A tile of Q8_ROWS
-// weight rows decodes Q8_CHUNK blocks of codes at a time and serves every row of x with them. Elsewhere the
-// scalar loop (correct, slow: the caller measures).
+// lanes of vpdpbusd (its signed operand); each 4-byte group of a weight block's codes, as unsigned bytes
+// u = c + bias (Q4_0, Q4_1: the nibbles q, bias 8 / 0; Q8_0: q + 128, bias 128), is broadcast across the
+// lanes, and bias * sum(xq), per row and block of x, is subtracted in int32. A tile of Q8_ROWS weight rows
+// decodes Q8_CHUNK blocks of codes at a time and serves every row of x with them. Elsewhere the scalar loop
+// (correct, slow: the caller measures).
 
 // The signed codes c of one block (element order), scalar.
 template <QType T>
@@ -622,16 +623,16 @@ struct Lanes {
     std::memcpy(&v, p, sizeof v);
     return v;
   }
-  // acc + per lane the dot product of x's 4 unsigned bytes with the 4 signed codes at c4 (vpdpbusd).
-  static I dot(I acc, I x, const int8_t* c4) {
+  // acc + per lane the dot product of the 4 unsigned bytes at u4 with x's 4 signed bytes (vpdpbusd).
+  static I dot(I acc, const uint8_t* u4, I x) {
     int32_t v;
-    std::memcpy(&v, c4, 4);
+    std::memcpy(&v, u4, 4);
 #ifdef __AVX512VNNI__
-    return reinterpret_cast<I>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(x),
-                                                   _mm512_set1_epi32(v)));
+    return reinterpret_cast<I>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), _mm512_set1_epi32(v),
+                                                   reinterpret_cast<__m512i>(x)));
 #else
-    return reinterpret_cast<I>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc), reinterpret_cast<__m256i>(x),
-                                                       _mm256_set1_epi32(v)));
+    return reinterpret_cast<I>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc), _mm256_set1_epi32(v),
+                                                       reinterpret_cast<__m256i>(x)));
 #endif
   }
   // a b + c rounded once (std::fma per lane).
@@ -652,20 +653,25 @@ constexpr int Q8_ROWS = 4;         // weight rows of a tile
 constexpr int64_t Q8_CHUNK = 8;    // blocks whose codes a tile decodes at a time
 constexpr int64_t Q8_GROUPS = 8;   // lane groups of x (Q8_GROUPS * L rows) served per pass over the weights
 
+template <QType T>
+constexpr int32_t Q8_BIAS = T == QType::Q4_0 ? 8 : (T == QType::Q8_0 ? 128 : 0);  // u = c + bias
+
 // x in lanes: group g (rows g L .. g L + L - 1, zero-padded), block b, 4-byte step j: L lanes of 4 bytes
-// xq + 128 at xt[((g nb + b) 8 + j) 4 L]; the block's scales and (Q4_1) float32 sums at [(g nb + b) L].
+// xq at xt[((g nb + b) 8 + j) 4 L]; per lane at [(g nb + b) L] the block's scale, bias * sum(xq) (xc)
+// and (Q4_1) the float32 sum of its unrounded x.
 struct LaneX {
-  std::vector<uint8_t> xt;
+  std::vector<int8_t> xt;
   std::vector<float> xs, xsum;
+  std::vector<int32_t> xc;
 };
 
-// x [M, nb * 32] rounded to int8 per block (quantize_block) into lanes, with Q4_1's block sums; rows in
-// parallel.
-LaneX lanes_of(const float* x, int64_t M, int64_t nb, bool sums) {
+// x [M, nb * 32] rounded to int8 per block (quantize_block) into lanes; rows in parallel.
+template <QType T>
+LaneX lanes_of(const float* x, int64_t M, int64_t nb) {
   constexpr int L = Lanes::L;
   const int64_t G = (M + L - 1) / L;
-  LaneX lx{std::vector<uint8_t>(G * nb * GROUP * L, 128), std::vector<float>(G * nb * L, 0.0f),
-           std::vector<float>(sums ? G * nb * L : 0, 0.0f)};
+  LaneX lx{std::vector<int8_t>(G * nb * GROUP * L, 0), std::vector<float>(G * nb * L, 0.0f),
+           std::vector<float>(T == QType::Q4_1 ? G * nb * L : 0, 0.0f), std::vector<int32_t>(G * nb * L, 0)};
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     alignas(32) int8_t q[GROUP];
     for (int64_t m = m0; m < m1; ++m) {
@@ -674,23 +680,20 @@ LaneX lanes_of(const float* x, int64_t M, int64_t nb, bool sums) {
         const int64_t gb = g * nb + b;
         const float* xb = x + (m * nb + b) * GROUP;
         lx.xs[gb * L + lane] = quantize_block(xb, q);
-        for (int64_t j = 0; j < 8; ++j) {
-          uint32_t v;
-          std::memcpy(&v, q + 4 * j, 4);
-          v ^= 0x80808080u;  // + 128 per byte
-          std::memcpy(&lx.xt[((gb * 8 + j) * L + lane) * 4], &v, 4);
-        }
-        if (sums) lx.xsum[gb * L + lane] = block_sum(xb);
+        int32_t sum = 0;
+        for (int64_t j = 0; j < GROUP; ++j) sum += q[j];
+        lx.xc[gb * L + lane] = Q8_BIAS<T> * sum;
+        for (int64_t j = 0; j < 8; ++j) std::memcpy(&lx.xt[((gb * 8 + j) * L + lane) * 4], q + 4 * j, 4);
+        if constexpr (T == QType::Q4_1) lx.xsum[gb * L + lane] = block_sum(xb);
       }
     }
   });
   return lx;
 }
 
-// One block's signed codes c stored at out (32 bytes); returns sum c.
+// One block's codes as unsigned bytes u = c + Q8_BIAS stored at out (32 bytes).
 template <QType T>
-inline int32_t codes_s8_vec(const uint8_t* blk, int8_t* out) {
-  constexpr int bias = T == QType::Q4_0 ? 8 : (T == QType::Q8_0 ? 128 : 0);  // u = c + bias, unsigned
+inline void codes_u8_vec(const uint8_t* blk, uint8_t* out) {
   __m256i u;
   if constexpr (T == QType::Q8_0) {
     u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
@@ -698,12 +701,13 @@ inline int32_t codes_s8_vec(const uint8_t* blk, int8_t* out) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == QType::Q4_1 ? 4 : 2)));
     u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
   }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bias ? _mm256_sub_epi8(u, _mm256_set1_epi8(
-                                                                  static_cast<char>(bias))) : u);
-  const __m256i s = _mm256_sad_epu8(u, _mm256_setzero_si256());
-  __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-  t = _mm_add_epi64(t, _mm_unpackhi_epi64(t, t));
-  return _mm_cvtsi128_si32(t) - GROUP * bias;
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), u);
+}
+
+// Keeps v in a register: the compiler would otherwise fold its load into every instruction that reads it.
+template <typename V>
+inline void in_register(V& v) {
+  asm volatile("" : "+v"(v));
 }
 
 // Weight rows [n0, n0 + NR) against lane groups [g0, g1) of x: acc / off hold [g - g0][r][L] (zeroed by
@@ -714,8 +718,7 @@ void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, fl
   constexpr int L = Lanes::L;
   using I = Lanes::I;
   using F = Lanes::F;
-  alignas(64) int8_t c[Q8_CHUNK][NR][GROUP];
-  int32_t corr[Q8_CHUNK][NR];
+  alignas(64) uint8_t u[Q8_CHUNK][NR][GROUP];
   float d[Q8_CHUNK][NR], mo[Q8_CHUNK][NR];
   const uint8_t* rows[NR];
   for (int r = 0; r < NR; ++r) rows[r] = w + (n0 + r) * nb * BB<T>;
@@ -725,7 +728,7 @@ void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, fl
       for (int64_t k = 0; k < cb; ++k) {
         const uint8_t* blk = rows[r] + (c0 + k) * BB<T>;
         prefetch_ahead(blk);
-        corr[k][r] = 128 * codes_s8_vec<T>(blk, c[k][r]);
+        codes_u8_vec<T>(blk, u[k][r]);
         d[k][r] = half_at(blk);
         if constexpr (T == QType::Q4_1) mo[k][r] = half_at(blk + 2);
       }
@@ -740,16 +743,24 @@ void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, fl
       for (int64_t k = 0; k < cb; ++k) {
         const int64_t gb = g * nb + c0 + k;
         I X[8];
-        for (int j = 0; j < 8; ++j) X[j] = Lanes::load<I>(lx.xt.data() + (gb * 8 + j) * 4 * L);
-        const auto dx = Lanes::load<F>(lx.xs.data() + gb * L);
+        for (int j = 0; j < 8; ++j) {
+          X[j] = Lanes::load<I>(lx.xt.data() + (gb * 8 + j) * 4 * L);
+          in_register(X[j]);
+        }
+        F dx = Lanes::load<F>(lx.xs.data() + gb * L);
+        I xc = Lanes::load<I>(lx.xc.data() + gb * L);
+        in_register(dx);
+        in_register(xc);
         for (int r = 0; r < NR; ++r) {  // two chains of four: exact int32, any order
-          I e = Lanes::dot(I{}, X[0], c[k][r]);
-          I od = Lanes::dot(I{}, X[1], c[k][r] + 4);
+          I e = Lanes::dot(I{}, u[k][r], X[0]);
+          I od = Lanes::dot(I{}, u[k][r] + 4, X[1]);
           for (int j = 2; j < 8; j += 2) {
-            e = Lanes::dot(e, X[j], c[k][r] + 4 * j);
-            od = Lanes::dot(od, X[j + 1], c[k][r] + 4 * j + 4);
+            e = Lanes::dot(e, u[k][r] + 4 * j, X[j]);
+            od = Lanes::dot(od, u[k][r] + 4 * j + 4, X[j + 1]);
           }
-          a[r] = Lanes::fma(__builtin_convertvector(e + od - corr[k][r], F), dx * d[k][r], a[r]);
+          I dot = e + od;
+          if constexpr (Q8_BIAS<T> != 0) dot -= xc;
+          a[r] = Lanes::fma(__builtin_convertvector(dot, F), dx * d[k][r], a[r]);
           if constexpr (T == QType::Q4_1)
             o[r] = Lanes::fma(F{} + mo[k][r], Lanes::load<F>(lx.xsum.data() + gb * L), o[r]);
         }
@@ -803,10 +814,12 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& w, std::string 
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
 #ifdef TREESERVE_Q8_VNNI
-  const LaneX lx = lanes_of(xp, M, nb, t == QType::Q4_1);
   const int64_t tiles = (N + Q8_ROWS - 1) / Q8_ROWS;
-  at::parallel_for(0, tiles, std::max<int64_t>(1, 16384 / K), [&](int64_t p0, int64_t p1) {
-    by_qtype(t, [&](auto qt) { rows_q8<qt.value>(lx, wp, yp, M, nb, N, p0 * Q8_ROWS, std::min(N, p1 * Q8_ROWS)); });
+  by_qtype(t, [&](auto qt) {
+    const LaneX lx = lanes_of<qt.value>(xp, M, nb);
+    at::parallel_for(0, tiles, std::max<int64_t>(1, 16384 / K), [&](int64_t p0, int64_t p1) {
+      rows_q8<qt.value>(lx, wp, yp, M, nb, N, p0 * Q8_ROWS, std::min(N, p1 * Q8_ROWS));
+    });
   });
 #else
   std::vector<int8_t> xq(M * K);
