@@ -607,14 +607,17 @@ void rows_q8_scalar(const int8_t* xq, const float* xs, const float* xsum, const 
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVXVNNI__)
 #define TREESERVE_Q8_VNNI 1
-// L rows of x per register: 16 (a zmm) with AVX-512 VNNI, else 8 (a ymm, AVX-VNNI). GCC vector types,
-// so that the arithmetic is written once; the two instructions that need a width, by intrinsics.
-struct Lanes {
+// L rows of x per register: 16 (a zmm, AVX-512 VNNI) or 8 (a ymm: AVX-VNNI, or AVX-512 VL for calls of at
+// most 8 rows, where a zmm would compute 8 empty lanes). GCC vector types, so that the arithmetic is written
+// once; the two instructions that need a width, by intrinsics.
 #ifdef __AVX512VNNI__
-  static constexpr int L = 16;
+constexpr int MAX_LANES = 16;
 #else
-  static constexpr int L = 8;
+constexpr int MAX_LANES = 8;
 #endif
+
+template <int L>
+struct Lanes {
   typedef int32_t I __attribute__((vector_size(4 * L)));
   typedef float F __attribute__((vector_size(4 * L)));
   template <typename V>
@@ -627,23 +630,28 @@ struct Lanes {
   static I dot(I acc, const uint8_t* u4, I x) {
     int32_t v;
     std::memcpy(&v, u4, 4);
+    if constexpr (L == 16) {
+      return reinterpret_cast<I>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), _mm512_set1_epi32(v),
+                                                     reinterpret_cast<__m512i>(x)));
+    } else {
 #ifdef __AVX512VNNI__
-    return reinterpret_cast<I>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), _mm512_set1_epi32(v),
-                                                   reinterpret_cast<__m512i>(x)));
+      return reinterpret_cast<I>(_mm256_dpbusd_epi32(reinterpret_cast<__m256i>(acc), _mm256_set1_epi32(v),
+                                                     reinterpret_cast<__m256i>(x)));
 #else
-    return reinterpret_cast<I>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc), _mm256_set1_epi32(v),
-                                                       reinterpret_cast<__m256i>(x)));
+      return reinterpret_cast<I>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc), _mm256_set1_epi32(v),
+                                                         reinterpret_cast<__m256i>(x)));
 #endif
+    }
   }
   // a b + c rounded once (std::fma per lane).
   static F fma(F a, F b, F c) {
-#ifdef __AVX512VNNI__
-    return reinterpret_cast<F>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
-                                               reinterpret_cast<__m512>(c)));
-#else
-    return reinterpret_cast<F>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
-                                               reinterpret_cast<__m256>(c)));
-#endif
+    if constexpr (L == 16) {
+      return reinterpret_cast<F>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                 reinterpret_cast<__m512>(c)));
+    } else {
+      return reinterpret_cast<F>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                                 reinterpret_cast<__m256>(c)));
+    }
   }
 };
 #endif
@@ -665,10 +673,9 @@ struct LaneX {
   std::vector<int32_t> xc;
 };
 
-// x [M, nb * 32] rounded to int8 per block (quantize_block) into lanes; rows in parallel.
-template <QType T>
+// x [M, nb * 32] rounded to int8 per block (quantize_block) into groups of L lanes; rows in parallel.
+template <QType T, int L>
 LaneX lanes_of(const float* x, int64_t M, int64_t nb) {
-  constexpr int L = Lanes::L;
   const int64_t G = (M + L - 1) / L;
   LaneX lx{std::vector<int8_t>(G * nb * GROUP * L, 0), std::vector<float>(G * nb * L, 0.0f),
            std::vector<float>(T == QType::Q4_1 ? G * nb * L : 0, 0.0f), std::vector<int32_t>(G * nb * L, 0)};
@@ -712,12 +719,12 @@ inline void in_register(V& v) {
 
 // Weight rows [n0, n0 + NR) against lane groups [g0, g1) of x: acc / off hold [g - g0][r][L] (zeroed by
 // the caller), y is written for the rows < M.
-template <QType T, int NR>
+template <QType T, int L, int NR>
 void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, float* y, int64_t M, int64_t nb,
                    int64_t N, int64_t n0, int64_t g0, int64_t g1) {
-  constexpr int L = Lanes::L;
-  using I = Lanes::I;
-  using F = Lanes::F;
+  using V = Lanes<L>;
+  using I = typename V::I;
+  using F = typename V::F;
   alignas(64) uint8_t u[Q8_CHUNK][NR][GROUP];
   float d[Q8_CHUNK][NR], mo[Q8_CHUNK][NR];
   const uint8_t* rows[NR];
@@ -737,32 +744,32 @@ void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, fl
       float* og = off + (g - g0) * NR * L;
       F a[NR], o[NR];
       for (int r = 0; r < NR; ++r) {
-        a[r] = Lanes::load<F>(ag + r * L);
-        o[r] = Lanes::load<F>(og + r * L);
+        a[r] = V::template load<F>(ag + r * L);
+        o[r] = V::template load<F>(og + r * L);
       }
       for (int64_t k = 0; k < cb; ++k) {
         const int64_t gb = g * nb + c0 + k;
         I X[8];
         for (int j = 0; j < 8; ++j) {
-          X[j] = Lanes::load<I>(lx.xt.data() + (gb * 8 + j) * 4 * L);
+          X[j] = V::template load<I>(lx.xt.data() + (gb * 8 + j) * 4 * L);
           in_register(X[j]);
         }
-        F dx = Lanes::load<F>(lx.xs.data() + gb * L);
-        I xc = Lanes::load<I>(lx.xc.data() + gb * L);
+        F dx = V::template load<F>(lx.xs.data() + gb * L);
+        I xc = V::template load<I>(lx.xc.data() + gb * L);
         in_register(dx);
         in_register(xc);
         for (int r = 0; r < NR; ++r) {  // two chains of four: exact int32, any order
-          I e = Lanes::dot(I{}, u[k][r], X[0]);
-          I od = Lanes::dot(I{}, u[k][r] + 4, X[1]);
+          I e = V::dot(I{}, u[k][r], X[0]);
+          I od = V::dot(I{}, u[k][r] + 4, X[1]);
           for (int j = 2; j < 8; j += 2) {
-            e = Lanes::dot(e, u[k][r] + 4 * j, X[j]);
-            od = Lanes::dot(od, u[k][r] + 4 * j + 4, X[j + 1]);
+            e = V::dot(e, u[k][r] + 4 * j, X[j]);
+            od = V::dot(od, u[k][r] + 4 * j + 4, X[j + 1]);
           }
           I dot = e + od;
           if constexpr (Q8_BIAS<T> != 0) dot -= xc;
-          a[r] = Lanes::fma(__builtin_convertvector(dot, F), dx * d[k][r], a[r]);
+          a[r] = V::fma(__builtin_convertvector(dot, F), dx * d[k][r], a[r]);
           if constexpr (T == QType::Q4_1)
-            o[r] = Lanes::fma(F{} + mo[k][r], Lanes::load<F>(lx.xsum.data() + gb * L), o[r]);
+            o[r] = V::fma(F{} + mo[k][r], V::template load<F>(lx.xsum.data() + gb * L), o[r]);
         }
       }
       for (int r = 0; r < NR; ++r) {
@@ -780,18 +787,18 @@ void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, fl
 }
 
 // Weight rows [n0, n1) against every row of x, in passes of Q8_GROUPS lane groups.
-template <QType T>
+template <QType T, int L>
 void rows_q8(const LaneX& lx, const uint8_t* w, float* y, int64_t M, int64_t nb, int64_t N, int64_t n0,
              int64_t n1) {
-  const int64_t G = (M + Lanes::L - 1) / Lanes::L;
-  std::vector<float> acc(Q8_GROUPS * Q8_ROWS * Lanes::L), off(acc.size());
+  const int64_t G = (M + L - 1) / L;
+  std::vector<float> acc(Q8_GROUPS * Q8_ROWS * L), off(acc.size());
   for (int64_t g0 = 0; g0 < G; g0 += Q8_GROUPS) {
     const int64_t g1 = std::min(G, g0 + Q8_GROUPS);
     for (int64_t n = n0; n < n1; n += Q8_ROWS) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(off.begin(), off.end(), 0.0f);
       auto tile = [&](auto nr) {
-        rows_q8_lanes<T, nr.value>(lx, w, acc.data(), off.data(), y, M, nb, N, n, g0, g1);
+        rows_q8_lanes<T, L, nr.value>(lx, w, acc.data(), off.data(), y, M, nb, N, n, g0, g1);
       };
       switch (std::min<int64_t>(Q8_ROWS, n1 - n)) {
         case 1: tile(std::integral_constant<int, 1>{}); break;
@@ -815,11 +822,15 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& w, std::string 
   float* yp = y.data_ptr<float>();
 #ifdef TREESERVE_Q8_VNNI
   const int64_t tiles = (N + Q8_ROWS - 1) / Q8_ROWS;
-  by_qtype(t, [&](auto qt) {
-    const LaneX lx = lanes_of<qt.value>(xp, M, nb);
+  const auto run = [&](auto qt, auto lanes) {
+    const LaneX lx = lanes_of<qt.value, lanes.value>(xp, M, nb);
     at::parallel_for(0, tiles, std::max<int64_t>(1, 16384 / K), [&](int64_t p0, int64_t p1) {
-      rows_q8<qt.value>(lx, wp, yp, M, nb, N, p0 * Q8_ROWS, std::min(N, p1 * Q8_ROWS));
+      rows_q8<qt.value, lanes.value>(lx, wp, yp, M, nb, N, p0 * Q8_ROWS, std::min(N, p1 * Q8_ROWS));
     });
+  };
+  by_qtype(t, [&](auto qt) {
+    if (M <= 8) return run(qt, std::integral_constant<int, 8>{});
+    run(qt, std::integral_constant<int, MAX_LANES>{});
   });
 #else
   std::vector<int8_t> xq(M * K);
