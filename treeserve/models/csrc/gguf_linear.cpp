@@ -558,7 +558,8 @@ at::Tensor gguf_dequantize(const at::Tensor& w, std::string qtype, int64_t K) {
 // with the float32 sums of the unrounded x; y = acc + off. Every row of x goes through the same operations
 // in the same order whatever the call's other rows: a row of any call is bit for bit the row alone, and
 // the VNNI build's rows are the scalar loop's.
-// Where the host has AVX-512 VNNI (16 rows of x per zmm) or AVX-VNNI (8 per ymm): the rows of x lie in the
+// Where the host has AVX-512 VNNI (16 rows of x per zmm; 8 per ymm for calls of at most 8 rows) or AVX-VNNI
+// (8 per ymm): the rows of x lie in the
 // lanes of vpdpbusd (its signed operand); each 4-byte group of a weight block's codes, as unsigned bytes
 // u = c + bias (Q4_0, Q4_1: the nibbles q, bias 8 / 0; Q8_0: q + 128, bias 128), is broadcast across the
 // lanes, and bias * sum(xq), per row and block of x, is subtracted in int32. A tile of Q8_ROWS weight rows
