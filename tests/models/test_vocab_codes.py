@@ -173,6 +173,9 @@ def test_use_q8_head_measures_or_takes_the_override(monkeypatch: pytest.MonkeyPa
     head.q8_min_rows = 1 if head.int16 else None
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(1))
     check_greedy_pick(head(x), x, w.dequantize(), 0.0)
+    if not head.int16:
+        with pytest.raises(ValueError, match="q8: the int8 first pass needs a Q4_0 or Q8_0 head"):
+            head.logits(x, True)
 
 
 @requires_op

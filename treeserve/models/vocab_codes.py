@@ -164,8 +164,11 @@ class CodesHead(_Codes):
         return self.logits(x, self._q8(x))
 
     def logits(self, x: torch.Tensor, q8: bool) -> torch.Tensor:
-        """``forward`` with the first pass chosen: ``q8`` the int8 codes (Q4_0 / Q8_0, eager), else
-        the default (int16 codes, float32 for Q4_1)."""
+        """``forward`` with the first pass chosen: ``q8`` the int8 codes (Q4_0 / Q8_0, eager; a
+        ``ValueError`` for a Q4_1 head, whose offset term the bound does not cover), else the default
+        (int16 codes, float32 for Q4_1)."""
+        if q8 and not self.int16:
+            raise ValueError(f"q8: the int8 first pass needs a Q4_0 or Q8_0 head, this one is {self.qtype}")
         x = x.float().contiguous()
         if q8:
             first = torch.ops.treeserve.gguf_linear_q8
