@@ -159,10 +159,11 @@ def load_gguf_linear_op() -> str | None:
 
 def q8_vnni() -> bool:
     """Whether ``treeserve::gguf_linear_q8`` runs its ``vpdpbusd`` kernel here: the operator is built and
-    the host (``-march=native``) has AVX-512 VNNI with AVX-512 VL, or AVX-VNNI. Elsewhere it is a
-    scalar loop, correct but never faster than ``gguf_linear``: not worth measuring."""
-    flags = cpu_flags().split()
-    return gguf_op_available() and (("avx512_vnni" in flags and "avx512vl" in flags) or "avx_vnni" in flags)
+    the host (``-march=native``) has AVX-512 VNNI with AVX-512 BW and VL, or AVX-VNNI (the kernel's
+    build condition). Elsewhere it is a scalar loop, correct but never faster than ``gguf_linear``:
+    not worth measuring."""
+    flags = set(cpu_flags().split())
+    return gguf_op_available() and ({"avx512_vnni", "avx512bw", "avx512vl"} <= flags or "avx_vnni" in flags)
 
 
 def gguf_op_available() -> bool:

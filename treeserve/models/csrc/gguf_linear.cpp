@@ -566,33 +566,18 @@ at::Tensor gguf_dequantize(const at::Tensor& w, std::string qtype, int64_t K) {
 // decodes Q8_CHUNK blocks of codes at a time and serves every row of x with them. Elsewhere the scalar loop
 // (correct, slow: the caller measures).
 
-// The signed codes c of one block (element order), scalar.
-template <QType T>
-inline void codes_s8(const uint8_t* blk, int8_t* c) {
-  if constexpr (T == QType::Q8_0) {
-    std::memcpy(c, blk + 2, GROUP);
-  } else {
-    constexpr int bias = T == QType::Q4_0 ? 8 : 0;
-    const uint8_t* qs = blk + (T == QType::Q4_1 ? 4 : 2);
-    for (int j = 0; j < 16; ++j) {
-      c[j] = static_cast<int8_t>((qs[j] & 15) - bias);
-      c[j + 16] = static_cast<int8_t>((qs[j] >> 4) - bias);
-    }
-  }
-}
-
 template <QType T>
 void rows_q8_scalar(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w, float* y, int64_t M,
                     int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t nb = K / GROUP;
-  int8_t c[GROUP];
+  int32_t c[GROUP];
   std::vector<float> acc(M), off(M);
   for (int64_t n = n0; n < n1; ++n) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(off.begin(), off.end(), 0.0f);
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = w + (n * nb + b) * BB<T>;
-      codes_s8<T>(blk, c);
+      codes_int<T>(blk, c);
       const float d = half_at(blk);
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* xb = xq + (m * nb + b) * GROUP;
@@ -606,12 +591,13 @@ void rows_q8_scalar(const int8_t* xq, const float* xs, const float* xsum, const 
   }
 }
 
-#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVXVNNI__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define TREESERVE_Q8_VNNI 1
 // L rows of x per register: 16 (a zmm, AVX-512 VNNI) or 8 (a ymm: AVX-VNNI, or AVX-512 VL for calls of at
 // most 8 rows, where a zmm would compute 8 empty lanes). GCC vector types, so that the arithmetic is written
 // once; the two instructions that need a width, by intrinsics.
-#ifdef __AVX512VNNI__
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TREESERVE_Q8_ZMM 1
 constexpr int MAX_LANES = 16;
 #else
 constexpr int MAX_LANES = 8;
@@ -635,7 +621,7 @@ struct Lanes {
       return reinterpret_cast<I>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), _mm512_set1_epi32(v),
                                                      reinterpret_cast<__m512i>(x)));
     } else {
-#ifdef __AVX512VNNI__
+#ifdef TREESERVE_Q8_ZMM
       return reinterpret_cast<I>(_mm256_dpbusd_epi32(reinterpret_cast<__m256i>(acc), _mm256_set1_epi32(v),
                                                      reinterpret_cast<__m256i>(x)));
 #else
