@@ -506,6 +506,15 @@ def _in_turn(layers: Sequence[PackedLinear], fn: Callable[[PackedLinear, torch.T
     return lambda x: [fn(m, x) for m in layers] and None
 
 
+def _int16_rows(kind: str, key: tuple[object, ...], k: int, int16: Callable[[torch.Tensor], object],
+                q8: Callable[[torch.Tensor], object]) -> int:
+    """The row count up to which the int16-activation call ``int16`` stays, against the int8 one
+    ``q8`` (``_crossover``, float32 ``x``): at least 1, a single stream keeps the finer activations;
+    ``_ALL_ROWS`` when ``q8`` is never faster over the measured counts."""
+    rows = _crossover(kind, key, k, torch.float32, int16, q8)
+    return _ALL_ROWS if rows >= _CROSSOVER_ROWS[-1] else max(rows, 1)
+
+
 def use_q8_large(layers: Sequence[PackedLinear]) -> int:
     """For a group of GGUF-code layers (one input width) whose codes serve every batch (no room for
     other large-batch weights): give them the int8-activation path of their codes
@@ -528,9 +537,8 @@ def use_q8_large(layers: Sequence[PackedLinear]) -> int:
         def q8(m: PackedLinear, x: torch.Tensor) -> object:
             return torch.ops.treeserve.gguf_linear_q8(x, m.raw, m.qtype, m.in_features)
 
-        rows = _crossover("q8-rows", key, group[0].in_features, torch.float32,
-                          _in_turn(timed, lambda m, x: m.packed_forward(x)), _in_turn(timed, q8))
-        rows = _ALL_ROWS if rows >= _CROSSOVER_ROWS[-1] else max(rows, 1)
+        rows = _int16_rows("q8-rows", key, group[0].in_features, _in_turn(timed, lambda m, x: m.packed_forward(x)),
+                           _in_turn(timed, q8))
     else:
         rows = env
     for m in group:
@@ -549,9 +557,8 @@ def use_q8_head(head: CodesHead) -> None:
     if not head.int16 or (env is None and not q8_vnni()):
         return
     if env is None:
-        env = _crossover("head-q8-rows", (head.out_features, head.qtype), head.in_features, torch.float32,
-                         lambda x: head.logits(x, False), lambda x: head.logits(x, True))
-        env = _ALL_ROWS if env >= _CROSSOVER_ROWS[-1] else max(env, 1)
+        env = _int16_rows("head-q8-rows", (head.out_features, head.qtype), head.in_features,
+                          lambda x: head.logits(x, False), lambda x: head.logits(x, True))
     head.q8_min_rows = None if env >= _ALL_ROWS else env + 1
 
 
