@@ -245,9 +245,19 @@ void rows_int_scalar(const int16_t* xq, const float* xs, const float* xsum, cons
 
 #ifdef __AVX2__
 // The f16 at p of eight consecutive blocks (p, p + BB, ...: their d, or at + 2 Q4_1's m) as float32,
-// converted by one F16C instruction.
+// converted by one F16C instruction. With AVX-512 BW and blocks of at most 20 bytes (Q4_0, Q4_1), picked
+// by one two-register word permutation from the 64 bytes at p and at p + 4 BB (inside the eight blocks).
 template <QType T>
 inline __m256 halves8(const uint8_t* p) {
+#ifdef __AVX512BW__
+  if constexpr (BB<T> <= 20) {
+    constexpr int16_t S = BB<T> / 2;  // the stride in words
+    alignas(64) static constexpr int16_t pick[32] = {0, S, 2 * S, 3 * S, 32, 32 + S, 32 + 2 * S, 32 + 3 * S};
+    const __m512i h = _mm512_permutex2var_epi16(_mm512_loadu_si512(p), _mm512_load_si512(pick),
+                                                _mm512_loadu_si512(p + 4 * BB<T>));
+    return _mm256_cvtph_ps(_mm512_castsi512_si128(h));
+  }
+#endif
   uint16_t h[8];
   for (int i = 0; i < 8; ++i) std::memcpy(&h[i], p + i * BB<T>, 2);
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
@@ -294,12 +304,11 @@ constexpr int chains([[maybe_unused]] int mc) {
 #endif
 }
 
-template <QType T, int MC>
+template <QType T, int MC, bool L2>
 void rows_int_avx2(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, float* y, int64_t K,
                    int64_t N, int64_t n0, int64_t n1) {
   constexpr int CH = chains(MC);
   const int64_t nb = K / GROUP;
-  const bool to_l2 = MC <= 4 && MC * K * static_cast<int64_t>(sizeof(int16_t)) >= X_L1_BYTES;
   const __m256i low4 = _mm256_set1_epi16(15), bias = _mm256_set1_epi16(8);
   float ds[MC][CHUNK];
   for (int64_t n = n0; n < n1; ++n) {
@@ -312,7 +321,7 @@ void rows_int_avx2(const int16_t* xq, const float* xs, const float* xsum, const 
     const uint8_t* row = w + n * nb * BB<T>;
     auto step = [&](int64_t b, int64_t c0, __m256(&a)[MC]) __attribute__((always_inline)) {
       const uint8_t* blk = row + b * BB<T>;
-      prefetch_ahead(blk, to_l2);
+      prefetch_ahead(blk, L2);
       __m256i lo, hi;
       if constexpr (T == QType::Q8_0) {
         lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
@@ -354,7 +363,11 @@ template <QType T, int MC>
 void rows_int(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, float* y, int64_t K, int64_t N,
               int64_t n0, int64_t n1) {
 #ifdef __AVX2__
-  rows_int_avx2<T, MC>(xq, xs, xsum, w, y, K, N, n0, n1);
+  if constexpr (MC <= 4) {  // bound by memory: into L2 where x would not stay in L1 (prefetch_ahead)
+    if (MC * K * static_cast<int64_t>(sizeof(int16_t)) >= X_L1_BYTES)
+      return rows_int_avx2<T, MC, true>(xq, xs, xsum, w, y, K, N, n0, n1);
+  }
+  rows_int_avx2<T, MC, false>(xq, xs, xsum, w, y, K, N, n0, n1);
 #else
   rows_int_scalar<T, MC>(xq, xs, xsum, w, y, K, N, n0, n1);
 #endif
