@@ -1,9 +1,9 @@
 """The fused C++ decode path (``treeserve::decode_layers``) against the Python layer path.
 
 Both run the same operators in the same order, so logits and every layer's KV cache must agree
-bit for bit (GGUF-packed, dense, int8 and mixed projections); fallbacks (prefill, int4-plane codes,
-biases, compile, batch invariance) must leave the Python path in charge; bad operands must fail
-with the field named.
+bit for bit (GGUF-packed, dense, int8, GGUF with int8 activations and mixed projections);
+fallbacks (prefill, int4-plane codes, biases, compile, batch invariance) must leave the Python
+path in charge; bad operands must fail with the field named.
 """
 
 from __future__ import annotations
@@ -31,11 +31,14 @@ from treeserve.scheduler import DraftTree
 requires_op = pytest.mark.skipif(load_decode_op() is not None, reason="C++ decode_layers operator unavailable")
 PROJS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+LARGE = ("dense", "int8", "q8") if int8_available() else ("dense", "q8")  # a batch above max_rows
 
 
-def gguf_model(seed: int = 0, max_rows: int = 8, num_layers: int = 2, int8: bool = False, **overrides: object) -> LlamaForCausalLM:
+def gguf_model(seed: int = 0, max_rows: int = 8, num_layers: int = 2, large: str = "dense",
+               **overrides: object) -> LlamaForCausalLM:
     """A random float32 model whose projections are GGUF ``PackedLinear`` (qtypes mixed per layer);
-    with ``int8`` their batches above ``max_rows`` take the int8 GEMM."""
+    their batches above ``max_rows`` take ``large``: ``"dense"`` (``F.linear``), ``"int8"`` (the
+    int8 GEMM) or ``"q8"`` (the codes with int8 activations, ``large_q8``)."""
     config = tiny_config(num_layers=num_layers, head_dim=32, **overrides)
     model = random_model(config, seed=seed, init_std=0.05)
     for i, layer in enumerate(model.layers):
@@ -47,7 +50,8 @@ def gguf_model(seed: int = 0, max_rows: int = 8, num_layers: int = 2, int8: bool
             codes = GGUFWeight.from_bytes(qtype, raw, tuple(dense.shape))
             parent, _, attr = name.rpartition(".")
             packed = PackedLinear(codes, codes.dequantize(), mod.bias, packed_max_rows=max_rows)
-            packed.int8 = Int8Weight.from_dense(packed.weight) if int8 else None
+            packed.int8 = Int8Weight.from_dense(packed.weight) if large == "int8" else None
+            packed.large_q8 = large == "q8"
             setattr(layer.get_submodule(parent), attr, packed)
     return model
 
@@ -100,14 +104,14 @@ def assert_same(ref, got) -> None:  # type: ignore[no-untyped-def]
     batch=st.integers(1, 8),
     page_size=st.sampled_from([1, 4, 16]),
     max_ctx=st.integers(1, 70),
-    max_rows=st.sampled_from([0, 3, 8]),  # 0: every projection dense (or int8); 3: mixed by batch
-    int8=st.booleans() if int8_available() else st.just(False),
+    max_rows=st.sampled_from([0, 3, 8]),  # 0: every projection takes ``large``; 3: mixed by batch
+    large=st.sampled_from(LARGE),
     kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),  # bf16: KV stored rounded, q rounded to attend
     seed=st.integers(0, 2**16),
 )
-def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_rows: int, int8: bool,
+def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_rows: int, large: str,
                                   kv_dtype: torch.dtype, seed: int) -> None:
-    model = gguf_model(seed=seed % 3, max_rows=max_rows, int8=int8)
+    model = gguf_model(seed=seed % 3, max_rows=max_rows, large=large)
     ctx = np.random.default_rng(seed).integers(1, max_ctx + 1, batch).tolist()
     ref = decode_step(model, ctx, page_size, seed, fused=False, kv_dtype=kv_dtype)
     got = decode_step(model, ctx, page_size, seed, fused=True, kv_dtype=kv_dtype)
@@ -122,18 +126,18 @@ def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_
     page_size=st.sampled_from([1, 4]),
     max_ctx=st.integers(1, 70),
     max_rows=st.sampled_from([0, 3, 8]),
-    int8=st.booleans() if int8_available() else st.just(False),
+    large=st.sampled_from(LARGE),
     kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
 def test_verify_step_fused_equals_python_path(trees: list[list[int]], page_size: int, max_ctx: int, max_rows: int,
-                                              int8: bool, kv_dtype: torch.dtype, seed: int) -> None:
+                                              large: str, kv_dtype: torch.dtype, seed: int) -> None:
     """A verify step (the pending token plus draft-tree nodes per request, positions prefix_len +
     depth) through ``decode_layers`` equals the Python layers bit for bit, logits and caches; a
     step the query view cannot list (a tree with a gap on pages larger than one token) stays
     in Python, and the fused operator serves every other."""
     trees = [[min(p, k - 1) for k, p in enumerate(t)] for t in trees]  # parent before child
-    model = gguf_model(seed=seed % 3, max_rows=max_rows, int8=int8)
+    model = gguf_model(seed=seed % 3, max_rows=max_rows, large=large)
     ctx = np.random.default_rng(seed).integers(1, max_ctx + 1, len(trees)).tolist()
     ref = decode_step(model, ctx, page_size, seed, fused=False, kv_dtype=kv_dtype, trees=trees)
     calls = []
@@ -174,6 +178,25 @@ def test_fused_path_runs_and_writes_the_caches(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(torch.ops.treeserve, "decode_layers", spy)
     _, k, _ = decode_step(model, [5, 9, 1], 4, 0, fused=True)
     assert calls == [3]
+
+
+@requires_op
+def test_int8_activation_codes_take_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches above ``packed_max_rows`` of ``large_q8`` projections run in the operator, through
+    ``gguf_linear_q8`` on the codes, bit for bit the Python layers (which call the same op)."""
+    model = gguf_model(max_rows=2, large="q8")
+    qtypes = []
+    real = torch.ops.treeserve.decode_layers
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        qtypes.append(list(args[5]))
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.treeserve, "decode_layers", spy)
+    ref = decode_step(model, [5, 9, 1, 30], 4, 1, fused=False)
+    got = decode_step(model, [5, 9, 1, 30], 4, 1, fused=True)
+    assert qtypes == [[f"q8:{QTYPES[i % 3]}" for i in range(8)]]
+    assert_same(ref, got)
 
 
 @requires_op

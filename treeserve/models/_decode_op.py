@@ -1,7 +1,7 @@
 """All decoder layers of a decode step in one C++ call (``torch.ops.treeserve.decode_layers``).
 
 The operator (``csrc/decode_layer.cpp``) runs, per layer, the same operators as the Python path
-of ``LlamaForCausalLM`` (``add_rms_norm``, ``gguf_linear``, ``paged_decode_attention``, torch's
+of ``LlamaForCausalLM`` (``add_rms_norm``, ``gguf_linear`` / ``gguf_linear_q8``, ``paged_decode_attention``, torch's
 silu and mul, called through the dispatcher) plus RoPE and the KV store as plain loops computed
 the way torch's kernels round, so its hidden states equal the Python path's bit for bit; what it
 removes is ~25 small torch calls and the Python between them, per layer.
@@ -14,9 +14,9 @@ verify step whose draft trees ``kvcache.query_view`` lists per query row (the pe
 draft nodes at positions prefix_len + depth, each seeing the prefix, its ancestors and itself:
 the same page lists the ``cpu`` attention backend gives the Python path) -- served by the
 ``cpu`` attention backend, each projection
-taking the path ``PackedLinear.forward`` would (GGUF blocks up to ``packed_max_rows`` rows, the
-int8 GEMM or ``F.linear`` on the dense weight above; int4-plane codes only above; above the rows of a
-``PackedLinear.large_q8``, never), and Dynamo is not tracing
+taking the path ``PackedLinear.forward`` would (GGUF blocks up to ``packed_max_rows`` rows; above,
+the same blocks with int8 activations where ``large_q8`` is set, else the int8 GEMM or ``F.linear``
+on the dense weight; int4-plane codes only above), and Dynamo is not tracing
 (the operator has a fake implementation and passes ``opcheck``, but compiled steps keep the layer
 modules). Otherwise it returns ``None`` and the
 caller runs its layers in Python. Slots, positions and the page table (indices in range,
@@ -165,9 +165,10 @@ def _operands(plan: DecodePlan, rows: int) -> tuple[list[torch.Tensor], list[str
                 tensors.append(p.raw)
                 qtypes.append(p.qtype)
                 continue
-            if p.packed is not None and p.packed.large_q8:  # int8-activation codes: the Python layers' path
-                plan.variants[key] = None
-                break
+            if p.packed is not None and p.packed.large_q8:  # the codes with int8 activations
+                tensors.append(p.packed.raw)
+                qtypes.append(f"q8:{p.qtype}")
+                continue
             int8, weight = _large(p)
             if int8 is not None:
                 tensors.extend(int8.operands)

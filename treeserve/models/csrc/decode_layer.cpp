@@ -1,7 +1,8 @@
 // treeserve::decode_layers: every decoder layer of a float32 Llama model for one decode step (M
 // tokens, one per request), in one call. Per layer, exactly the Python path's sequence:
 //   normed = rms_norm(x)                        treeserve::add_rms_norm
-//   qkv    = normed @ Wqkv^T                     treeserve::gguf_linear (GGUF blocks), treeserve::int8_linear
+//   qkv    = normed @ Wqkv^T                     treeserve::gguf_linear (GGUF blocks), gguf_linear_q8 (GGUF
+//                                                blocks, int8 activations), treeserve::int8_linear
 //                                                (prepacked int8) or at::linear
 //   q, k   = rope(q, k) (rotate-half); store k, v at slots[i] of the layer's caches
 //   o      = paged decode attention(q)           treeserve::paged_decode_attention
@@ -39,6 +40,7 @@ using Attn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
 
 struct Ops {
   c10::TypedOperatorHandle<Linear> linear;
+  c10::TypedOperatorHandle<Linear> linear_q8;
   c10::TypedOperatorHandle<Norm> norm;
   c10::TypedOperatorHandle<Attn> attn;
 };
@@ -46,6 +48,7 @@ struct Ops {
 const Ops& ops() {
   static const Ops o{
       c10::Dispatcher::singleton().findSchemaOrThrow("treeserve::gguf_linear", "").typed<Linear>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("treeserve::gguf_linear_q8", "").typed<Linear>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("treeserve::add_rms_norm", "").typed<Norm>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("treeserve::paged_decode_attention", "").typed<Attn>()};
   return o;
@@ -125,8 +128,8 @@ const c10::TypedOperatorHandle<Int8Linear>& int8_swiglu_op() {  // same library 
 }
 
 // x @ w^T with the operands at projs[at]: qtype "dense" = a float32 weight [N, K] through at::linear
-// (what F.linear runs), "int8" through treeserve::int8_linear, else GGUF blocks through
-// treeserve::gguf_linear.
+// (what F.linear runs), "int8" through treeserve::int8_linear, "q8:" + a GGUF qtype its blocks through
+// treeserve::gguf_linear_q8 (int8 activations), else GGUF blocks through treeserve::gguf_linear.
 at::Tensor project(const Ops& op, const at::Tensor& x, at::TensorList projs, int64_t at, const std::string& qtype,
                    int64_t k) {
   const at::Tensor& w = projs[at];
@@ -136,6 +139,7 @@ at::Tensor project(const Ops& op, const at::Tensor& x, at::TensorList projs, int
                       "a dense projection must be a float32 [N, ", k, "] weight, got ", w.sizes(), " ", w.scalar_type());
     return at::linear(x, w);
   }
+  if (qtype.rfind("q8:", 0) == 0) return op.linear_q8.call(x, w, qtype.substr(3), k);
   return op.linear.call(x, w, qtype, k);
 }
 
