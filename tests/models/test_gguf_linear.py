@@ -11,7 +11,7 @@ from gguf.quants import dequantize
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from treeserve._cpp import cpu_flags
+from treeserve._cpp import INCLUDE, cpu_flags
 from treeserve.models import gguf_op
 from treeserve.models.gguf_op import BLOCK_BYTES, GGUFWeight, gguf_linear
 from treeserve.models.quant import ExactHead, PackedLinear
@@ -333,6 +333,7 @@ def test_scalar_fallback_within_bound(tmp_path) -> None:
         name="treeserve_gguf_linear_scalar_test",
         sources=[str(gguf_op.SOURCE)],
         extra_cflags=["-O2", "-mno-avx", "-mno-avx2", "-mno-fma", "-mno-f16c", "-DGGUF_LIBRARY=treeserve_scalar"],
+        extra_include_paths=[str(INCLUDE)],
         build_directory=str(tmp_path),
         is_python_module=False,
     )
@@ -385,6 +386,7 @@ def test_vnni_build_is_bitwise_the_avx2_one(tmp_path) -> None:
         extra_cflags=["-O3", "-march=native", "-mno-avx512vnni", "-mno-avxvnni", "-fopenmp",
                       "-DGGUF_LIBRARY=treeserve_novnni"],
         extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(INCLUDE)],
         build_directory=str(tmp_path),
         is_python_module=False,
     )

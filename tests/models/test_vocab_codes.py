@@ -126,6 +126,48 @@ def test_the_first_pass_is_within_its_row_bound(seed: int, spread: float, qtype:
 
 @requires_op
 @settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**20), qtype=st.sampled_from(QTYPES), scale=st.sampled_from([0.0, 1e-3, 1.0]))
+def test_the_rescoring_recomputes_exactly_the_entries_the_bound_keeps(seed: int, qtype: str, scale: float) -> None:
+    """``codes_head_rescore`` (the C++ re-scoring) against torch: the entries re-scored are those whose
+    upper bound reaches the best lower bound (flat logits: many; ``scale`` 0 makes every row all
+    ties), each becomes the float32 dot of x with its dequantized row (within float32 summation of
+    the float64 one), and every other entry keeps the first pass's value bit for bit."""
+    v, k, m = 700, 128, 3
+    w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, v, k, seed), (v, k))
+    head = CodesHead(w)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * scale
+    op = torch.ops.treeserve.gguf_linear if head.int16 else torch.ops.treeserve.gguf_linear_exact
+    first = op(x, w.raw, qtype, k)
+    bound = head.row_bound(x) * head.row_norms
+    kept = first + bound >= (first - bound).amax(dim=1, keepdim=True)
+    got = first.clone()
+    torch.ops.treeserve.codes_head_rescore(got, x, w.raw, qtype, k, head.row_bound(x).view(-1), head.row_norms)
+    dense = w.dequantize().double()
+    ref = x.double() @ dense.t()
+    noise = 2 * (k + 2) * 2.0**-24 * (x.double().abs() @ dense.abs().t())
+    assert bool(((got.double() - ref).abs()[kept] <= noise[kept]).all())
+    assert torch.equal(got[~kept], first[~kept])
+    assert bool(kept.any(dim=1).all())
+    assert torch.equal(head(x), got)
+
+
+@requires_op
+def test_the_rescoring_names_bad_operands() -> None:
+    w = GGUFWeight.from_bytes("Q4_0", random_blocks("Q4_0", 40, 64, 0), (40, 64))
+    x, rn = torch.randn(2, 64), row_norms(w)
+    op = torch.ops.treeserve.codes_head_rescore
+    with pytest.raises(ValueError, match="logits"):
+        op(torch.zeros(2, 39), x, w.raw, "Q4_0", 64, torch.zeros(2), rn)
+    with pytest.raises(ValueError, match="bound"):
+        op(torch.zeros(2, 40), x, w.raw, "Q4_0", 64, torch.zeros(3), rn)
+    with pytest.raises(TypeError, match="float32"):
+        op(torch.zeros(2, 40, dtype=torch.float64), x, w.raw, "Q4_0", 64, torch.zeros(2), rn)
+    with pytest.raises(RuntimeError, match="qtype"):
+        op(torch.zeros(2, 40), x, w.raw, "Q5_0", 64, torch.zeros(2), rn)
+
+
+@requires_op
+@settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**20), qtype=st.sampled_from(QTYPES), q8_from=st.sampled_from([None, 2, 4]))
 def test_a_rows_greedy_logit_is_the_same_alone_and_in_a_step(seed: int, qtype: str, q8_from: int | None) -> None:
     """A row alone (int16 first pass) and in a step of 9 rows (the int8 pass from ``q8_from`` rows):

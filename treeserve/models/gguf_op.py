@@ -149,10 +149,12 @@ def _dequantize_fake(w, qtype, k):  # type: ignore[no-untyped-def]
 def load_gguf_linear_op() -> str | None:
     """Build (first time on this host) and load the operator; ``None`` when usable, else the reason
     (logged once; ``gguf_linear`` then runs the torch path)."""
-    for op, what in (("gguf_linear", "C++ GGUF linear"), ("gguf_linear_exact", "C++ GGUF linear (float32 activations)"),
-                     ("gguf_dequantize", "C++ GGUF dequantization"),
-                     ("gguf_linear_q8", "C++ GGUF linear (int8 activations)")):
-        reason = load_cpp_op(SOURCE, op, what, _dequantize_fake if op == "gguf_dequantize" else _fake)
+    for op, what, fake in (("gguf_linear", "C++ GGUF linear", _fake),
+                           ("gguf_linear_exact", "C++ GGUF linear (float32 activations)", _fake),
+                           ("gguf_dequantize", "C++ GGUF dequantization", _dequantize_fake),
+                           ("gguf_linear_q8", "C++ GGUF linear (int8 activations)", _fake),
+                           ("codes_head_rescore", "C++ re-scoring of a head kept as codes", None)):  # eager only
+        reason = load_cpp_op(SOURCE, op, what, fake)
         if reason is not None:
             return reason
     return None

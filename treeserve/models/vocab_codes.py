@@ -12,7 +12,8 @@ mapping):
   codes, the same bound with int8's wider ``e``) or ``gguf_linear_exact`` (Q4_1: float32 activations, the float32
   product of the dequantized head up to summation order, bound ``2 (K + 2) 2^-24 |x| |W_j|``), then
   every entry the bound cannot rule out of the argmax re-scored in float32 from its dequantized row
-  (``ExactHead``'s contract: greedy picks the float32 head's token), for every batch size. The
+  (``treeserve::codes_head_rescore``, one C++ call per step; ``ExactHead``'s contract: greedy picks
+  the float32 head's token), for every batch size. The
   other logits differ from the float32 head's by at most that bound.
 
 Which models (``vocab_from_codes``): the embedding is read from its codes whenever it is not also
@@ -39,7 +40,6 @@ HEAD_CODES_MIN_BYTES = 1 << 29
 
 _tracing = torch.compiler.is_compiling
 """True while Dynamo traces (``CodesHead`` then re-scores with static shapes); tests patch it."""
-_RESCORE_CHUNK = 4096  # candidate entries re-scored per dequantization (bounds the temporaries)
 
 
 def head_from_codes(vocab_size: int, hidden_size: int) -> bool:
@@ -175,15 +175,11 @@ class CodesHead(_Codes):
         else:
             first = torch.ops.treeserve.gguf_linear if self.int16 else torch.ops.treeserve.gguf_linear_exact
         logits = first(x, self.raw, self.qtype, self.in_features)
-        bound = self.row_bound(x, q8) * self.row_norms
+        bound = self.row_bound(x, q8)
         if _tracing():
-            return self._rescore_static(x, logits, bound)
-        threshold = (logits - bound).amax(dim=1, keepdim=True)
-        rows, cols = (logits + bound >= threshold).nonzero(as_tuple=True)
-        codes = self.codes
-        for start in range(0, rows.numel(), _RESCORE_CHUNK):
-            r, c = rows[start : start + _RESCORE_CHUNK], cols[start : start + _RESCORE_CHUNK]
-            logits[r, c] = (x[r] * codes.dequantize_rows(c)).sum(-1)
+            return self._rescore_static(x, logits, bound * self.row_norms)
+        torch.ops.treeserve.codes_head_rescore(logits, x, self.raw, self.qtype, self.in_features, bound.view(-1),
+                                               self.row_norms)
         return logits
 
     def _rescore_static(self, x: torch.Tensor, logits: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:

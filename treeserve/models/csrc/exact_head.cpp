@@ -22,12 +22,12 @@
 #include <immintrin.h>
 #endif
 
+#include "treeserve_head.h"
 #include "treeserve_vec.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -72,37 +72,6 @@ float dot(const float* a, const float* b, int64_t k) {
   return s;
 }
 
-// max_j (a[j] - fx rn[j]) (NaN entries ignored, as std::max(threshold, NaN) does).
-float best_lower_bound(const float* a, const float* rn, float fx, int64_t v) {
-  float threshold = -std::numeric_limits<float>::infinity();
-  int64_t j = 0;
-#ifdef __AVX512F__
-  const __m512 f = _mm512_set1_ps(fx);
-  __m512 t = _mm512_set1_ps(threshold);
-  for (; j + 16 <= v; j += 16)  // max_ps returns its second operand when either is NaN
-    t = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(a + j), _mm512_mul_ps(f, _mm512_loadu_ps(rn + j))), t);
-  threshold = _mm512_reduce_max_ps(t);
-#endif
-  for (; j < v; ++j) threshold = std::max(threshold, a[j] - fx * rn[j]);
-  return threshold;
-}
-
-// Appends every j with a[j] + fx rn[j] >= threshold to cand, in increasing order.
-void collect_candidates(const float* a, const float* rn, float fx, float threshold, int64_t v,
-                        std::vector<int64_t>& cand) {
-  int64_t j = 0;
-#ifdef __AVX512F__
-  const __m512 f = _mm512_set1_ps(fx), t = _mm512_set1_ps(threshold);
-  for (; j + 16 <= v; j += 16) {
-    const __m512 upper = _mm512_add_ps(_mm512_loadu_ps(a + j), _mm512_mul_ps(f, _mm512_loadu_ps(rn + j)));
-    for (uint32_t bits = _mm512_cmp_ps_mask(upper, t, _CMP_GE_OQ); bits; bits &= bits - 1)
-      cand.push_back(j + __builtin_ctz(bits));
-  }
-#endif
-  for (; j < v; ++j)
-    if (a[j] + fx * rn[j] >= threshold) cand.push_back(j);
-}
-
 // out[0, v) = row r of approx [M, v] (float32, or bfloat16 widened).
 void copy_row(const at::Tensor& approx, int64_t r, float* out, int64_t v) {
   if (approx.scalar_type() == at::kFloat) {
@@ -144,9 +113,9 @@ at::Tensor exact_head_rescore(const at::Tensor& approx, const at::Tensor& out, c
       float* a = ap + r * v;
       if (!in_place) copy_row(approx, r, a, v);
       const float fx = static_cast<float>(factor) * std::sqrt(dot(xr, xr, k));
-      const float threshold = best_lower_bound(a, rn, fx, v);
+      const float threshold = treeserve_head::best_lower_bound(a, rn, fx, v);
       cand.clear();
-      collect_candidates(a, rn, fx, threshold, v, cand);
+      treeserve_head::collect_candidates(a, rn, fx, threshold, v, cand);
       if (static_cast<int64_t>(cand.size()) > max_candidates) {
         fp[r] = true;
         continue;

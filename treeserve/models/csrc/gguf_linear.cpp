@@ -10,11 +10,13 @@
 //   to: |sum| < 2^24), then y += (d s_b) * sum in float32; Q4_1's offset adds m * sum(x) with the float32
 //   block sums of the unrounded x. Q4_0 codes are q - 8 in integers.
 // - gguf_linear_q8 (large batches of models whose codes serve every batch): int8 activations, below.
-// Parallel over N.
+// Parallel over N. Beside them: gguf_dequantize, and codes_head_rescore (CodesHead's exact re-scoring).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "treeserve_head.h"
 
 #include <algorithm>
 #include <cstring>
@@ -533,9 +535,31 @@ at::Tensor gguf_linear_impl(const at::Tensor& x, const at::Tensor& w, const std:
   return y;
 }
 
-// w [N, K/32 * block bytes] as float32 [N, K] with gguf.quants' arithmetic, one float32 rounding per
-// operation (Q4_0 d * (q - 8), Q4_1 the product d * q then + m, Q8_0 q * d): bitwise the torch path
-// (dequantize_blocks). No FMA: ISO C++ (-std=c++XX) leaves GCC's fp-contract off. Parallel over N.
+// One block as 32 float32 weights with gguf.quants' arithmetic, one float32 rounding per operation
+// (Q4_0 d * (q - 8), Q4_1 the product d * q then + m, Q8_0 q * d): bitwise the torch path
+// (dequantize_blocks). No FMA: ISO C++ (-std=c++XX) leaves GCC's fp-contract off.
+inline void dequantize_block(QType t, const uint8_t* blk, float* o) {
+  const float d = half_at(blk);
+  if (t == QType::Q8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * d;
+  } else if (t == QType::Q4_0) {
+    const uint8_t* qs = blk + 2;
+    for (int j = 0; j < 16; ++j) {
+      o[j] = d * static_cast<float>((qs[j] & 15) - 8);
+      o[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+    }
+  } else {
+    const float m = half_at(blk + 2);
+    const uint8_t* qs = blk + 4;
+    for (int j = 0; j < 16; ++j) {
+      o[j] = d * static_cast<float>(qs[j] & 15) + m;
+      o[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+    }
+  }
+}
+
+// w [N, K/32 * block bytes] as float32 [N, K] (dequantize_block). Parallel over N.
 at::Tensor gguf_dequantize(const at::Tensor& w, std::string qtype, int64_t K) {
   const QType t = parse_qtype(qtype);
   TORCH_CHECK(K > 0 && K % GROUP == 0, "gguf_dequantize: K must be a positive multiple of 32");
@@ -547,30 +571,67 @@ at::Tensor gguf_dequantize(const at::Tensor& w, std::string qtype, int64_t K) {
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
-    for (int64_t i = n0 * nb; i < n1 * nb; ++i) {
-      const uint8_t* blk = wp + i * bb;
-      float* o = op + i * GROUP;
-      const float d = half_at(blk);
-      if (t == QType::Q8_0) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-        for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * d;
-      } else if (t == QType::Q4_0) {
-        const uint8_t* qs = blk + 2;
-        for (int j = 0; j < 16; ++j) {
-          o[j] = d * static_cast<float>((qs[j] & 15) - 8);
-          o[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
-        }
-      } else {
-        const float m = half_at(blk + 2);
-        const uint8_t* qs = blk + 4;
-        for (int j = 0; j < 16; ++j) {
-          o[j] = d * static_cast<float>(qs[j] & 15) + m;
-          o[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
-        }
-      }
-    }
+    for (int64_t i = n0 * nb; i < n1 * nb; ++i) dequantize_block(t, wp + i * bb, op + i * GROUP);
   });
   return out;
+}
+
+// x . w for one dequantized row w of nb blocks (dequantize_block) in one fixed order: two chains of 8
+// lanes (elements 0-7 and 16-23 of each block in the first, 8-15 and 24-31 in the second), each lane
+// one std::fma per element, then lane by lane the two chains added and the lanes summed in order. The
+// same value on every build (std::fma is exact rounding; GCC vectorizes the lanes where it can).
+float codes_dot(QType t, const uint8_t* row, const float* x, int64_t nb) {
+  float acc[2][8] = {};
+  float w[GROUP];
+  for (int64_t b = 0; b < nb; ++b) {
+    dequantize_block(t, row + b * block_bytes(t), w);
+    const float* xb = x + b * GROUP;
+    for (int i = 0; i < GROUP; ++i) acc[(i / 8) % 2][i % 8] = std::fma(w[i], xb[i], acc[(i / 8) % 2][i % 8]);
+  }
+  float s = 0.0f;
+  for (int l = 0; l < 8; ++l) s += acc[0][l] + acc[1][l];
+  return s;
+}
+
+// treeserve::codes_head_rescore: CodesHead's re-scoring after its first pass (gguf_linear or
+// gguf_linear_q8 on the head's codes w [V, K/32 * block bytes]), in place in logits [M, V] (float32):
+// with fx = bound[m] (the first pass's error bound per unit of |W_j|, CodesHead.row_bound) and
+// row_norms [V] = |W_j|, every entry the bound cannot rule out (treeserve_head.h) becomes x_m . W_j in
+// float32 on the dequantized row (codes_dot). Rows in parallel for the search, entries for the dots.
+void codes_head_rescore(const at::Tensor& logits, const at::Tensor& x, const at::Tensor& w, std::string qtype,
+                        int64_t K, const at::Tensor& bound, const at::Tensor& row_norms) {
+  const QType t = checked_qtype(x, w, qtype, K);
+  const int64_t M = x.size(0), V = w.size(0), nb = K / GROUP, bb = block_bytes(t);
+  for (const at::Tensor* a : {&logits, &x, &bound, &row_norms})
+    TORCH_CHECK_TYPE(a->scalar_type() == at::kFloat && a->device().is_cpu() && a->is_contiguous(),
+                     "codes_head_rescore: logits, x, bound and row_norms must be contiguous float32 CPU tensors");
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(0) == M && logits.size(1) == V && bound.dim() == 1 &&
+                        bound.size(0) == M && row_norms.dim() == 1 && row_norms.size(0) == V,
+                    "codes_head_rescore: need logits [M, V] = [", M, ", ", V, "], bound [M] and row_norms [V]; got ",
+                    logits.sizes(), ", ", bound.sizes(), ", ", row_norms.sizes());
+  const at::Tensor wc = w.contiguous();
+  float* lp = logits.data_ptr<float>();
+  const float* xp = x.const_data_ptr<float>();
+  const float* bp = bound.const_data_ptr<float>();
+  const float* rn = row_norms.const_data_ptr<float>();
+  const uint8_t* wp = wc.const_data_ptr<uint8_t>();
+  std::vector<std::vector<int64_t>> cand(M);
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* a = lp + r * V;
+      const float threshold = treeserve_head::best_lower_bound(a, rn, bp[r], V);
+      treeserve_head::collect_candidates(a, rn, bp[r], threshold, V, cand[r]);
+    }
+  });
+  std::vector<int64_t> entries;  // r * V + j
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t j : cand[r]) entries.push_back(r * V + j);
+  at::parallel_for(0, static_cast<int64_t>(entries.size()), 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = entries[i] / V, j = entries[i] % V;
+      lp[entries[i]] = codes_dot(t, wp + j * nb * bb, xp + r * K, nb);
+    }
+  });
 }
 
 // ---- int8 activations (gguf_linear_q8: large batches of models whose codes serve every batch) ----
@@ -878,6 +939,8 @@ GGUF_FRAGMENT(GGUF_LIBRARY, m) {
   m.def("gguf_linear_exact(Tensor x, Tensor w, str qtype, int K) -> Tensor");
   m.def("gguf_dequantize(Tensor w, str qtype, int K) -> Tensor");
   m.def("gguf_linear_q8(Tensor x, Tensor w, str qtype, int K) -> Tensor");
+  m.def("codes_head_rescore(Tensor(a!) logits, Tensor x, Tensor w, str qtype, int K, Tensor bound, "
+        "Tensor row_norms) -> ()");
 }
 
 GGUF_IMPL(GGUF_LIBRARY, m) {
@@ -885,4 +948,5 @@ GGUF_IMPL(GGUF_LIBRARY, m) {
   m.impl("gguf_linear_exact", &gguf_linear_exact);
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("gguf_linear_q8", &gguf_linear_q8);
+  m.impl("codes_head_rescore", &codes_head_rescore);
 }
