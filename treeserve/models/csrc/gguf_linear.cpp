@@ -797,19 +797,28 @@ void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, fl
   using I = typename V::I;
   using F = typename V::F;
   alignas(64) uint8_t u[Q8_CHUNK][NR][GROUP];
-  float d[Q8_CHUNK][NR], mo[Q8_CHUNK][NR];
+  alignas(32) float d[NR][Q8_CHUNK], mo[NR][Q8_CHUNK];
   const uint8_t* rows[NR];
   for (int r = 0; r < NR; ++r) rows[r] = w + (n0 + r) * nb * BB<T>;
   for (int64_t c0 = 0; c0 < nb; c0 += Q8_CHUNK) {
     const int64_t cb = std::min(Q8_CHUNK, nb - c0);
-    for (int r = 0; r < NR; ++r)
+    for (int r = 0; r < NR; ++r) {
       for (int64_t k = 0; k < cb; ++k) {
         const uint8_t* blk = rows[r] + (c0 + k) * BB<T>;
         prefetch_ahead(blk, true);
         codes_u8_vec<T>(blk, u[k][r]);
-        d[k][r] = half_at(blk);
-        if constexpr (T == QType::Q4_1) mo[k][r] = half_at(blk + 2);
       }
+      const uint8_t* first = rows[r] + c0 * BB<T>;
+      if (cb == 8) {  // the chunk's scales (and Q4_1's offsets) converted at once
+        _mm256_store_ps(d[r], halves8<T>(first));
+        if constexpr (T == QType::Q4_1) _mm256_store_ps(mo[r], halves8<T>(first + 2));
+      } else {
+        for (int64_t k = 0; k < cb; ++k) {
+          d[r][k] = half_at(first + k * BB<T>);
+          if constexpr (T == QType::Q4_1) mo[r][k] = half_at(first + k * BB<T> + 2);
+        }
+      }
+    }
     for (int64_t g = g0; g < g1; ++g) {
       float* ag = acc + (g - g0) * NR * L;
       float* og = off + (g - g0) * NR * L;
@@ -838,9 +847,9 @@ void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, fl
           }
           I dot = e + od;
           if constexpr (Q8_BIAS<T> != 0) dot -= xc;
-          a[r] = V::fma(__builtin_convertvector(dot, F), dx * d[k][r], a[r]);
+          a[r] = V::fma(__builtin_convertvector(dot, F), dx * d[r][k], a[r]);
           if constexpr (T == QType::Q4_1)
-            o[r] = V::fma(F{} + mo[k][r], V::template load<F>(lx.xsum.data() + gb * L), o[r]);
+            o[r] = V::fma(F{} + mo[r][k], V::template load<F>(lx.xsum.data() + gb * L), o[r]);
         }
       }
       for (int r = 0; r < NR; ++r) {
