@@ -505,7 +505,9 @@ at::Tensor gguf_linear_impl(const at::Tensor& x, const at::Tensor& w, const std:
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t nb = K / GROUP;
-  const std::vector<float> xsum = block_sums(xp, M * nb);
+  // Only Q4_1's offsets read x's block sums (the other types' kernels never do: none computed).
+  const std::vector<float> xsum = t == QType::Q4_1 ? block_sums(xp, M * nb) : std::vector<float>();
+  const auto sums = [&](int64_t m0) { return xsum.empty() ? nullptr : xsum.data() + m0 * nb; };
   std::vector<float> xs;
   std::vector<int16_t> xq;
   if (!exact) {
@@ -523,10 +525,10 @@ at::Tensor gguf_linear_impl(const at::Tensor& x, const at::Tensor& w, const std:
       const int64_t n1 = std::min(p1, n0 + span);
       for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         by_rows(std::min(MAX_ROWS, M - m0), [&](auto mc) {
-          if (exact) return rows<mc.value>(t, xp + m0 * K, xsum.data() + m0 * nb, wp, yp + m0 * N, K, N, n0, n1);
+          if (exact) return rows<mc.value>(t, xp + m0 * K, sums(m0), wp, yp + m0 * N, K, N, n0, n1);
           by_qtype(t, [&](auto qt) {
-            rows_int<qt.value, mc.value>(xq.data() + m0 * K, xs.data() + m0 * nb, xsum.data() + m0 * nb, wp,
-                                         yp + m0 * N, K, N, n0, n1);
+            rows_int<qt.value, mc.value>(xq.data() + m0 * K, xs.data() + m0 * nb, sums(m0), wp, yp + m0 * N, K, N,
+                                         n0, n1);
           });
         });
       }
@@ -730,6 +732,7 @@ struct Lanes {
 #ifdef TREESERVE_Q8_VNNI
 constexpr int Q8_ROWS = 4;         // weight rows of a tile
 constexpr int64_t Q8_CHUNK = 8;    // blocks whose codes a tile decodes at a time
+static_assert(Q8_CHUNK == 8, "a full chunk's scales are one halves8");
 constexpr int64_t Q8_GROUPS = 8;   // lane groups of x (Q8_GROUPS * L rows) served per pass over the weights
 
 template <QType T>
@@ -809,7 +812,7 @@ void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, fl
         codes_u8_vec<T>(blk, u[k][r]);
       }
       const uint8_t* first = rows[r] + c0 * BB<T>;
-      if (cb == 8) {  // the chunk's scales (and Q4_1's offsets) converted at once
+      if (cb == Q8_CHUNK) {  // the chunk's scales (and Q4_1's offsets) converted at once
         _mm256_store_ps(d[r], halves8<T>(first));
         if constexpr (T == QType::Q4_1) _mm256_store_ps(mo[r], halves8<T>(first + 2));
       } else {
