@@ -32,6 +32,32 @@ def repetitive_prompts(seed: int, n: int) -> list[list[int]]:
     return out
 
 
+def test_plain_greedy_verify_walks_on_the_host(loopy, monkeypatch) -> None:
+    """Plain greedy requests with n-gram drafts are verified by the host walk (``greedy_paths``), with
+    ``verify``'s outputs (the plain run's tokens); a penalty (processing needed) takes ``verify``."""
+    import treeserve.runner.eager as eager
+
+    calls = {"host": 0, "verify": 0}
+
+    def counted(name: str, fn):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(eager, "greedy_paths", counted("host", eager.greedy_paths))
+    monkeypatch.setattr(eager, "verify", counted("verify", eager.verify))
+    prompts = repetitive_prompts(2, 8)
+    for penalty, path in ((1.0, "host"), (1.2, "verify")):
+        params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True, repetition_penalty=penalty)
+        plain = make_llm(loopy).generate(prompts, params, use_tqdm=False)
+        calls.update(host=0, verify=0)
+        spec = make_llm(loopy, speculative="ngram").generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+        other = "verify" if path == "host" else "host"
+        assert calls[path] > 0 and calls[other] == 0, (penalty, calls)
+
+
 @pytest.mark.parametrize(
     "kw",
     [

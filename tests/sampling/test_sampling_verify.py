@@ -14,9 +14,9 @@ from scipy import stats
 
 from tests.sampling._sampling_ref import process_row, softmax
 from tests.sampling._verify_law import random_parents, table_logits
-from treeserve.sampling import SamplingBatch, SamplingParams, sample, verify
+from treeserve.sampling import SamplingBatch, SamplingParams, greedy_tokens, sample, verify
 from treeserve.sampling.tree_walk import walk_tree
-from treeserve.sampling.verify import assemble, final_tokens, prepare_tree, verify_uniforms
+from treeserve.sampling.verify import assemble, final_tokens, greedy_paths, prepare_tree, verify_uniforms
 
 
 def pack(trees: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,6 +119,33 @@ def test_all_greedy_fast_path_equals_the_general_walk(trees, seed: int, nan_row:
     for name in ("tokens", "num_tokens", "accept_len", "last_node", "path", "valid"):
         assert torch.equal(getattr(fast, name), getattr(ref, name)), name
     torch.testing.assert_close(fast.logprobs, ref.logprobs, equal_nan=True, rtol=0, atol=0)
+
+
+@settings(max_examples=60)
+@given(trees=st.lists(tree_st, min_size=1, max_size=4), seed=st.integers(0, 2**31 - 1), nan_row=st.integers(-1, 20),
+       inf=st.booleans())
+def test_host_greedy_paths_equal_verify(trees, seed: int, nan_row: int, inf: bool) -> None:
+    """``greedy_paths`` (the runner's host walk for plain greedy steps with point-mass drafts) gives
+    ``verify``'s tokens, accepted nodes and validity: ties, duplicated sibling tokens and NaN / +inf
+    rows (invalid requests) included."""
+    vocab = 5
+    gen = torch.Generator().manual_seed(seed)
+    tokens, parents, nd = pack(trees)
+    b = len(trees)
+    target = torch.randn(int((1 + nd).sum()), vocab, generator=gen).round(decimals=1)  # ties happen
+    if 0 <= nan_row < target.shape[0]:
+        target[nan_row, 1] = float("inf") if inf else float("nan")
+    batch = SamplingBatch.build([SamplingParams(temperature=0)] * b, list(range(b)), [[1, 2]] * b, vocab)
+    ref = verify(target, batch, tokens, parents, nd, torch.arange(b, dtype=torch.int64))
+    n = nd.tolist()
+    paths = greedy_paths(greedy_tokens(target).tolist(), [tokens[i, : n[i]].tolist() for i in range(b)],
+                         [parents[i, : n[i]].tolist() for i in range(b)])
+    for i, path in enumerate(paths):
+        assert bool(ref.valid[i]) == bool(path.tokens), i
+        if path.tokens:
+            a = int(ref.accept_len[i])
+            assert path.tokens == tuple(ref.tokens[i, : a + 1].tolist())
+            assert path.nodes == tuple(ref.path[i, :a].tolist())
 
 
 def test_zero_drafts_equals_sample_and_rows_are_batch_invariant() -> None:

@@ -28,6 +28,7 @@ from treeserve.runner.inputs import (
 )
 from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
 from treeserve.sampling import SamplingRows, greedy_tokens, sample, verify
+from treeserve.sampling.verify import greedy_paths
 from treeserve.scheduler import Request, SampledToken, ScheduledBatch, ScheduledItem
 
 __all__ = ["CausalLM", "ModelRunner"]
@@ -188,8 +189,10 @@ class ModelRunner:
         drafts = draft_arrays(items, self.table.max_context_len, max(it.num_scheduled_tokens for it in items) - 1)
         draft_slots = self.table.table.view(-1)[drafts.slot_index.to(dev)]
         num_draft = drafts.num_draft.to(dev)
-        positions = torch.tensor([r.seq_len for r in reqs], dtype=torch.long, device=dev)
         admit_requests(self.sampling_rows, reqs)  # grammar masks go per tree position instead
+        if self._plain_greedy_drafts(items):
+            return self._verify_greedy(logits, items, draft_slots, num_draft)
+        positions = torch.tensor([r.seq_len for r in reqs], dtype=torch.long, device=dev)
         out = verify(
             logits,
             self.sampling_rows.batch([r.row for r in reqs], [r.output_ids for r in reqs]),
@@ -206,3 +209,29 @@ class ModelRunner:
         elif plan.src_slots.numel():
             compact_tree_path(self.kv.k_caches, self.kv.v_caches, plan.src_slots, plan.dst_slots, backend=self.compact)
         return verified_tokens(out, len(items))  # host sync
+
+    def _plain_greedy_drafts(self, items: Sequence[ScheduledItem]) -> bool:
+        """Every item plain greedy (``SamplingRows.all_plain_greedy``; admitted) with a point-mass
+        draft or none, and no grammar mask: ``greedy_paths``' case."""
+        if any(it.draft is not None and (it.draft.probs is not None or it.draft.bitmask is not None) for it in items):
+            return False
+        reqs = [it.req for it in items]
+        return self.sampling_rows.all_plain_greedy([r.row for r in reqs], lambda: [len(r.output_ids) for r in reqs])
+
+    def _verify_greedy(self, logits: torch.Tensor, items: Sequence[ScheduledItem], draft_slots: torch.Tensor,
+                       num_draft: torch.Tensor) -> list[SampledToken]:
+        """``_verify`` of a ``_plain_greedy_drafts`` step: the rows' first argmaxes (``greedy_tokens``,
+        one host sync) walked on the host (``greedy_paths``: ``verify``'s tokens and path), then the
+        accepted nodes' KV compacted as ``_verify`` does."""
+        drafts = [((), ()) if it.draft is None else (it.draft.tokens, it.draft.parents) for it in items]
+        paths = greedy_paths(greedy_tokens(logits).tolist(), [d[0] for d in drafts], [d[1] for d in drafts])
+        accepted = torch.full(draft_slots.shape, -1, dtype=torch.long)
+        for i, path in enumerate(paths):
+            accepted[i, : len(path.nodes)] = torch.tensor(path.nodes, dtype=torch.long)
+        plan = rollback_slots(draft_slots, num_draft, accepted.to(self.device))
+        if plan.src_slots.numel() and self.compact_kv is not None:
+            self.compact_kv(self.kv, plan.src_slots, plan.dst_slots)
+        elif plan.src_slots.numel():
+            compact_tree_path(self.kv.k_caches, self.kv.v_caches, plan.src_slots, plan.dst_slots, backend=self.compact)
+        return [SampledToken(p.tokens[-1], _NAN, None, p.tokens[:-1], (_NAN,) * (len(p.tokens) - 1)) if p.tokens
+                else SampledToken(-1, _NAN, None) for p in paths]

@@ -32,6 +32,7 @@ except the torch top-p refine fallback documented in ``processing``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -214,6 +215,43 @@ def greedy_walk(best: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
         accept_probs[:, k] = torch.where(considered, accept.float(), float("nan"))
         acc.take(k, accept, tokens[:, k])
     return acc.walk(best.new_empty((b, 0)), torch.ones(b, dtype=torch.bool, device=tokens.device), accept_probs)
+
+
+class GreedyPath(NamedTuple):
+    """One request's ``greedy_paths`` result: ``nodes`` the accepted draft nodes root to leaf,
+    ``tokens`` their tokens then the argmax after the last one; ``tokens == ()`` for an invalid
+    request (a row with a NaN or +inf logit: ``verify``'s ``valid`` False)."""
+
+    nodes: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+
+def greedy_paths(best: Sequence[int], draft_tokens: Sequence[Sequence[int]],
+                 draft_parents: Sequence[Sequence[int]]) -> list[GreedyPath]:
+    """``verify`` of plain greedy requests (no processing: ``SamplingRows.all_plain_greedy``) with
+    point-mass drafts and no grammar, on the host from ``best``: the first argmax of each target
+    row (``greedy_tokens``: -1 for a row with a NaN or +inf logit), rows in ``verify``'s ragged
+    layout (request i's root row, then one per node of ``draft_tokens[i]`` / ``draft_parents[i]``).
+    ``greedy_walk``'s rule: node k is accepted iff its parent is the deepest accepted node and its
+    token is that node's argmax (siblings in index order); then the argmax after the last one. The
+    same tokens and path as ``verify`` for such a batch, without a tensor op per node (a step of a
+    few requests: ~1 ms of torch calls on a CPU, per step)."""
+    out: list[GreedyPath] = []
+    start = 0
+    for toks, pars in zip(draft_tokens, draft_parents):
+        rows = best[start : start + 1 + len(toks)]
+        start += 1 + len(toks)
+        if min(rows) < 0:
+            out.append(GreedyPath((), ()))
+            continue
+        nodes: list[int] = []
+        cur = -1
+        for k, (tok, par) in enumerate(zip(toks, pars)):
+            if par == cur and tok == rows[cur + 1]:
+                nodes.append(k)
+                cur = k
+        out.append(GreedyPath(tuple(nodes), tuple(toks[k] for k in nodes) + (rows[cur + 1],)))
+    return out
 
 
 def prepare_tree(
