@@ -97,6 +97,17 @@ def _general_verify(target, batch, tokens, parents, nd, pos):
     return assemble(prep, walk, final_tokens(prep, walk, batch.greedy, torch.zeros(batch.num_rows)), batch.any_logprobs)
 
 
+def greedy_case(trees: list, seed: int, bad_row: int, bad: float,
+                vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed ``trees`` and target rows for them (rounded: ties happen), row ``bad_row`` (when in
+    range) holding ``bad`` (NaN / +inf: an invalid request)."""
+    tokens, parents, nd = pack(trees)
+    target = torch.randn(int((1 + nd).sum()), vocab, generator=torch.Generator().manual_seed(seed)).round(decimals=1)
+    if 0 <= bad_row < target.shape[0]:
+        target[bad_row, 1] = bad
+    return tokens, parents, nd, target
+
+
 @settings(max_examples=40)
 @given(trees=st.lists(tree_st, min_size=1, max_size=4), seed=st.integers(0, 2**31 - 1),
        nan_row=st.integers(-1, 20), penalty=st.sampled_from([1.0, 1.3]), logprobs=st.sampled_from([None, 0]))
@@ -105,12 +116,8 @@ def test_all_greedy_fast_path_equals_the_general_walk(trees, seed: int, nan_row:
     """All-greedy batches with point-mass drafts skip the laws (``greedy_walk``); every output
     equals the general walk's, invalid (NaN) requests and duplicated sibling tokens included."""
     vocab = 5
-    gen = torch.Generator().manual_seed(seed)
-    tokens, parents, nd = pack(trees)
+    tokens, parents, nd, target = greedy_case(trees, seed, nan_row, float("nan"), vocab)
     b = len(trees)
-    target = torch.randn(int((1 + nd).sum()), vocab, generator=gen).round(decimals=1)  # ties happen
-    if 0 <= nan_row < target.shape[0]:
-        target[nan_row, 1] = float("nan")
     params = SamplingParams(temperature=0, repetition_penalty=penalty, logprobs=logprobs)
     batch = SamplingBatch.build([params] * b, list(range(b)), [[1, 2]] * b, vocab)
     assert batch.all_greedy
@@ -129,12 +136,8 @@ def test_host_greedy_paths_equal_verify(trees, seed: int, nan_row: int, inf: boo
     ``verify``'s tokens, accepted nodes and validity: ties, duplicated sibling tokens and NaN / +inf
     rows (invalid requests) included."""
     vocab = 5
-    gen = torch.Generator().manual_seed(seed)
-    tokens, parents, nd = pack(trees)
+    tokens, parents, nd, target = greedy_case(trees, seed, nan_row, float("inf") if inf else float("nan"), vocab)
     b = len(trees)
-    target = torch.randn(int((1 + nd).sum()), vocab, generator=gen).round(decimals=1)  # ties happen
-    if 0 <= nan_row < target.shape[0]:
-        target[nan_row, 1] = float("inf") if inf else float("nan")
     batch = SamplingBatch.build([SamplingParams(temperature=0)] * b, list(range(b)), [[1, 2]] * b, vocab)
     ref = verify(target, batch, tokens, parents, nd, torch.arange(b, dtype=torch.int64))
     n = nd.tolist()
