@@ -53,6 +53,8 @@ from treeserve.runner import (
     NgramDrafter,
     compile_model,
     draft_pool_tokens,
+    MAX_ROW_COST,
+    ROW_COST_CONTEXT,
     fill_drafts,
     measure_row_cost,
 )
@@ -840,8 +842,10 @@ class LLM:
     # ------------------------------------------------------------------ internals
     def _row_cost(self, loaded: bool) -> float:
         """The scheduler's ``speculative_row_cost``: the config's, else measured for a model
-        loaded by name on CPU in one process (``runner.step_cost``), else 0 (every asking request
-        drafts its whole room, as measured on no machine: a given module, CUDA)."""
+        loaded by name on CPU in one process (``runner.step_cost``; after the usual 128 cached
+        tokens, or as many as a smaller KV pool can lend: its requests are no longer; a pool
+        that cannot lend one gives ``MAX_ROW_COST``, drafting only near-certain nodes), else 0
+        (every asking request drafts its whole room, as measured on no machine: a given module, CUDA)."""
         cfg = self.config
         if not cfg.speculative:
             return 0.0
@@ -849,7 +853,9 @@ class LLM:
             return float(cfg.speculative_row_cost)
         if not cfg.measured_setting(loaded):
             return 0.0
-        return measure_row_cost(self.model, self.kv, 1 + cfg.num_speculative_tokens)
+        rows = 1 + cfg.num_speculative_tokens
+        context = min(ROW_COST_CONTEXT, self.kv.allocator.num_free * self.kv.page_size - rows)
+        return measure_row_cost(self.model, self.kv, rows, context) if context >= 1 else MAX_ROW_COST
 
     def _make_drafter(self, max_len: int, eos: list[int]) -> Drafter | None:
         cfg = self.config

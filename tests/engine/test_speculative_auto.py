@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import treeserve.engine as engine_module
 from treeserve import LLM
 from treeserve._tuning import clear_memo
 from treeserve.engine import EngineConfig
 from treeserve.kvcache import KVPool
 from treeserve.models import random_model, tiny_config
 from treeserve.runner import measure_row_cost
-from treeserve.runner.step_cost import MAX_ROW_COST
+from treeserve.runner.step_cost import MAX_ROW_COST, ROW_COST_CONTEXT
 
 
 def test_auto_resolves_where_it_was_measured() -> None:
@@ -58,6 +59,33 @@ def test_row_cost_is_measured_once_and_gives_the_pages_back(tmp_path, monkeypatc
     n = len(calls)
     clear_memo()  # from the disk entry now
     assert measure_row_cost(model, kv, 5) == cost and len(calls) == n
+    clear_memo()
+
+
+def test_a_small_kv_pool_measures_a_shorter_context(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LLM`` on a pool smaller than the usual measured context (``ROW_COST_CONTEXT`` + rows) measures
+    the row cost after as many tokens as the pool can lend, and a pool that cannot lend one gets
+    ``MAX_ROW_COST``: neither fails (the measurement's own ``ValueError``)."""
+    monkeypatch.setenv("TREESERVE_CACHE_DIR", str(tmp_path))
+    clear_memo()
+    model = random_model(tiny_config("llama", eos_token_ids=(2,)), seed=0)
+    seen = []
+
+    def spy(m, kv, rows, context=ROW_COST_CONTEXT):  # noqa: ANN001, ANN202
+        seen.append((kv.allocator.num_free * kv.page_size, rows, context))
+        return measure_row_cost(m, kv, rows, context)
+
+    monkeypatch.setattr(engine_module, "measure_row_cost", spy)
+    monkeypatch.setattr(EngineConfig, "measured_setting", lambda self, loaded: True)  # as for a model loaded by name
+    small = LLM((model, None), kv_cache_tokens=64, max_model_len=48, speculative="ngram")
+    free, rows, context = seen[-1]
+    assert rows == 1 + small.config.num_speculative_tokens and context == free - rows < ROW_COST_CONTEXT
+    assert 0.0 <= small.scheduler.config.speculative_row_cost <= MAX_ROW_COST
+    large = LLM((model, None), kv_cache_tokens=1024, max_model_len=128, speculative="ngram")
+    assert seen[-1][2] == ROW_COST_CONTEXT and large.scheduler.config.speculative_row_cost <= MAX_ROW_COST
+    n = len(seen)
+    tiny = LLM((model, None), kv_cache_tokens=4, max_model_len=4, speculative="ngram", num_speculative_tokens=4)
+    assert len(seen) == n and tiny.scheduler.config.speculative_row_cost == MAX_ROW_COST
     clear_memo()
 
 

@@ -27,9 +27,11 @@ from treeserve.runner.graph import DecodeGraphRunner, DecodeLaunch, decode_bucke
 from treeserve.runner.inputs import StepInputs, build_step_inputs
 from treeserve.runner.ngram import NgramDrafter
 from treeserve.runner.sequence import PagedSequence
-from treeserve.runner.step_cost import measure_row_cost
+from treeserve.runner.step_cost import MAX_ROW_COST, ROW_COST_CONTEXT, measure_row_cost
 
 __all__ = [
+    "MAX_ROW_COST",
+    "ROW_COST_CONTEXT",
     "CausalLM",
     "CompiledForward",
     "DecodeGraphRunner",

@@ -20,13 +20,14 @@ from treeserve._tuning import measured
 from treeserve.kvcache import AttentionMetadata, KVPool, pages_to_slots
 from treeserve.runner.inputs import CausalLM
 
-__all__ = ["MAX_ROW_COST", "measure_row_cost"]
+__all__ = ["MAX_ROW_COST", "ROW_COST_CONTEXT", "measure_row_cost"]
 
 MAX_ROW_COST = 20.0
 """Cap of the ratio (a step whose fixed part measured under 1/20 of a one-row step: rows are all
 that costs, drafting pays only for near-certain nodes)."""
 
-_CONTEXT = 128  # KV tokens in the measured step (a short chat turn)
+ROW_COST_CONTEXT = 128
+"""KV tokens before the measured step's new rows (a short chat turn): ``measure_row_cost``'s default."""
 _BUDGET_S = 2.0  # time spent on pairs beyond the first three
 _PAIRS = 9
 
@@ -45,12 +46,12 @@ def _model_key(model: CausalLM, kv: KVPool) -> tuple[object, ...]:
 
 
 @torch.inference_mode()
-def _step_ratio(model: CausalLM, kv: KVPool, rows: int) -> float:
+def _step_ratio(model: CausalLM, kv: KVPool, rows: int, context: int) -> float:
     """Median over interleaved pairs of (time of ``rows`` new tokens) / (time of one new token), of
-    one request after ``_CONTEXT`` cached ones: pairs taken back to back see the same machine
+    one request after ``context`` cached ones: pairs taken back to back see the same machine
     load, so their ratio is steadier than a ratio of two separate best times."""
     ps = kv.page_size
-    total = _CONTEXT + rows
+    total = context + rows
     pages = kv.allocator.alloc(-(-total // ps))
     try:
         slots = pages_to_slots(pages, ps)[:total]
@@ -77,20 +78,22 @@ def _step_ratio(model: CausalLM, kv: KVPool, rows: int) -> float:
         kv.allocator.free(pages)
 
 
-def measure_row_cost(model: CausalLM, kv: KVPool, rows: int) -> float:
+def measure_row_cost(model: CausalLM, kv: KVPool, rows: int, context: int = ROW_COST_CONTEXT) -> float:
     """``T_row / T_fixed`` of ``model``'s steps on this machine, from one-row and ``rows``-row
-    forwards (``rows >= 2``: a decode plus ``rows - 1`` draft nodes), in ``[0, MAX_ROW_COST]``;
-    measured once per host and key (``treeserve._tuning.measured``, kept as thousandths).
-    ``ValueError`` when the pool has too few free pages for the measured context."""
+    forwards (``rows >= 2``: a decode plus ``rows - 1`` draft nodes) after ``context`` cached tokens
+    (``>= 1``), in ``[0, MAX_ROW_COST]``; measured once per host and key (``treeserve._tuning.measured``,
+    kept as thousandths). ``ValueError`` when the pool has too few free pages for them."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 2:
         raise ValueError(f"rows must be an int >= 2, got {rows!r}")
-    need = -(-(_CONTEXT + rows) // kv.page_size)
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"context must be an int >= 1, got {context!r}")
+    need = -(-(context + rows) // kv.page_size)
     if kv.allocator.num_free < need:
         raise ValueError(f"measuring the row cost needs {need} free KV pages, the pool has {kv.allocator.num_free}")
 
     def measure() -> int:
         # T(r) / T(1) = c = (1 + r rho) / (1 + rho), so rho = (c - 1) / (r - c)
-        c = max(1.0, _step_ratio(model, kv, rows))
+        c = max(1.0, _step_ratio(model, kv, rows, context))
         return round(1000 * (MAX_ROW_COST if c >= rows else min(MAX_ROW_COST, (c - 1) / (rows - c))))
 
-    return measured("row-cost", (*_model_key(model, kv), rows, _CONTEXT), int, measure) / 1000
+    return measured("row-cost", (*_model_key(model, kv), rows, context), int, measure) / 1000
