@@ -203,12 +203,18 @@ class ModelRunner:
             draft_laws([it.draft for it in items], self.vocab_size, dev),
             draft_bitmask=draft_bitmasks(items, drafts.tokens.shape[1], self.vocab_size, dev),
         )
-        plan = rollback_slots(draft_slots, num_draft, out.path)
+        self._keep_path(draft_slots, num_draft, out.path)
+        return verified_tokens(out, len(items))  # host sync
+
+    def _keep_path(self, draft_slots: torch.Tensor, num_draft: torch.Tensor, path: torch.Tensor) -> None:
+        """Move the KV of each request's accepted nodes (``path [B, M]``, -1 padded) into the slots
+        that follow its committed tokens (``kvcache.rollback_slots``' plan), through the sharded
+        model's ``compact_kv`` where it has one."""
+        plan = rollback_slots(draft_slots, num_draft, path)
         if plan.src_slots.numel() and self.compact_kv is not None:
             self.compact_kv(self.kv, plan.src_slots, plan.dst_slots)
         elif plan.src_slots.numel():
             compact_tree_path(self.kv.k_caches, self.kv.v_caches, plan.src_slots, plan.dst_slots, backend=self.compact)
-        return verified_tokens(out, len(items))  # host sync
 
     def _plain_greedy_drafts(self, items: Sequence[ScheduledItem]) -> bool:
         """Every item plain greedy (``SamplingRows.all_plain_greedy``; admitted) with a point-mass
@@ -228,10 +234,6 @@ class ModelRunner:
         accepted = torch.full(draft_slots.shape, -1, dtype=torch.long)
         for i, path in enumerate(paths):
             accepted[i, : len(path.nodes)] = torch.tensor(path.nodes, dtype=torch.long)
-        plan = rollback_slots(draft_slots, num_draft, accepted.to(self.device))
-        if plan.src_slots.numel() and self.compact_kv is not None:
-            self.compact_kv(self.kv, plan.src_slots, plan.dst_slots)
-        elif plan.src_slots.numel():
-            compact_tree_path(self.kv.k_caches, self.kv.v_caches, plan.src_slots, plan.dst_slots, backend=self.compact)
+        self._keep_path(draft_slots, num_draft, accepted.to(self.device))
         return [SampledToken(p.tokens[-1], _NAN, None, p.tokens[:-1], (_NAN,) * (len(p.tokens) - 1)) if p.tokens
                 else SampledToken(-1, _NAN, None) for p in paths]
