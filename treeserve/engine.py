@@ -44,6 +44,8 @@ from treeserve.models.invariant import make_batch_invariant
 from treeserve.models.quant import check_quantization, path_rows
 from treeserve.output import SampleDelta, TrackedRequest
 from treeserve.runner import (
+    MAX_ROW_COST,
+    ROW_COST_CONTEXT,
     CausalLM,
     DecodeGraphRunner,
     DecodeLaunch,
@@ -53,8 +55,6 @@ from treeserve.runner import (
     NgramDrafter,
     compile_model,
     draft_pool_tokens,
-    MAX_ROW_COST,
-    ROW_COST_CONTEXT,
     fill_drafts,
     measure_row_cost,
 )

@@ -52,7 +52,7 @@ from treeserve.models.gguf_op import GGUFWeight, gguf_op_available, q8_vnni, sam
 from treeserve.models.int8_op import BLOCK as INT8_BLOCK
 from treeserve.models.int8_cache import int8_weight
 from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear, int8_swiglu_linear
-from treeserve.models.vocab_codes import CodesHead
+from treeserve.models.vocab_codes import INT16_HEAD_QTYPES, CodesHead
 
 __all__ = [
     "GROUP",
@@ -726,7 +726,7 @@ class ExactHead(nn.Module):
         self.packed_bound_factor = 2 * (k + 2) * 2.0**-24
         self.packed_max_rows = 0
         self.qtype = None if packed is None or not gguf_op_available() else packed.qtype
-        self.int16 = self.qtype in ("Q4_0", "Q8_0")  # the packed pass rounds x to int16 codes
+        self.int16 = self.qtype in INT16_HEAD_QTYPES  # the packed pass rounds x to int16 codes
         rounding = 3 * math.sqrt(k / 32) / 32767 if self.int16 else 0.0
         self.packed_pass_factor = self.packed_bound_factor + (1 + self.packed_bound_factor) * rounding
         """The packed pass's bound per ``|x| |W_j|`` (class docstring)."""

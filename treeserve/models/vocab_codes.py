@@ -33,13 +33,19 @@ from torch import nn
 
 from treeserve.models.gguf_op import GGUFWeight, gguf_op_available
 
-__all__ = ["HEAD_CODES_MIN_BYTES", "CodesEmbedding", "CodesHead", "head_from_codes", "row_norms"]
+__all__ = ["HEAD_CODES_MIN_BYTES", "INT16_HEAD_QTYPES", "CodesEmbedding", "CodesHead", "head_from_codes", "row_norms"]
 
 HEAD_CODES_MIN_BYTES = 1 << 29
 """A head whose float32 copy (``4 * vocab * hidden`` bytes) is larger is kept as codes (``head_from_codes``)."""
 
 _tracing = torch.compiler.is_compiling
 """True while Dynamo traces (``CodesHead`` then re-scores with static shapes); tests patch it."""
+
+
+INT16_HEAD_QTYPES = ("Q4_0", "Q8_0")
+"""Head qtypes whose first pass may round x to int16 codes per 32-block (``gguf_linear``, ~2-3x faster
+than float32 activations): the rounding bound (``CodesHead.row_bound``) covers their integer products;
+Q4_1's offset term ``m sum(x)`` is not covered, so a Q4_1 head keeps float32 activations."""
 
 
 def head_from_codes(vocab_size: int, hidden_size: int) -> bool:
@@ -135,9 +141,7 @@ class CodesHead(_Codes):
         self.register_buffer("row_norms", row_norms(codes), persistent=False)
         self.bound_factor = 2 * (codes.in_features + 2) * 2.0**-24
         self.max_candidates = 64  # per row, in a traced step (``_rescore_static``)
-        # Q4_0 / Q8_0: the first pass rounds x to int16 codes per 32-block (``gguf_linear``, ~3x faster
-        # than float32 activations); Q4_1's offset term is not covered by the bound below, so it keeps them.
-        self.int16 = codes.qtype != "Q4_1"
+        self.int16 = codes.qtype in INT16_HEAD_QTYPES  # the first pass rounds x to int16 codes
         self.q8_min_rows: int | None = None
         """Batches of at least this many rows round x to int8 codes instead (``gguf_linear_q8``: more
         entries to re-score, a faster pass; ``quant.use_q8_head`` measures where it pays). None: never.
