@@ -133,7 +133,7 @@ def test_q8_op_within_bound_of_float64_dequantized_gemm(qtype: str, m: int, grou
 def test_q8_rows_of_any_call_are_the_rows_alone(qtype: str, m: int, groups: int, n: int, seed: int) -> None:
     """``treeserve::gguf_linear_q8``: each row of a call of any size (lane groups of 8 or 16 rows and
     their zero-padded remainders, several groups, weight tiles of 1-4 rows) is bit for bit the row
-    computed alone."""
+    computed alone (one lane group: the tile that decodes codes a block ahead; several: a chunk at a time)."""
     k = 32 * groups
     w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, seed), (n, k))
     x = block_scaled(m, k, seed, 3.0)

@@ -650,8 +650,10 @@ void codes_head_rescore(const at::Tensor& logits, const at::Tensor& x, const at:
 // lanes of vpdpbusd (its signed operand); each 4-byte group of a weight block's codes, as unsigned bytes
 // u = c + bias (Q4_0, Q4_1: the nibbles q, bias 8 / 0; Q8_0: q + 128, bias 128), is broadcast across the
 // lanes, and bias * sum(xq), per row and block of x, is subtracted in int32. A tile of Q8_ROWS weight rows
-// decodes Q8_CHUNK blocks of codes at a time and serves every row of x with them. Elsewhere the scalar loop
-// (correct, slow: the caller measures).
+// against one lane group (calls of at most L rows: batched decode) decodes each block's codes one block
+// ahead inside the loop that multiplies them (rows_q8_one); against several, it decodes Q8_CHUNK blocks at a
+// time and serves every group with them (rows_q8_lanes). Elsewhere the scalar loop (correct, slow: the
+// caller measures).
 
 template <QType T>
 void rows_q8_scalar(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w, float* y, int64_t M,
@@ -783,7 +785,10 @@ LaneX lanes_of(const float* x, int64_t M, int64_t nb) {
   return lx;
 }
 
-// One block's codes as unsigned bytes u = c + Q8_BIAS stored at out (32 bytes).
+// One block's codes as unsigned bytes stored at out (32 bytes): Q8_0 u = c + 128 in order; Q4 the 16 code
+// bytes masked twice, the low nibbles q_0..q_15 (u = c + bias) then the high nibbles times 16 (16 q_16..16 q_31,
+// at most 240: still unsigned bytes). A broadcast and one mask, where the nibbles in order took a shift and an
+// insert more; block_dot divides the high half's sum by 16 (exact: a multiple of 16).
 template <QType T>
 inline void codes_u8_vec(const uint8_t* blk, uint8_t* out) {
   __m256i u;
@@ -791,9 +796,24 @@ inline void codes_u8_vec(const uint8_t* blk, uint8_t* out) {
     u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
   } else {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == QType::Q4_1 ? 4 : 2)));
-    u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+    const __m256i low_high = _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(0xf0)), _mm_set1_epi8(0x0f));
+    u = _mm256_and_si256(_mm256_broadcastsi128_si256(v), low_high);
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), u);
+}
+
+// The scales d (and Q4_1's offsets m) of a weight row's next min(Q8_CHUNK, left) blocks from first.
+template <QType T>
+__attribute__((always_inline)) inline void chunk_scales(const uint8_t* first, int64_t left, float* d, float* mo) {
+  if (left >= Q8_CHUNK) {  // converted at once
+    _mm256_store_ps(d, halves8<T>(first));
+    if constexpr (T == QType::Q4_1) _mm256_store_ps(mo, halves8<T>(first + 2));
+  } else {
+    for (int64_t k = 0; k < left; ++k) {
+      d[k] = half_at(first + k * BB<T>);
+      if constexpr (T == QType::Q4_1) mo[k] = half_at(first + k * BB<T> + 2);
+    }
+  }
 }
 
 // Keeps v in a register: the compiler would otherwise fold its load into every instruction that reads it.
@@ -802,12 +822,79 @@ inline void in_register(V& v) {
   asm volatile("" : "+v"(v));
 }
 
+// D = sum c xq per lane for one block of one weight row: its codes ub (codes_u8_vec) against x's block (its
+// steps X, bias * sum(xq) xc). Two chains of four (exact int32, any order); Q4's second chain runs on the high
+// nibbles times 16.
+template <QType T, int L>
+inline typename Lanes<L>::I block_dot(const uint8_t* ub, const typename Lanes<L>::I* X, typename Lanes<L>::I xc) {
+  using V = Lanes<L>;
+  using I = typename V::I;
+  if constexpr (T == QType::Q8_0) {
+    I e = V::dot(I{}, ub, X[0]);
+    I od = V::dot(I{}, ub + 4, X[1]);
+    for (int j = 2; j < 8; j += 2) {
+      e = V::dot(e, ub + 4 * j, X[j]);
+      od = V::dot(od, ub + 4 * j + 4, X[j + 1]);
+    }
+    return e + od - xc;
+  } else {
+    I e = V::dot(I{}, ub, X[0]);
+    I od = V::dot(I{}, ub + 16, X[4]);
+    for (int j = 1; j < 4; ++j) {
+      e = V::dot(e, ub + 4 * j, X[j]);
+      od = V::dot(od, ub + 16 + 4 * j, X[j + 4]);
+    }
+    if constexpr (Q8_BIAS<T> != 0) e -= xc;
+    return e + (od >> 4);
+  }
+}
+
+// a + D d dx for one block of one weight row, the same operations in the same order for every lane as
+// rows_q8_scalar's (Q4_1's offsets: offset_sum). Values in and out: a reference would keep the sums in memory.
+template <int L>
+inline typename Lanes<L>::F scaled_sum(typename Lanes<L>::F a, typename Lanes<L>::I dot, typename Lanes<L>::F dx,
+                                       float d) {
+  return Lanes<L>::fma(__builtin_convertvector(dot, typename Lanes<L>::F), dx * d, a);
+}
+
+// Q4_1's o + m sum(x_b) for one block gb of x (the float32 sums of the unrounded x).
+template <int L>
+inline typename Lanes<L>::F offset_sum(typename Lanes<L>::F o, float m, const LaneX& lx, int64_t gb) {
+  using F = typename Lanes<L>::F;
+  return Lanes<L>::fma(F{} + m, Lanes<L>::template load<F>(lx.xsum.get() + gb * L), o);
+}
+
+// Block gb of x (group g, block b: gb = g nb + b) against NR weight rows' codes u[r] (codes_u8_vec), scales
+// d[r][k] and Q4_1's offsets mo[r][k]: a[r] + D d dx (o[r] + m sum(x_b)) per lane. x's 8 steps, scales and
+// bias sums held in registers across the rows.
+template <QType T, int L, int NR>
+__attribute__((always_inline)) inline void block_rows(const LaneX& lx, int64_t gb, const uint8_t (*u)[GROUP],
+                                                      const float (*d)[Q8_CHUNK], const float (*mo)[Q8_CHUNK],
+                                                      int64_t k, typename Lanes<L>::F* a, typename Lanes<L>::F* o) {
+  using V = Lanes<L>;
+  using I = typename V::I;
+  using F = typename V::F;
+  I X[8];
+  for (int j = 0; j < 8; ++j) {
+    X[j] = V::template load<I>(lx.xt.get() + (gb * 8 + j) * 4 * L);
+    in_register(X[j]);
+  }
+  F dx = V::template load<F>(lx.xs.get() + gb * L);
+  I xc = V::template load<I>(lx.xc.get() + gb * L);
+  in_register(dx);
+  in_register(xc);
+  for (int r = 0; r < NR; ++r) {
+    a[r] = scaled_sum<L>(a[r], block_dot<T, L>(u[r], X, xc), dx, d[r][k]);
+    if constexpr (T == QType::Q4_1) o[r] = offset_sum<L>(o[r], mo[r][k], lx, gb);
+  }
+}
+
 // Weight rows [n0, n0 + NR) against lane groups [g0, g1) of x: acc / off hold [g - g0][r][L] between chunks
 // (the first chunk starts from zero: their entries are never read before this call writes them; filling them
 // per tile had cost ~5% of 8B's batch-16 step), y is written for the rows < M.
 template <QType T, int L, int NR>
-void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, float* y, int64_t M, int64_t nb,
-                   int64_t N, int64_t n0, int64_t g0, int64_t g1) {
+__attribute__((noinline)) void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, float* y,
+                                             int64_t M, int64_t nb, int64_t N, int64_t n0, int64_t g0, int64_t g1) {
   using V = Lanes<L>;
   using I = typename V::I;
   using F = typename V::F;
@@ -823,16 +910,7 @@ void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, fl
         prefetch_ahead(blk, true);
         codes_u8_vec<T>(blk, u[k][r]);
       }
-      const uint8_t* first = rows[r] + c0 * BB<T>;
-      if (cb == Q8_CHUNK) {  // the chunk's scales (and Q4_1's offsets) converted at once
-        _mm256_store_ps(d[r], halves8<T>(first));
-        if constexpr (T == QType::Q4_1) _mm256_store_ps(mo[r], halves8<T>(first + 2));
-      } else {
-        for (int64_t k = 0; k < cb; ++k) {
-          d[r][k] = half_at(first + k * BB<T>);
-          if constexpr (T == QType::Q4_1) mo[r][k] = half_at(first + k * BB<T> + 2);
-        }
-      }
+      chunk_scales<T>(rows[r] + c0 * BB<T>, nb - c0, d[r], mo[r]);
     }
     for (int64_t g = g0; g < g1; ++g) {
       float* ag = acc + (g - g0) * NR * L;
@@ -843,29 +921,7 @@ void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, fl
         o[r] = c0 == 0 ? F{} : V::template load<F>(og + r * L);
       }
       for (int64_t k = 0; k < cb; ++k) {
-        const int64_t gb = g * nb + c0 + k;
-        I X[8];
-        for (int j = 0; j < 8; ++j) {
-          X[j] = V::template load<I>(lx.xt.get() + (gb * 8 + j) * 4 * L);
-          in_register(X[j]);
-        }
-        F dx = V::template load<F>(lx.xs.get() + gb * L);
-        I xc = V::template load<I>(lx.xc.get() + gb * L);
-        in_register(dx);
-        in_register(xc);
-        for (int r = 0; r < NR; ++r) {  // two chains of four: exact int32, any order
-          I e = V::dot(I{}, u[k][r], X[0]);
-          I od = V::dot(I{}, u[k][r] + 4, X[1]);
-          for (int j = 2; j < 8; j += 2) {
-            e = V::dot(e, u[k][r] + 4 * j, X[j]);
-            od = V::dot(od, u[k][r] + 4 * j + 4, X[j + 1]);
-          }
-          I dot = e + od;
-          if constexpr (Q8_BIAS<T> != 0) dot -= xc;
-          a[r] = V::fma(__builtin_convertvector(dot, F), dx * d[r][k], a[r]);
-          if constexpr (T == QType::Q4_1)
-            o[r] = V::fma(F{} + mo[r][k], V::template load<F>(lx.xsum.get() + gb * L), o[r]);
-        }
+        block_rows<T, L, NR>(lx, g * nb + c0 + k, u[k], d, mo, k, a, o);
       }
       for (int r = 0; r < NR; ++r) {
         std::memcpy(ag + r * L, &a[r], sizeof a[r]);
@@ -881,6 +937,46 @@ void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, fl
       }
 }
 
+// Weight rows [n0, n0 + NR) against the one lane group of a call of at most L rows (batched decode): each
+// block's codes are decoded a block ahead inside the loop that multiplies them, where their few operations
+// fill slots the products leave (decoded a chunk at a time, as rows_q8_lanes does for its groups, the tile
+// ran 1.15-1.35x slower at 8-16 rows on Zen 4); the sums stay in registers for the whole row.
+template <QType T, int L, int NR>
+__attribute__((noinline)) void rows_q8_one(const LaneX& lx, const uint8_t* w, float* y, int64_t M, int64_t nb,
+                                           int64_t N, int64_t n0) {
+  using V = Lanes<L>;
+  using I = typename V::I;
+  using F = typename V::F;
+  alignas(64) uint8_t u[2][NR][GROUP];
+  alignas(32) float d[NR][Q8_CHUNK], mo[NR][Q8_CHUNK];
+  const uint8_t* rows[NR];
+  F a[NR], o[NR];
+  for (int r = 0; r < NR; ++r) {
+    rows[r] = w + (n0 + r) * nb * BB<T>;
+    codes_u8_vec<T>(rows[r], u[0][r]);
+    a[r] = F{};
+    o[r] = F{};
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t k = b % Q8_CHUNK;
+    if (k == 0)
+      for (int r = 0; r < NR; ++r) chunk_scales<T>(rows[r] + b * BB<T>, nb - b, d[r], mo[r]);
+    if (b + 1 < nb)
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* blk = rows[r] + (b + 1) * BB<T>;
+        prefetch_ahead(blk, true);
+        codes_u8_vec<T>(blk, u[(b + 1) & 1][r]);
+      }
+    block_rows<T, L, NR>(lx, b, u[b & 1], d, mo, k, a, o);
+  }
+  for (int r = 0; r < NR; ++r) {
+    alignas(64) float ar[L], orr[L];
+    std::memcpy(ar, &a[r], sizeof ar);
+    std::memcpy(orr, &o[r], sizeof orr);
+    for (int i = 0; i < L && i < M; ++i) y[i * N + n0 + r] = ar[i] + orr[i];
+  }
+}
+
 // Weight rows [n0, n1) against every row of x, in passes of Q8_GROUPS lane groups.
 template <QType T, int L>
 void rows_q8(const LaneX& lx, const uint8_t* w, float* y, int64_t M, int64_t nb, int64_t N, int64_t n0,
@@ -891,7 +987,10 @@ void rows_q8(const LaneX& lx, const uint8_t* w, float* y, int64_t M, int64_t nb,
     const int64_t g1 = std::min(G, g0 + Q8_GROUPS);
     for (int64_t n = n0; n < n1; n += Q8_ROWS) {
       auto tile = [&](auto nr) {
-        rows_q8_lanes<T, L, nr.value>(lx, w, acc.data(), off.data(), y, M, nb, N, n, g0, g1);
+        if (G == 1)
+          rows_q8_one<T, L, nr.value>(lx, w, y, M, nb, N, n);
+        else
+          rows_q8_lanes<T, L, nr.value>(lx, w, acc.data(), off.data(), y, M, nb, N, n, g0, g1);
       };
       switch (std::min<int64_t>(Q8_ROWS, n1 - n)) {
         case 1: tile(std::integral_constant<int, 1>{}); break;
