@@ -41,7 +41,7 @@ from treeserve.kvcache import (
     module_fingerprint,
 )
 from treeserve.models.invariant import make_batch_invariant
-from treeserve.models.quant import check_quantization, path_rows
+from treeserve.models.quant import check_quantization, path_rows, prepare_large_weights
 from treeserve.output import SampleDelta, TrackedRequest
 from treeserve.runner import (
     MAX_ROW_COST,
@@ -607,6 +607,15 @@ class LLM:
                 return False
             self._abort(tracked.samples)
             return True
+
+    def prepare_large(self) -> int:
+        """Build the large-batch weights that loading deferred (the int8 copies or dense weights of
+        packed projections, built otherwise by the first batch above the packed crossover: +0.6 s on
+        SmolLM2, +2.9 s on Llama-3.2-1B on a 2-core EPYC) now; returns how many projections had them
+        pending. ``LLM()`` defers them to load fast; a server calls this before it listens, so that its
+        first large request does not wait for them."""
+        with self._lock:
+            return prepare_large_weights(self.model)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request (of any front end) runs or waits, or a step-API request has

@@ -13,7 +13,7 @@ import torch
 from treeserve._tuning import clear_memo
 from treeserve.models import int8_cache, load, quant
 from treeserve.models.gguf_op import GGUFWeight
-from treeserve.models.quant import ExactHead, PackedLinear
+from treeserve.models.quant import ExactHead, PackedLinear, prepare_large_weights
 from treeserve.models.synthetic_gguf import SyntheticSpec, write_synthetic_gguf
 from treeserve.runner import PagedSequence
 
@@ -87,8 +87,9 @@ def test_a_warm_start_measures_nothing_builds_only_what_it_keeps_and_computes_th
         for a, b in zip(expected, _logits(warm), strict=True):
             assert torch.equal(a, b)
         assert not any(m.large_pending for m in packed if m.packed_max_rows < 20)  # the 20-token prompt built them
-        for m in packed:
-            m.prepare_large()  # the groups whose packed path serves 20 rows too
+        pending = sum(m.large_pending for m in packed)  # the groups whose packed path serves 20 rows too
+        assert prepare_large_weights(warm) == pending and not any(m.large_pending for m in packed)
+        assert prepare_large_weights(warm) == 0
         assert sum(m.int8 is not None for m in packed) == int8_layers  # from the int8 cache: no rounding
         assert warm_counts.timings == 0 and warm_counts.roundings == 0
 

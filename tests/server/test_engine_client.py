@@ -163,19 +163,30 @@ def test_random_mix_of_finishes_aborts_and_drops_keeps_invariants(engine, plan) 
 
 
 def test_build_makes_and_steps_the_llm_on_one_thread() -> None:
-    """``AsyncLLMEngine.build``: the factory runs on the engine thread, every step runs there too
-    (one OpenMP pool), nothing steps before ``start``; a factory's error reaches the caller."""
+    """``AsyncLLMEngine.build``: the factory runs on the engine thread, the deferred large-batch
+    weights are built there before any step (``LLM.prepare_large``), every step runs there too (one
+    OpenMP pool), nothing steps before ``start``; a factory's error reaches the caller."""
     import threading
 
-    where: dict[str, set[int]] = {"built": set(), "stepped": set()}
+    where: dict[str, set[int]] = {"built": set(), "prepared": set(), "stepped": set()}
 
     def factory():
         where["built"].add(threading.get_ident())
-        return synthetic_llm()
+        llm = synthetic_llm()
+        prepare = llm.prepare_large
+
+        def recorded() -> int:
+            assert not where["stepped"]
+            where["prepared"].add(threading.get_ident())
+            return prepare()
+
+        llm.prepare_large = recorded
+        return llm
 
     eng = AsyncLLMEngine.build(factory)
     eng.step_observer = lambda seconds: where["stepped"].add(threading.get_ident())
     assert not eng.is_healthy() and where["built"] and threading.get_ident() not in where["built"]
+    assert where["prepared"] == where["built"]
     with running(eng):
         assert eng.is_healthy()
 

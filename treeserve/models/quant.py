@@ -69,6 +69,7 @@ __all__ = [
     "pack_model",
     "path_rows",
     "planes_from_gguf",
+    "prepare_large_weights",
     "quantize_int4",
     "quantize_int8",
     "restore_dense",
@@ -388,6 +389,17 @@ def path_rows(model: object) -> tuple[int, ...]:
         if m.qtype is not None and m.use_op and same is not None and m.packed_max_rows > same:
             rows.add(same)
     return tuple(sorted(rows))
+
+
+def prepare_large_weights(model: nn.Module) -> int:
+    """Build now every large-batch weight ``pack_model`` deferred in ``model`` (``PackedLinear.prepare_large``:
+    int8 copies, read back from their disk cache where kept, or dense weights) instead of at each group's
+    first batch above ``packed_max_rows``; returns how many projections had theirs pending (0: nothing to
+    do). Resident memory grows by what those batches would hold anyway."""
+    pending = [m for m in model.modules() if isinstance(m, PackedLinear) and m.large_pending]
+    for m in pending:
+        m.prepare_large()
+    return len(pending)
 
 
 def restore_dense(model: nn.Module) -> None:

@@ -285,8 +285,9 @@ class AsyncLLMEngine(EngineClient):
 
     @classmethod
     def build(cls, factory: Callable[[], LLM], max_live_requests: int = 1024, idle_wait: float = 0.5) -> AsyncLLMEngine:
-        """An engine whose ``LLM`` is made by ``factory()`` on the engine thread, which then steps
-        it once :meth:`start` is called (``factory``'s exception is re-raised here).
+        """An engine whose ``LLM`` is made by ``factory()`` on the engine thread, with the large-batch
+        weights that loading deferred built there too (``LLM.prepare_large``), which then steps it once
+        :meth:`start` is called (``factory``'s exception is re-raised here).
 
         Why: OpenMP (libgomp) keeps one worker pool per thread that opens parallel regions, and
         its workers stop spinning between regions once more threads exist than cores. A model
@@ -301,6 +302,7 @@ class AsyncLLMEngine(EngineClient):
         def run() -> None:
             try:
                 llm = factory()
+                llm.prepare_large()  # before serving: a first large request would otherwise build them
             except BaseException as exc:  # handed to the caller, which re-raises it
                 built.set_exception(exc)
                 return

@@ -29,8 +29,10 @@ def serve(llm: LLM | Callable[[], LLM], *, host: str = "127.0.0.1", port: int = 
           max_live_requests: int = 1024, graceful_seconds: float = 5.0, log_level: str = "info") -> int:  # fmt: skip
     """Serve ``llm`` over HTTP until SIGINT / SIGTERM; returns the exit status (0). Given a
     factory instead, the model is built on the engine thread (``AsyncLLMEngine.build``: what
-    ``treeserve serve`` does, one OpenMP pool for load and steps)."""
+    ``treeserve serve`` does, one OpenMP pool for load and steps). Either way the large-batch weights
+    that loading deferred are built before it listens (``LLM.prepare_large``)."""
     if isinstance(llm, LLM):
+        llm.prepare_large()  # deferred large-batch weights, before the first request (build does it on its thread)
         engine = AsyncLLMEngine(llm, max_live_requests=max_live_requests)
     else:
         engine = AsyncLLMEngine.build(llm, max_live_requests=max_live_requests)
