@@ -896,7 +896,6 @@ template <QType T, int L, int NR>
 __attribute__((noinline)) void rows_q8_lanes(const LaneX& lx, const uint8_t* w, float* acc, float* off, float* y,
                                              int64_t M, int64_t nb, int64_t N, int64_t n0, int64_t g0, int64_t g1) {
   using V = Lanes<L>;
-  using I = typename V::I;
   using F = typename V::F;
   alignas(64) uint8_t u[Q8_CHUNK][NR][GROUP];
   alignas(32) float d[NR][Q8_CHUNK], mo[NR][Q8_CHUNK];
@@ -944,9 +943,7 @@ __attribute__((noinline)) void rows_q8_lanes(const LaneX& lx, const uint8_t* w, 
 template <QType T, int L, int NR>
 __attribute__((noinline)) void rows_q8_one(const LaneX& lx, const uint8_t* w, float* y, int64_t M, int64_t nb,
                                            int64_t N, int64_t n0) {
-  using V = Lanes<L>;
-  using I = typename V::I;
-  using F = typename V::F;
+  using F = typename Lanes<L>::F;
   alignas(64) uint8_t u[2][NR][GROUP];
   alignas(32) float d[NR][Q8_CHUNK], mo[NR][Q8_CHUNK];
   const uint8_t* rows[NR];
@@ -982,7 +979,8 @@ template <QType T, int L>
 void rows_q8(const LaneX& lx, const uint8_t* w, float* y, int64_t M, int64_t nb, int64_t N, int64_t n0,
              int64_t n1) {
   const int64_t G = (M + L - 1) / L;
-  std::vector<float> acc(Q8_GROUPS * Q8_ROWS * L), off(acc.size());
+  // The chunked tile's sums between chunks; one lane group keeps its sums in registers (rows_q8_one).
+  std::vector<float> acc(G == 1 ? 0 : Q8_GROUPS * Q8_ROWS * L), off(acc.size());
   for (int64_t g0 = 0; g0 < G; g0 += Q8_GROUPS) {
     const int64_t g1 = std::min(G, g0 + Q8_GROUPS);
     for (int64_t n = n0; n < n1; n += Q8_ROWS) {
