@@ -172,10 +172,11 @@ def test_killed_replica_mid_load(cluster, oai) -> None:
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futs = [pool.submit(stream, i) for i in range(6)]
         wait_until(lambda: _metric(cluster[0], "vllm:num_requests_running") >= 4, 60, what="the streams to run")
-        # The prefix router may send every stream to one replica: kill one that is serving some.
         wait_until(lambda: sum(st.get("num_running", 0) for st in replica_stats(DEPLOYMENT_NAME).values()) >= 4, 30,
                    what="the replicas' routing stats to show the streams")  # fmt: skip
-        busy, _ = max(replica_stats(DEPLOYMENT_NAME).items(), key=lambda kv: kv[1].get("num_running", 0))
+        running = {rid: st.get("num_running", 0) for rid, st in replica_stats(DEPLOYMENT_NAME).items()}
+        assert len(running) == 2 and min(running.values()) >= 1, running  # the burst spread over both
+        busy = max(running, key=running.__getitem__)
         victim = next(name for name in before if name.endswith(f"#{busy}"))
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         ok = oai.completions.create(model=NAME, prompt="Still there?", max_tokens=4, extra_body=NO_EOS)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from treeserve.cluster import PrefixIndex, RoutingThresholds, choose_replica
+from treeserve.cluster import PendingChoices, PrefixIndex, RoutingThresholds, choose_replica
 
 B = 4
 CAP = 6 * B
@@ -164,3 +164,41 @@ def test_shared_system_prompts_stick_to_one_replica_each() -> None:
             else:
                 assert route == (owner[s], "prefix", 288)
     assert sorted(owner.values()).count("a") == 4
+
+
+def test_pending_choices_count_until_sent_or_expired() -> None:
+    now = [0.0]
+    pending = PendingChoices(horizon_s=1.0, clock=lambda: now[0])
+    for r in ["a", "a", "b"]:
+        pending.chose(r)
+    assert pending.counts(["a", "b", "c"]) == {"a": 2, "b": 1, "c": 0}
+    pending.sent("a")
+    pending.sent("c")  # a send the router did not choose (a fallback rank): nothing to settle
+    assert pending.counts(["a", "b", "c"]) == {"a": 1, "b": 1, "c": 0}
+    now[0] = 0.5
+    pending.chose("b")
+    now[0] = 1.2  # the choices made at 0.0 were never sent: they no longer count
+    assert pending.counts(["a", "b"]) == {"a": 0, "b": 1}
+    pending.forget("b")
+    assert pending.counts(["b"]) == {"b": 0}
+    with pytest.raises(ValueError, match="horizon_s"):
+        PendingChoices(horizon_s=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(n_replicas=st.integers(1, 4), burst=st.integers(1, 24), stale=st.integers(0, 3))
+def test_a_burst_of_new_prompts_spreads_while_loads_are_stale(n_replicas, burst, stale) -> None:
+    """Requests routed before Ray Serve sends any see the same (stale) loads: counted as pending,
+    they spread evenly over the replicas instead of piling onto the first."""
+    t = RoutingThresholds(block_tokens=B, capacity_tokens=CAP)
+    idx = PrefixIndex(B, CAP)
+    pending = PendingChoices()
+    replicas = [f"r{i}" for i in range(n_replicas)]
+    got = dict.fromkeys(replicas, 0)
+    for i in range(burst):
+        extra = pending.counts(replicas)
+        route = choose_replica([9000 + i, 7], {r: stale + extra[r] for r in replicas}, idx, t)
+        idx.insert([9000 + i, 7], route.replica)
+        pending.chose(route.replica)
+        got[route.replica] += 1
+    assert max(got.values()) - min(got.values()) <= 1, got

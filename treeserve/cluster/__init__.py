@@ -10,7 +10,7 @@ decision and its thresholds) <- ``router`` (``PrefixAffinityRouter``, Ray Serve'
 
 from __future__ import annotations
 
-from treeserve.cluster.policy import Route, RoutingThresholds, choose_replica
+from treeserve.cluster.policy import PendingChoices, Route, RoutingThresholds, choose_replica
 from treeserve.cluster.prefix_index import PrefixIndex
 
-__all__ = ["PrefixIndex", "Route", "RoutingThresholds", "choose_replica"]
+__all__ = ["PendingChoices", "PrefixIndex", "Route", "RoutingThresholds", "choose_replica"]

@@ -13,13 +13,15 @@ SGLang's cache-aware policy, over :class:`~treeserve.cluster.prefix_index.Prefix
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from treeserve.cluster.prefix_index import PrefixIndex
 
-__all__ = ["Route", "RoutingThresholds", "choose_replica"]
+__all__ = ["PendingChoices", "Route", "RoutingThresholds", "choose_replica"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +82,45 @@ def choose_replica(ids: Sequence[int], loads: Mapping[Hashable, int], index: Pre
         return Route(best, "prefix", got)
     best = min(replicas, key=lambda r: (loads[r], index.cached_tokens(r)))
     return Route(best, "spread", match.get(best, 0))
+
+
+class PendingChoices:
+    """Requests routed to a replica but not yet sent to it, per replica.
+
+    Ray Serve counts a request in a replica's load when it is *sent*, a few event-loop turns after
+    the router chose the replica; a burst of requests routed in between would all see the same
+    loads and pile onto one replica. The router adds :meth:`counts` to the loads it reads, calls
+    :meth:`chose` for each decision and :meth:`sent` when Ray Serve sends a request. A choice
+    that is never sent (the request went to a fallback rank, or was cancelled) stops counting
+    after ``horizon_s`` seconds.
+    """
+
+    def __init__(self, horizon_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if not horizon_s > 0:
+            raise ValueError(f"horizon_s must be > 0 seconds, got {horizon_s!r}")
+        self._horizon = horizon_s
+        self._clock = clock
+        self._times: dict[Hashable, deque[float]] = {}
+
+    def chose(self, replica: Hashable) -> None:
+        self._times.setdefault(replica, deque()).append(self._clock())
+
+    def sent(self, replica: Hashable) -> None:
+        """One request was sent to ``replica``: its oldest pending choice is settled (none: no-op)."""
+        times = self._times.get(replica)
+        if times:
+            times.popleft()
+
+    def forget(self, replica: Hashable) -> None:
+        self._times.pop(replica, None)
+
+    def counts(self, replicas: Sequence[Hashable]) -> dict[Hashable, int]:
+        """Pending choices per replica of ``replicas`` (expired ones dropped)."""
+        oldest = self._clock() - self._horizon
+        out = {}
+        for r in replicas:
+            times = self._times.get(r)
+            while times and times[0] < oldest:
+                times.popleft()
+            out[r] = len(times) if times else 0
+        return out

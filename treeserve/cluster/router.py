@@ -5,7 +5,8 @@ plain in-process :class:`PrefixIndex` (Ray's own ``PrefixCacheAffinityRouter`` k
 tree in a detached actor, shared by several proxies; here one ingress routes everything, and it
 tokenizes before routing, so the tree is over token ids, the unit the replicas' radix trees
 share). Loads are Ray Serve's per-replica counts of requests in flight (its queue-length cache,
-probed when missing). The routing stats each replica reports (``EngineReplica.record_routing_stats``)
+probed when missing) plus the requests chosen for a replica but not yet sent to it, so a burst
+of new prompts spreads instead of following one stale count. The routing stats each replica reports (``EngineReplica.record_routing_stats``)
 are published for the ingress's ``/metrics`` through :func:`replica_stats`.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from treeserve.cluster.policy import Route, RoutingThresholds, choose_replica
+from treeserve.cluster.policy import PendingChoices, Route, RoutingThresholds, choose_replica
 from treeserve.cluster.prefix_index import PrefixIndex
 
 __all__ = ["PowerOfTwoRouter", "PrefixAffinityRouter", "replica_stats", "route_counts"]
@@ -79,22 +80,31 @@ class PrefixAffinityRouter(_PublishStats, RequestRouter):
         self.index = PrefixIndex(self.thresholds.block_tokens, self.thresholds.capacity_tokens)
         self.routes: dict[str, int] = {"prefix": 0, "balance": 0, "spread": 0, "load_unknown": 0}
         self._last_load: dict[Hashable, int] = {}
+        self._pending = PendingChoices()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.index.retain(r.replica_id for r in replicas)
         live = {r.replica_id for r in replicas}
+        for rid in set(self._last_load) - live:
+            self._pending.forget(rid)
         self._last_load = {rid: q for rid, q in self._last_load.items() if rid in live}
+
+    def on_send_request(self, replica_id: Any) -> None:
+        self._pending.sent(replica_id)
+        super().on_send_request(replica_id)
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
         self.index.remove_replica(replica_id)
         self._last_load.pop(replica_id, None)
+        self._pending.forget(replica_id)
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[Hashable, int]:
         """Requests in flight per replica: Ray Serve's cache, else a probe, else the last value
         seen (a probe that times out on a loaded host must not drop the replica from the choice:
-        that would send every prompt to the other replica, whatever it caches)."""
+        that would send every prompt to the other replica, whatever it caches); plus the requests
+        this router chose it for that Ray Serve has not sent yet (:class:`PendingChoices`)."""
         cache = self.replica_queue_len_cache
         loads: dict[Hashable, int] = {}
         missing = []
@@ -114,7 +124,8 @@ class PrefixAffinityRouter(_PublishStats, RequestRouter):
                 self.routes["load_unknown"] += 1
                 loads[rid] = self._last_load.get(rid, 0)
             self._last_load[rid] = loads[rid]
-        return loads
+        pending = self._pending.counts(list(loads))
+        return {rid: q + pending[rid] for rid, q in loads.items()}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:  # fmt: skip
@@ -132,6 +143,7 @@ class PrefixAffinityRouter(_PublishStats, RequestRouter):
             self.index.insert(ids, route.replica)
             self.routes[route.reason] += 1
             _shared()._ROUTES[self._deployment_id.name] = dict(self.routes)
+        self._pending.chose(route.replica)
         rest = sorted((rid for rid in by_id if rid != route.replica), key=loads.__getitem__)
         return [[by_id[route.replica]]] + ([[by_id[rid] for rid in rest]] if rest else [])
 
