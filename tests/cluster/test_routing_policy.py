@@ -169,18 +169,26 @@ def test_shared_system_prompts_stick_to_one_replica_each() -> None:
 def test_pending_choices_count_until_sent_or_expired() -> None:
     now = [0.0]
     pending = PendingChoices(horizon_s=1.0, clock=lambda: now[0])
-    for r in ["a", "a", "b"]:
-        pending.chose(r)
+    for i, r in enumerate(["a", "a", "b"]):
+        pending.chose(r, f"req{i}")
     assert pending.counts(["a", "b", "c"]) == {"a": 2, "b": 1, "c": 0}
     pending.sent("a")
     pending.sent("c")  # a send the router did not choose (a fallback rank): nothing to settle
     assert pending.counts(["a", "b", "c"]) == {"a": 1, "b": 1, "c": 0}
+    pending.chose("b", "req1")  # req1 backed off and was routed again: its choice moves, not adds
+    assert pending.counts(["a", "b", "c"]) == {"a": 0, "b": 2, "c": 0}
     now[0] = 0.5
-    pending.chose("b")
+    pending.chose("c", "req3")
     now[0] = 1.2  # the choices made at 0.0 were never sent: they no longer count
-    assert pending.counts(["a", "b"]) == {"a": 0, "b": 1}
-    pending.forget("b")
-    assert pending.counts(["b"]) == {"b": 0}
+    assert pending.counts(["a", "b", "c"]) == {"a": 0, "b": 0, "c": 1}
+    pending.forget("c")
+    assert pending.counts(["c"]) == {"c": 0}
+    pending.chose("a", "req4")
+    now[0] = 1.8
+    pending.chose("a", "req5")
+    now[0] = 2.4  # req4 expired, with no count read since: a send settles req5, the live one
+    pending.sent("a")
+    assert pending.counts(["a"]) == {"a": 0}
     with pytest.raises(ValueError, match="horizon_s"):
         PendingChoices(horizon_s=0)
 
@@ -199,6 +207,48 @@ def test_a_burst_of_new_prompts_spreads_while_loads_are_stale(n_replicas, burst,
         extra = pending.counts(replicas)
         route = choose_replica([9000 + i, 7], {r: stale + extra[r] for r in replicas}, idx, t)
         idx.insert([9000 + i, 7], route.replica)
-        pending.chose(route.replica)
+        pending.chose(route.replica, i)
         got[route.replica] += 1
     assert max(got.values()) - min(got.values()) <= 1, got
+
+
+class PendingChoicesMachine(RuleBasedStateMachine):
+    """PendingChoices against a list of (request, replica, time) in the order chosen: a request's new
+    choice replaces its old one, a send settles the replica's oldest, a choice expires after the horizon."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.pending = PendingChoices(horizon_s=1.0, clock=lambda: self.now)
+        self.model: list[tuple[int, str, float]] = []
+
+    @rule(replica=st.sampled_from("ab"), request=st.integers(0, 3))
+    def chose(self, replica: str, request: int) -> None:
+        self.pending.chose(replica, request)
+        self.model = [c for c in self.model if c[0] != request] + [(request, replica, self.now)]
+
+    @rule(replica=st.sampled_from("abc"), dt=st.sampled_from([0.0, 0.6]))
+    def sent(self, replica: str, dt: float) -> None:
+        self.now += dt  # time may pass with no count read in between (counts drops expired choices)
+        self.pending.sent(replica)
+        live = [c for c in self.model if c[2] >= self.now - 1.0]
+        mine = [c for c in live if c[1] == replica]
+        self.model = [c for c in live if c is not mine[0]] if mine else live
+
+    @rule(dt=st.sampled_from([0.6, 1.5]))
+    def wait(self, dt: float) -> None:
+        self.now += dt
+
+    @rule(replica=st.sampled_from("ab"))
+    def forget(self, replica: str) -> None:
+        self.pending.forget(replica)
+        self.model = [c for c in self.model if c[1] != replica]
+
+    @invariant()
+    def counts_match(self) -> None:
+        live = [c for c in self.model if c[2] >= self.now - 1.0]
+        assert self.pending.counts(list("abc")) == {r: sum(c[1] == r for c in live) for r in "abc"}
+
+
+TestPendingChoices = PendingChoicesMachine.TestCase
+TestPendingChoices.settings = settings(max_examples=200, stateful_step_count=20, deadline=None)

@@ -14,7 +14,6 @@ SGLang's cache-aware policy, over :class:`~treeserve.cluster.prefix_index.Prefix
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -90,9 +89,10 @@ class PendingChoices:
     Ray Serve counts a request in a replica's load when it is *sent*, a few event-loop turns after
     the router chose the replica; a burst of requests routed in between would all see the same
     loads and pile onto one replica. The router adds :meth:`counts` to the loads it reads, calls
-    :meth:`chose` for each decision and :meth:`sent` when Ray Serve sends a request. A choice
-    that is never sent (the request went to a fallback rank, or was cancelled) stops counting
-    after ``horizon_s`` seconds.
+    :meth:`chose` for each decision (keyed by request: a request routed again while it backs off
+    replaces its earlier choice) and :meth:`sent` when Ray Serve sends a request. A choice that is
+    never sent (the request went to a fallback rank, or was cancelled) stops counting after
+    ``horizon_s`` seconds.
     """
 
     def __init__(self, horizon_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -100,27 +100,33 @@ class PendingChoices:
             raise ValueError(f"horizon_s must be > 0 seconds, got {horizon_s!r}")
         self._horizon = horizon_s
         self._clock = clock
-        self._times: dict[Hashable, deque[float]] = {}
+        self._choices: dict[Hashable, tuple[Hashable, float]] = {}  # request -> (replica, when), oldest first
 
-    def chose(self, replica: Hashable) -> None:
-        self._times.setdefault(replica, deque()).append(self._clock())
+    def chose(self, replica: Hashable, request: Hashable) -> None:
+        self._choices.pop(request, None)
+        self._choices[request] = (replica, self._clock())
 
     def sent(self, replica: Hashable) -> None:
         """One request was sent to ``replica``: its oldest pending choice is settled (none: no-op)."""
-        times = self._times.get(replica)
-        if times:
-            times.popleft()
+        self._expire()
+        for request, (r, _) in self._choices.items():
+            if r == replica:
+                del self._choices[request]
+                return
 
     def forget(self, replica: Hashable) -> None:
-        self._times.pop(replica, None)
+        self._choices = {q: rt for q, rt in self._choices.items() if rt[0] != replica}
+
+    def _expire(self) -> None:
+        oldest = self._clock() - self._horizon
+        for request in [q for q, (_, t) in self._choices.items() if t < oldest]:
+            del self._choices[request]
 
     def counts(self, replicas: Sequence[Hashable]) -> dict[Hashable, int]:
         """Pending choices per replica of ``replicas`` (expired ones dropped)."""
-        oldest = self._clock() - self._horizon
-        out = {}
-        for r in replicas:
-            times = self._times.get(r)
-            while times and times[0] < oldest:
-                times.popleft()
-            out[r] = len(times) if times else 0
+        self._expire()
+        out = dict.fromkeys(replicas, 0)
+        for r, _ in self._choices.values():
+            if r in out:
+                out[r] += 1
         return out

@@ -143,9 +143,14 @@ class PrefixAffinityRouter(_PublishStats, RequestRouter):
             self.index.insert(ids, route.replica)
             self.routes[route.reason] += 1
             _shared()._ROUTES[self._deployment_id.name] = dict(self.routes)
-        self._pending.chose(route.replica)
+        self._pending.chose(route.replica, _request_key(pending_request))
         rest = sorted((rid for rid in by_id if rid != route.replica), key=loads.__getitem__)
         return [[by_id[route.replica]]] + ([[by_id[rid] for rid in rest]] if rest else [])
+
+
+def _request_key(pending: PendingRequest | None) -> Hashable:
+    """The request a routing decision is for (a fresh key when Ray Serve passes none)."""
+    return object() if pending is None else pending.metadata.internal_request_id
 
 
 def _prompt_ids(pending: PendingRequest | None) -> list[int] | None:
