@@ -11,7 +11,7 @@ configuration is a fresh ``treeserve serve --replicas N`` on 127.0.0.1 (its own 
 - ``prefix``:       2 replicas x 1 thread, PrefixAffinityRouter (default thresholds)
 - ``power-of-two``: 2 replicas x 1 thread, Ray Serve's default router
 - ``single``:       1 replica x 2 threads (the hit-rate reference, and the threads comparison)
-- ``--sweep`` adds ``prefix`` with ``--balance-abs`` 0 and 32 (the load-skew threshold).
+- ``--sweep`` adds ``prefix`` with ``--balance-abs`` 0, 16 and 32 (the load-skew threshold).
 
 Reported per run (one JSON line each): prefix hit rate (the servers' ``vllm:prefix_cache_hits /
 queries``), output tok/s, requests/s, TTFT mean / p99; then the ratios behind the targets (hit
@@ -158,7 +158,7 @@ def simulate(balance_abs: int, cache_threshold: float, *, users: int = 4, concur
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="4 users per prompt, 16 output tokens")
-    p.add_argument("--sweep", action="store_true", help="also the prefix router at --balance-abs 0 and 32")
+    p.add_argument("--sweep", action="store_true", help="also the prefix router at --balance-abs 0, 16 and 32")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=16)
@@ -181,11 +181,11 @@ def main() -> int:
         "prefix": (2, 1, ["--router", "prefix"]),
         "power-of-two": (2, 1, ["--router", "power-of-two"]),
         "single": (1, 2, []),
-        **{f"prefix-balance-abs-{b}": (2, 1, ["--router", "prefix", "--balance-abs", str(b)]) for b in (0, 32)},
+        **{f"prefix-balance-abs-{b}": (2, 1, ["--router", "prefix", "--balance-abs", str(b)]) for b in (0, 16, 32)},
     }
     names = args.only.split(",") if args.only else ["prefix", "power-of-two", "single"]
     if args.sweep:
-        names += ["prefix-balance-abs-0", "prefix-balance-abs-32"]
+        names += ["prefix-balance-abs-0", "prefix-balance-abs-16", "prefix-balance-abs-32"]
     unknown = sorted(set(names) - set(configs))
     if unknown:
         p.error(f"--only: unknown configurations {unknown}; known: {sorted(configs)}")

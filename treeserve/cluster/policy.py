@@ -36,7 +36,7 @@ class RoutingThresholds:
     """
 
     cache_threshold: float = 0.5
-    balance_abs: int = 8
+    balance_abs: int = 32
     balance_rel: float = 1.5
     block_tokens: int = 16
     capacity_tokens: int = 32768
