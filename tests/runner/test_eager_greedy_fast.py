@@ -46,7 +46,7 @@ def test_fast_path_matches_full_sampler(params: list[SamplingParams], monkeypatc
         rows = [r.row for r in reqs]
         fast_taken.append(bench.eager.sampling_rows.all_plain_greedy(rows, [len(r.output_ids) for r in reqs]))
         with monkeypatch.context() as m:
-            m.setattr(SamplingRows, "all_plain_greedy", lambda *a: False)
+            m.setattr(SamplingRows, "all_plain_greedy", lambda *a, **k: False)
             ref = bench.eager.run(batch)
         assert [t.token for t in got] == [t.token for t in ref]
         assert got[1].token == -1  # the NaN row

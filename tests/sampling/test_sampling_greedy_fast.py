@@ -1,14 +1,26 @@
-"""The plain-greedy fast path (``SamplingRows.all_plain_greedy`` + ``greedy_tokens``) gives
-exactly the tokens of the full ``sample`` of the same rows, and is taken only when it may be."""
+"""The plain-greedy fast path (``SamplingRows.all_plain_greedy`` + ``greedy_tokens``, and with
+grammar masks ``greedy_masked_tokens``) gives exactly the tokens of the full ``sample`` of the
+same rows, and is taken only when it may be."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from treeserve.sampling import SamplingParams, SamplingRows, greedy_tokens, sample
+from treeserve.sampling import (
+    SamplingParams,
+    SamplingRows,
+    StructuredOutput,
+    bitmask_words,
+    greedy_masked_tokens,
+    greedy_tokens,
+    sample,
+    unpack_bitmask,
+)
 from treeserve.sampling.sampler import ARGMAX_BLOCK
 
 EOS = [2, 3]
@@ -131,3 +143,57 @@ def test_float64_and_bfloat16_logits_match_sample() -> None:
         ref = sample(logits, rows.batch([0, 1, 2], [[], [], []]), torch.zeros(3, dtype=torch.long))
         assert greedy_tokens(logits).tolist() == ref.tokens.tolist()
         assert greedy_tokens(logits)[1] == -1
+
+
+def bitmask_st(rows: int, vocab: int) -> st.SearchStrategy[torch.Tensor | None]:
+    """A batch mask: None, or per row all allowed, a few tokens allowed, or none allowed."""
+    words = bitmask_words(vocab)
+    row = st.one_of(
+        st.just([-1] * words),
+        st.just([0] * words),
+        st.lists(st.integers(-(2**31), 2**31 - 1), min_size=words, max_size=words),
+        st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3).map(lambda ids: _words(ids, words)),
+    )
+    masks = st.lists(row, min_size=rows, max_size=rows).map(lambda r: torch.tensor(r, dtype=torch.int64).to(torch.int32))
+    return st.one_of(st.none(), masks, masks, masks)
+
+
+def _words(ids: list[int], words: int) -> list[int]:
+    w = [0] * words
+    for t in ids:
+        w[t // 32] |= 1 << (t % 32)
+    return [v - (1 << 32) if v >= 1 << 31 else v for v in w]
+
+
+@pytest.mark.parametrize("vocab", [50, 2 * ARGMAX_BLOCK])
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_grammar_fast_path_equals_full_sample(vocab: int, data) -> None:
+    """``all_plain_greedy(..., grammar=True)`` admits rows whose only logit change is a grammar
+    mask; ``greedy_masked_tokens`` then gives ``sample``'s tokens (every-token-masked rows -1)."""
+    n = data.draw(st.integers(1, 4))
+    greedy = st.builds(SamplingParams, temperature=st.just(0.0), ignore_eos=st.booleans(),
+                       min_new_tokens=st.integers(0, 2))  # fmt: skip
+    ps = data.draw(st.lists(st.one_of(greedy, greedy, params_st(vocab)), min_size=n, max_size=n))
+    structured = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    ps = [replace(p, structured=StructuredOutput(regex="[a-z]+")) if s else p for p, s in zip(ps, structured)]
+    generated = data.draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
+    logits = data.draw(logits_st(n, vocab))
+    mask = data.draw(bitmask_st(n, vocab))
+    rows = SamplingRows(8, vocab, "cpu", EOS)
+    for i, p in enumerate(ps):
+        rows.admit(i, i, p, 7 + i, [5, 6])
+    fast = rows.all_plain_greedy(range(n), generated, grammar=True)
+    event(f"fast path: {fast}")
+    assert fast == all(plain(p, g) for p, g in zip(ps, generated))
+    assert rows.all_plain_greedy(range(n), generated) == (fast and not any(structured))
+    if fast:
+        batch = rows.batch(list(range(n)), [[4] * g for g in generated])
+        ref = sample(logits, replace(batch, token_bitmask=mask), torch.tensor(generated) + 2)
+        given_logits = logits.clone()
+        got = greedy_masked_tokens(given_logits, mask)
+        assert got.tolist() == ref.tokens.tolist()
+        if mask is not None:  # applied in place: the masked entries of the logits handed over are -inf
+            banned = ~unpack_bitmask(mask, vocab)
+            assert torch.isneginf(given_logits[banned]).all()
+        assert greedy_masked_tokens(logits.double(), mask).tolist() == ref.tokens.tolist()  # the reference dtype

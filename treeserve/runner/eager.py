@@ -23,11 +23,12 @@ from treeserve.runner.inputs import (
     draft_arrays,
     draft_bitmasks,
     draft_laws,
+    grammar_masks,
     step_token_ids,
     with_grammar_masks,
 )
 from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
-from treeserve.sampling import SamplingRows, greedy_tokens, sample, verify
+from treeserve.sampling import SamplingRows, greedy_masked_tokens, greedy_tokens, sample, verify
 from treeserve.sampling.verify import greedy_paths
 from treeserve.scheduler import Request, SampledToken, ScheduledBatch, ScheduledItem
 
@@ -169,12 +170,15 @@ class ModelRunner:
         """Sample one token per row of ``logits`` for ``reqs`` (in table ``rows``), each having
         computed tokens ``[start, start + qo)`` (its next token sits at ``start + qo``).
 
-        A step whose rows are all plain greedy (``SamplingRows.all_plain_greedy``) takes their
-        first argmax directly (the same tokens, logprob NaN, no ``SamplingBatch``)."""
+        A step whose rows are all plain greedy (``SamplingRows.all_plain_greedy``), grammar masks
+        aside, takes their first argmax directly (the same tokens, logprob NaN, no
+        ``SamplingBatch``), the masks applied in place to ``logits`` (which this consumes)."""
         admit_requests(self.sampling_rows, reqs)
-        if self.sampling_rows.all_plain_greedy(rows, lambda: [len(r.output_ids) for r in reqs]):
+        counts = lambda: [len(r.output_ids) for r in reqs]  # noqa: E731
+        if self.sampling_rows.all_plain_greedy(rows, counts, grammar=True):
+            mask = grammar_masks(reqs, self.sampling_rows.vocab_size, self.device)
             new = tuple.__new__  # SampledToken(...) without its Python-level __new__
-            return [new(SampledToken, (t, _NAN, None, (), ())) for t in greedy_tokens(logits).tolist()]  # host sync
+            return [new(SampledToken, (t, _NAN, None, (), ())) for t in greedy_masked_tokens(logits, mask).tolist()]  # host sync
         positions = [s + n for s, n in zip(starts, qo)]
         gen_positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         batch = with_grammar_masks(self.sampling_rows.batch(rows, [r.output_ids for r in reqs]), reqs)  # admitted above

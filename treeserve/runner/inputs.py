@@ -34,6 +34,7 @@ __all__ = [
     "build_step_inputs",
     "draft_arrays",
     "draft_laws",
+    "grammar_masks",
     "with_grammar_masks",
     "step_index",
     "step_token_ids",
@@ -360,10 +361,13 @@ def admit_requests(rows: SamplingRows, reqs: Sequence[Request]) -> None:
             rows.admit(r.row, r, r.params, r.seed, r.prompt_ids)
 
 
+def grammar_masks(reqs: Sequence[Request], vocab_size: int, device: torch.device | str) -> torch.Tensor | None:
+    """The batch token bitmask of ``reqs``' grammar-constrained rows (``Request.grammar``, refilled
+    by the commit path after each token; row i = ``reqs[i]``), None when none is."""
+    return stack_bitmasks([None if r.grammar is None else r.grammar.bitmask for r in reqs], vocab_size, device)
+
+
 def with_grammar_masks(batch: SamplingBatch, reqs: Sequence[Request]) -> SamplingBatch:
-    """``batch`` (row i = ``reqs[i]``) with the token bitmask of its grammar-constrained rows
-    (``Request.grammar``, refilled by the commit path after each token); unchanged when none is."""
-    if all(r.grammar is None for r in reqs):
-        return batch
-    masks = [None if r.grammar is None else r.grammar.bitmask for r in reqs]
-    return replace(batch, token_bitmask=stack_bitmasks(masks, batch.vocab_size, batch.device))
+    """``batch`` (row i = ``reqs[i]``) with ``grammar_masks``; unchanged when no row is constrained."""
+    mask = grammar_masks(reqs, batch.vocab_size, batch.device)
+    return batch if mask is None else replace(batch, token_bitmask=mask)

@@ -15,7 +15,7 @@ from treeserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from treeserve.sampling.processing import process_logits
 from treeserve.sampling.rng import Purpose, uniform
 from treeserve.sampling.rows import HostRows, SamplingRows
-from treeserve.sampling.sampler import SampleOutput, greedy_tokens, sample
+from treeserve.sampling.sampler import SampleOutput, greedy_masked_tokens, greedy_tokens, sample
 from treeserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from treeserve.sampling.verify import VerifyOutput, VerifyUniforms, verify
 
@@ -37,6 +37,7 @@ __all__ = [
     "apply_token_bitmask_",
     "bitmask_words",
     "draw_siblings",
+    "greedy_masked_tokens",
     "greedy_tokens",
     "process_logits",
     "sample",

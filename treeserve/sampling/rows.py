@@ -105,6 +105,7 @@ class SamplingRows:
         # ban is checked per step: ``_ban_until``, 0 when no id is banned); such rows take
         # ``greedy_tokens``.
         self._flag_plain = np.zeros(num_rows, dtype=bool)
+        self._flag_plain_but_grammar = np.zeros(num_rows, dtype=bool)  # the same, structured output allowed
         self._ban_until = np.zeros(num_rows, dtype=np.int64)
         self._ban_len = np.zeros(num_rows, dtype=np.int64)
         self._bias_len = np.zeros(num_rows, dtype=np.int64)
@@ -170,8 +171,9 @@ class SamplingRows:
         self._flag_logprobs[row] = p.logprobs is not None
         self._ban_len[row] = len(ban)
         self._bias_len[row] = len(state.bias)
-        changes_logits = penalized or bool(state.bias) or p.allowed_token_ids is not None or p.structured is not None
-        self._flag_plain[row] = p.greedy and not changes_logits and p.logprobs is None
+        changes_logits = penalized or bool(state.bias) or p.allowed_token_ids is not None
+        self._flag_plain_but_grammar[row] = p.greedy and not changes_logits and p.logprobs is None
+        self._flag_plain[row] = self._flag_plain_but_grammar[row] and p.structured is None
         self._ban_until[row] = p.min_new_tokens if ban else 0
         self._state[row] = state
 
@@ -186,17 +188,22 @@ class SamplingRows:
         return state is not None and state.owner is owner and state.params is params
 
     def all_plain_greedy(
-        self, rows: Sequence[int], num_generated: Sequence[int] | Callable[[], Sequence[int]]
+        self,
+        rows: Sequence[int],
+        num_generated: Sequence[int] | Callable[[], Sequence[int]],
+        grammar: bool = False,
     ) -> bool:
         """Whether every one of ``rows`` (admitted; row ``i`` has generated ``num_generated[i]``
         tokens) is plain greedy this step: temperature 0, no penalty, logit bias, allowed-token
         set, structured output, logprobs, nor a banned id still suppressed by ``min_new_tokens``. Sampling such rows
         is ``greedy_tokens`` of their logits (the same tokens as ``sample`` of their batch).
+        With ``grammar``, rows with structured output count too: their grammar's token mask is
+        then the only change to their logits (``greedy_masked_tokens``).
 
         ``num_generated`` may be a function returning the counts: it is called only when one of
         the rows bans ids until some count (the counts cost a pass over the requests)."""
         idx = np.asarray(rows, dtype=np.int64)
-        if not self._flag_plain[idx].all():
+        if not (self._flag_plain_but_grammar if grammar else self._flag_plain)[idx].all():
             return False
         ban_until = self._ban_until[idx]
         if not ban_until.any():

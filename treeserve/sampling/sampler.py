@@ -9,6 +9,7 @@ import torch
 
 from treeserve.sampling.backend import resolve_backend
 from treeserve.sampling.batch import SamplingBatch
+from treeserve.sampling.bitmask import apply_token_bitmask, apply_token_bitmask_
 from treeserve.sampling.processing import Filtered, filter_scaled, scale_logits, select_rows, work_dtype
 from treeserve.sampling.rng import Purpose, uniform
 
@@ -138,6 +139,19 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.where(np.isfinite(best), idx, -1).astype(np.int64))
     row_max, tokens = first_argmax(x)
     return tokens.masked_fill(~torch.isfinite(row_max), -1)
+
+
+def greedy_masked_tokens(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """``greedy_tokens`` of rows whose only logit change is a token mask (``bitmask [B, W]``, None:
+    none; ``SamplingRows.all_plain_greedy(..., grammar=True)``), exactly ``sample(...).tokens`` of
+    such a batch (``-1`` also for a row whose every token is masked). The mask is applied in place
+    to ``logits`` when it is contiguous float32: the caller hands over logits it no longer needs."""
+    x = logits.to(work_dtype(logits))
+    if bitmask is None:
+        return greedy_tokens(x)
+    if x.dtype == torch.float64:  # the exact tests' dtype: the out-of-place reference
+        return greedy_tokens(apply_token_bitmask(x, bitmask))
+    return greedy_tokens(apply_token_bitmask_(x.contiguous(), bitmask))
 
 
 class _Group(NamedTuple):
