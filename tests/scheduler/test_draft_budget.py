@@ -93,7 +93,8 @@ def test_unused_draft_slots_are_freed_at_commit() -> None:
     batch = sched.schedule()  # prefill
     sched.update(batch, runner.run(batch))
     batch = sched.schedule()
-    assert batch.items[0].draft_budget == 5 and sched.ledger.capacity(req) == req.seq_len + 5
+    # the draft's 5 slots are reserved (inside the decode run the pending token got, or past it)
+    assert batch.items[0].draft_budget == 5 and sched.ledger.capacity(req) >= req.seq_len + 5
     sched.update(batch, runner.run(batch))
     assert sched.ledger.capacity(req) == req.seq_len, "only the committed tokens keep slots"
     sched.check_invariants()
@@ -109,6 +110,24 @@ def test_batch_heavy_steps_ask_for_no_drafts(limit: int) -> None:
     assert budgets == ([0, 0, 0] if limit == 2 else [2, 2, 2])
     sched.update(batch, runner.run(batch))
     sched.check_invariants()
+
+
+@pytest.mark.parametrize("speculative", [0, 2])
+def test_decodes_that_draft_nothing_keep_their_slot_runs(speculative: int) -> None:
+    """With speculation on or off, a decode step over the draft batch limit (nothing drafted) gives
+    each request a run of consecutive slots (``KVLedger.decode_run``), which later steps use in
+    order: its K/V rows stay one stream, not one row every ``len(batch)`` slots."""
+    sched, runner, batch = first_decode_step(3, SchedulerConfig(256, 4, 64, num_speculative_tokens=speculative,
+                                                                speculative_max_batch=2))
+    for _ in range(4):
+        assert all(it.draft_budget == 0 for it in batch.items)
+        sched.update(batch, runner.run(batch))
+        sched.check_invariants()
+        batch = sched.schedule()
+    for req in sched.running:
+        slots = sched.ledger.table.table[req.row, : req.seq_len].tolist()
+        decoded = slots[3:]  # the pending and decoded tokens' slots, after the 3 prompt tokens
+        assert decoded == list(range(decoded[0], decoded[0] + len(decoded))), slots
 
 
 def first_decode_step(n: int, config: SchedulerConfig) -> tuple[Scheduler, FakeRunner, ScheduledBatch]:

@@ -224,7 +224,7 @@ class Scheduler:
         # Decoding requests whose slots are all used need one more page for the pending token.
         full = [r for r in decoding if r.num_computed_tokens >= r.num_cached_tokens + r.num_owned_pages * ps]
         if full:
-            reserve_decode_slots(self.queues, full, runs=not self.config.num_speculative_tokens)
+            reserve_decode_slots(self.queues, full)
         if len(decoding) == len(running) == len(self.running) and len(running) <= budget:
             # Only decodes, all within the budget, none paused: one token each, slots reserved.
             # (tuple.__new__ builds a ScheduledItem without its Python-level __new__: 3x cheaper.)
