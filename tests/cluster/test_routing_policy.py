@@ -183,6 +183,10 @@ def test_pending_choices_count_until_sent_or_expired() -> None:
     assert pending.counts(["a", "b", "c"]) == {"a": 0, "b": 0, "c": 1}
     pending.forget("c")
     assert pending.counts(["c"]) == {"c": 0}
+    pending.chose("b", "req6")
+    pending.chose("c", "req7")
+    pending.retain(["c"])  # b left the deployment
+    assert pending.counts(["b", "c"]) == {"b": 0, "c": 1}
     pending.chose("a", "req4")
     now[0] = 1.8
     pending.chose("a", "req5")

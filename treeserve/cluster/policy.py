@@ -14,7 +14,7 @@ SGLang's cache-aware policy, over :class:`~treeserve.cluster.prefix_index.Prefix
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -116,6 +116,11 @@ class PendingChoices:
 
     def forget(self, replica: Hashable) -> None:
         self._choices = {q: rt for q, rt in self._choices.items() if rt[0] != replica}
+
+    def retain(self, replicas: Iterable[Hashable]) -> None:
+        """Forget the choices of every replica not in ``replicas``."""
+        keep = set(replicas)
+        self._choices = {q: rt for q, rt in self._choices.items() if rt[0] in keep}
 
     def _expire(self) -> None:
         oldest = self._clock() - self._horizon

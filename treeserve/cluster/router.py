@@ -86,8 +86,7 @@ class PrefixAffinityRouter(_PublishStats, RequestRouter):
         super().update_replicas(replicas)
         self.index.retain(r.replica_id for r in replicas)
         live = {r.replica_id for r in replicas}
-        for rid in set(self._last_load) - live:
-            self._pending.forget(rid)
+        self._pending.retain(live)
         self._last_load = {rid: q for rid, q in self._last_load.items() if rid in live}
 
     def on_send_request(self, replica_id: Any) -> None:

@@ -101,11 +101,10 @@ class SamplingRows:
         self._top_k = np.zeros(num_rows, dtype=np.int64)
         self._logprobs = np.zeros(num_rows, dtype=np.int64)
         self._flag_logprobs = np.zeros(num_rows, dtype=bool)
-        # Greedy with nothing that changes logits or asks for logprobs (a pending min_new_tokens
-        # ban is checked per step: ``_ban_until``, 0 when no id is banned); such rows take
-        # ``greedy_tokens``.
-        self._flag_plain = np.zeros(num_rows, dtype=bool)
-        self._flag_plain_but_grammar = np.zeros(num_rows, dtype=bool)  # the same, structured output allowed
+        # Greedy with nothing that changes logits, a grammar's mask aside, or asks for logprobs (a
+        # pending min_new_tokens ban is checked per step: ``_ban_until``, 0 when no id is banned);
+        # such rows take ``greedy_tokens`` (those without structured output) or ``greedy_masked_tokens``.
+        self._flag_plain_but_grammar = np.zeros(num_rows, dtype=bool)
         self._ban_until = np.zeros(num_rows, dtype=np.int64)
         self._ban_len = np.zeros(num_rows, dtype=np.int64)
         self._bias_len = np.zeros(num_rows, dtype=np.int64)
@@ -173,7 +172,6 @@ class SamplingRows:
         self._bias_len[row] = len(state.bias)
         changes_logits = penalized or bool(state.bias) or p.allowed_token_ids is not None
         self._flag_plain_but_grammar[row] = p.greedy and not changes_logits and p.logprobs is None
-        self._flag_plain[row] = self._flag_plain_but_grammar[row] and p.structured is None
         self._ban_until[row] = p.min_new_tokens if ban else 0
         self._state[row] = state
 
@@ -203,7 +201,7 @@ class SamplingRows:
         ``num_generated`` may be a function returning the counts: it is called only when one of
         the rows bans ids until some count (the counts cost a pass over the requests)."""
         idx = np.asarray(rows, dtype=np.int64)
-        if not (self._flag_plain_but_grammar if grammar else self._flag_plain)[idx].all():
+        if not self._flag_plain_but_grammar[idx].all() or (not grammar and self._flag_structured[idx].any()):
             return False
         ban_until = self._ban_until[idx]
         if not ban_until.any():
