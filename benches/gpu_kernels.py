@@ -38,7 +38,6 @@ import torch.nn.functional as F  # noqa: E402
 from treeserve._utils import flashinfer_available  # noqa: E402
 from treeserve.kvcache import AttentionMetadata, build_tree_mask, paged_attention  # noqa: E402
 from treeserve.kvcache._attention_triton import auto_splits, paged_attention_triton, tiles  # noqa: E402
-from treeserve.kvcache.split_kv import MAX_SPLITS  # noqa: E402
 from treeserve.sampling import SamplingBatch, SamplingParams, sample, verify  # noqa: E402
 from treeserve.sampling.triton_kernels import thresholds_triton, walk_tree_triton  # noqa: E402
 
@@ -114,17 +113,21 @@ def attention_case(bsz: int, kv_len: int, qo_len: int, tree: bool, bw: float, ti
     sdpa = lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True)  # noqa: E731
     record(name, "sdpa", sdpa, nbytes, bw)
     chosen = auto_splits(meta, dtype, hkv, hq // hkv, d, DEV)
-    sweep = (2,) if QUICK else (2, 4, 8, 16)
-    counts = [None, 1, *(s for s in sweep if s <= MAX_SPLITS and s * qo_len <= kv_len)]
+    sweep = (2,) if QUICK else (2, 4, 8, 16, 32, 64)  # past MAX_SPLITS too: where the cap should be
+    counts = [None, 1, *(s for s in sweep if s * qo_len <= kv_len)]
     for s in counts:
         fn = lambda s=s: paged_attention_triton(q, k, v, meta, scale, True, s)  # noqa: E731
         record(name, "triton" + (" auto" if s is None else f" s={s}"), fn, nbytes, bw,
                f"rule: s={chosen}" if s is None else "")
-    if tile_sweep:  # other decode tiles, unsplit (the AOT check compiles only the chosen one)
+    if tile_sweep:  # other tiles, unsplit (the AOT check compiles only the chosen one)
         base = tiles(dtype, qo_len * hq // hkv, d, tree)
-        for t in (base._replace(block_n=16), base._replace(block_n=64), base._replace(num_warps=8)):
+        variants = (base._replace(block_n=16), base._replace(block_n=64), base._replace(num_warps=8))
+        if tree:
+            variants = (base._replace(block_n=32), base._replace(block_n=32, num_warps=4),
+                        base._replace(block_m=32, block_n=32), base._replace(block_m=16, block_n=32, num_warps=4))
+        for t in variants:
             fn = lambda t=t: paged_attention_triton(q, k, v, meta, scale, True, 1, t)  # noqa: E731
-            record(name, f"triton n{t.block_n} w{t.num_warps}", fn, nbytes, bw)
+            record(name, f"triton m{t.block_m} n{t.block_n} w{t.num_warps}", fn, nbytes, bw)
     if CUDA and flashinfer_available():
         record(name, "flashinfer", lambda: paged_attention(q, k, v, meta, backend="flashinfer"), nbytes, bw)
 
@@ -188,12 +191,12 @@ def main() -> None:
     cases = ((2, 64, 1, False), (2, 40, 4, True)) if QUICK else (
         (64, 2048, 1, False), (8, 4096, 1, False), (1, 16384, 1, False), (16, 1024, 16, True))
     for i, (bsz, kv, qo, tree) in enumerate(cases):
-        attention_case(bsz, kv, qo, tree, bw, tile_sweep=i == 0)
+        attention_case(bsz, kv, qo, tree, bw, tile_sweep=i == 0 or tree)
     sampling_case(bw)
     verify_case(bw)
-    print(f"{'kernel':36} {'backend':14} {'us':>9} {'GB/s':>7} {'of copy':>7}")
+    print(f"{'kernel':36} {'backend':18} {'us':>9} {'GB/s':>7} {'of copy':>7}")
     for kernel, backend, us, gbs, frac, note in ROWS:
-        print(f"{kernel:36} {backend:14} {us:>9} {gbs:>7} {frac:>7} {note}".rstrip())
+        print(f"{kernel:36} {backend:18} {us:>9} {gbs:>7} {frac:>7} {note}".rstrip())
     errors = [r for r in ROWS if r[2] == "error" and r[1] != "flashinfer"]
     sys.exit(1 if errors else 0)
 

@@ -41,19 +41,21 @@ def test_prefill_and_phases_report() -> None:
 @pytest.mark.slow
 def test_kernel_table_has_every_backend() -> None:
     """``benches/gpu_kernels.py`` in its smoke mode: every attention case has its torch, SDPA,
-    unsplit, rule-chosen and split Triton rows, the first decode case its tile sweep, and sampling
+    unsplit, rule-chosen and split Triton rows, the first decode case and the tree case their tile sweeps, and sampling
     and verify theirs; no row failed."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "benches" / "gpu_kernels.py"), "--quick", "--device", "cpu"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = re.findall(r"^(.+?) {2,}(torch|sdpa|triton auto|triton s=\d+|triton n\d+ w\d+|triton) +[\d.]+ +[\d.]+ +[\d.]+%", proc.stdout,
+    rows = re.findall(r"^(.+?) {2,}(torch|sdpa|triton auto|triton s=\d+|triton m\d+ n\d+ w\d+|triton) +[\d.]+ +[\d.]+ +[\d.]+%", proc.stdout,
                       re.M)
     got = {(k.strip(), b) for k, b in rows}
     for case in ("decode attn B=2 kv=64", "tree attn B=2 kv=40 nodes=4"):
         assert {(case, b) for b in ("torch", "sdpa", "triton auto", "triton s=1", "triton s=2")} <= got, proc.stdout
-    assert {b for k, b in got if k.startswith("decode") and " w" in b} == {"triton n16 w4", "triton n64 w4",
-                                                                             "triton n32 w8"}, proc.stdout
+    assert {b for k, b in got if k.startswith("decode") and " w" in b} == {"triton m16 n16 w4", "triton m16 n64 w4",
+                                                                             "triton m16 n32 w8"}, proc.stdout
+    assert {b for k, b in got if k.startswith("tree") and " w" in b} == {"triton m16 n32 w8", "triton m16 n32 w4",
+                                                                           "triton m32 n32 w8"}, proc.stdout
     assert {b for k, b in got if k.startswith(("sampling", "verify"))} == {"torch", "triton"}, proc.stdout
     assert {k.split(" ")[0] for k, b in got if b == "triton" and "kernel" in k} == {"thresholds", "walk"}, proc.stdout
 

@@ -3,6 +3,7 @@ node locked; a promotion takes only the pages it can have; a tree without tiers 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from treeserve.kvcache import KVPool, KVTiers, RadixCache, TierLayout, pages_to_slots
@@ -94,3 +95,34 @@ def test_bandwidth_bench_runs() -> None:
     spec.loader.exec_module(bench)
     promote, copy = bench.promotion_bandwidth("cpu", tokens=128, reps=1)
     assert promote > 0 and copy > 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(("tokens", "page_size"), [(41, 1), (40, 4), (23, 4)])
+def test_demote_then_promote_restores_every_layer_bitwise(device: str, tokens: int, page_size: int) -> None:
+    """KV of several chunks (the last one partial or not), 3 layers, K and V distinct, leaves the
+    device pool through the host tier and comes back (on CUDA through the pinned side-stream copy
+    and one scatter per layer): every value of every promoted slot is the one evicted."""
+    gen = torch.Generator().manual_seed(tokens)
+    layers, heads, dim, dtype = 3, 2, 4, torch.bfloat16
+    pool = KVPool(layers, 64 // page_size + 1, page_size, heads, dim, dtype, device)
+    tiers = KVTiers(pool, TierLayout("m", dtype, layers, heads, dim, page_size, 8), 128)
+    cache = RadixCache(pool.allocator, page_size, tiers=tiers)
+    ids = list(range(7, 7 + tokens))
+    slots = pages_to_slots(pool.allocator.alloc(-(-tokens // page_size)), page_size)[:tokens]
+    values = [torch.randn(2, tokens, heads, dim, generator=gen).to(dtype) for _ in range(layers)]
+    for layer, kv in enumerate(values):
+        pool.k_caches[layer].view(-1, heads, dim)[slots] = kv[0].to(device)
+        pool.v_caches[layer].view(-1, heads, dim)[slots] = kv[1].to(device)
+    cache.release_request(ids, slots, None)
+    cache.evict(cache.evictable_tokens)
+    assert cache.total_tokens == 0
+    while not cache.prefetch(ids):  # CUDA: the copy is in flight until its event completes
+        torch.cuda.synchronize()
+    m = cache.match_prefix(ids)
+    # promoted: whole chunks; matched: whole pages, the last token excluded
+    assert m.length == min(tokens // 8 * 8, (tokens - 1) // page_size * page_size) > 0
+    for layer, kv in enumerate(values):
+        assert torch.equal(pool.k_caches[layer].view(-1, heads, dim)[m.slots].cpu(), kv[0, : m.length])
+        assert torch.equal(pool.v_caches[layer].view(-1, heads, dim)[m.slots].cpu(), kv[1, : m.length])
+    cache.check_invariants()

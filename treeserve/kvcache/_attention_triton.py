@@ -229,6 +229,15 @@ def tiles(dtype: torch.dtype, rows: int, head_dim: int, has_tree: bool) -> Tiles
     return Tiles(block_m, block_n, block_d, 4 if block_m == 16 and not has_tree else 8)
 
 
+def _valid_tile(t: object, head_dim: int) -> bool:
+    """Whether ``t`` compiles on a GPU: ``tl.arange`` needs powers of two and ``tl.dot`` at least
+    16 along every dimension (Triton 3.6 refuses K = 8 there, which the interpreter and Triton
+    3.9 accept)."""
+    if not isinstance(t, Tiles) or t.block_d < head_dim:
+        return False
+    return all(isinstance(v, int) and v >= 16 and v & (v - 1) == 0 for v in t[:3]) and t.num_warps in (1, 2, 4, 8, 16)
+
+
 def auto_splits(meta: AttentionMetadata, dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int,
                 device: torch.device) -> int:
     """The split count the launcher takes for ``meta`` when not told one: :func:`kv_splits` of
@@ -270,8 +279,9 @@ def paged_attention_triton(
     tree = meta.tree_mask
     has_tree = tree is not None
     t = tiles(q.dtype, meta.max_qo_len * g, d, has_tree) if tile is None else tile
-    if not isinstance(t, Tiles) or t.block_d < d or min(t.block_m, t.block_n) < 16:
-        raise ValueError(f"tile must be a Tiles with block_m, block_n >= 16 and block_d >= head_dim {d}, got {t!r}")
+    if not _valid_tile(t, d):
+        raise ValueError(f"tile must be a Tiles of powers of two, block_m, block_n, block_d >= 16 (tl.dot's least), "
+                         f"block_d >= head_dim {d}, num_warps in 1..16, got {t!r}")
     q_blocks = triton.cdiv(meta.max_qo_len * g, t.block_m)
     if num_splits is None:
         num_splits = auto_splits(meta, q.dtype, hkv, g, d, q.device)

@@ -224,33 +224,47 @@ class KVTiers:
 
     def load(self, fetched: Fetched, start: int, slots: torch.Tensor) -> Any:
         """Copy the KV of tokens ``start .. start + len(slots)`` from ``fetched`` into the device
-        pool at ``slots``. Returns None (CPU: done) or a CUDA event recorded after the copy."""
+        pool at ``slots``. Returns None (CPU: done) or a CUDA event recorded after the copy.
+
+        On CUDA, on the side stream: one host -> device copy per whole chunk (pinned, contiguous),
+        one concatenation of the wanted tokens on the device, then one scatter per layer and K/V
+        for the whole load, so the launches do not grow with the number of chunks. On CPU each
+        chunk's tokens are scattered straight from the host tier (no staging copy)."""
         c = self.chunk_tokens
         end = start + slots.numel()
+        pieces: list[tuple[torch.Tensor, int, int]] = []  # (chunk KV, first, end token within the chunk)
         pos = start
+        for j, chunk in enumerate(fetched.chunks):
+            base = (fetched.first_chunk + j) * c
+            a, b = pos - base, min(end, base + c) - base
+            if b <= a:
+                break
+            pieces.append((chunk.kv, a, b))
+            n = b - a
+            if fetched.sources[j] == HOST:
+                self.stats.host_hit_tokens += n
+                self.stats.bytes_host_to_device += n * self._token_bytes
+            else:
+                self.stats.disk_hit_tokens += n
+                self.stats.bytes_disk_to_device += n * self._token_bytes
+            pos += n
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))  # the pages' previous readers
             slots.record_stream(self._side)
         with torch.cuda.stream(self._side) if self._side is not None else nullcontext():
-            for j, chunk in enumerate(fetched.chunks):
-                base = (fetched.first_chunk + j) * c
-                a, b = pos - base, min(end, base + c) - base
-                if b <= a:
-                    break
-                kv = chunk.kv.to(self.device, non_blocking=True) if self._cuda else chunk.kv
-                part = slots[pos - start : pos - start + b - a]
+            if self._cuda:
+                parts = [kv.to(self.device, non_blocking=True)[:, :, a:b] for kv, a, b in pieces]
+                sources = [(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0], slots[: pos - start])] if parts else []
+            else:
+                sources, off = [], 0
+                for kv, a, b in pieces:
+                    sources.append((kv[:, :, a:b], slots[off : off + b - a]))
+                    off += b - a
+            for kv, part in sources:
                 for layer in range(self.layout.num_layers):
                     for which, caches in enumerate((self.pool.k_caches, self.pool.v_caches)):
                         flat = caches[layer].view(-1, self.layout.num_kv_heads, self.layout.head_dim)
-                        flat.index_copy_(0, part, kv[layer, which, a:b])
-                n = b - a
-                if fetched.sources[j] == HOST:
-                    self.stats.host_hit_tokens += n
-                    self.stats.bytes_host_to_device += n * self._token_bytes
-                else:
-                    self.stats.disk_hit_tokens += n
-                    self.stats.bytes_disk_to_device += n * self._token_bytes
-                pos += n
+                        flat.index_copy_(0, part, kv[layer, which])
         if self._side is None:
             return None
         event = torch.cuda.Event()
