@@ -50,18 +50,22 @@ def _min_ge(base, n, t, BLOCK: tl.constexpr):
 
 @triton.jit
 def _stats_ge_many(base, n, ts, floor, m, WAYS: tl.constexpr, BLOCK: tl.constexpr):
-    """``_stats_ge`` for each of the ``WAYS`` thresholds ``ts`` at once, in one pass over the row."""
-    cnt = tl.zeros([WAYS], dtype=tl.int32)
-    acc = tl.zeros([WAYS], dtype=tl.float64)
+    """``_stats_ge`` for each of the ``WAYS`` thresholds ``ts`` at once, in one pass over the row.
+
+    The partial counts and sums stay per lane (``[WAYS, BLOCK]`` accumulators) and are reduced
+    once after the pass: a reduction across the program's warps at every step of the loop made
+    the pass latency-bound (5.4 ms for 64 x 128256 on an H100, 2.9x the torch path)."""
+    cnt = tl.zeros([WAYS, BLOCK], dtype=tl.int32)
+    acc = tl.zeros([WAYS, BLOCK], dtype=tl.float64)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(base + offs, mask=offs < n, other=float("-inf")).to(tl.float64)
         live = (x >= floor) & (x > float("-inf"))
         e = tl.where(live, tl.exp(x - m), 0.0)
         keep = (x[None, :] >= ts[:, None]) & live[None, :]
-        cnt += tl.sum(keep.to(tl.int32), 1)
-        acc += tl.sum(tl.where(keep, e[None, :], 0.0), 1)
-    return cnt, acc
+        cnt += keep.to(tl.int32)
+        acc += tl.where(keep, e[None, :], 0.0)
+    return tl.sum(cnt, 1), tl.sum(acc, 1)
 
 
 @triton.jit
