@@ -96,6 +96,8 @@ run_stage kernels 80 "$PY" benches/gpu_kernels.py --device cuda
 # ---------------------------------------------------------------- 3. end to end, random weights of real shapes
 run_stage decode_smollm2 50 "$PY" benches/gpu_e2e.py decode --shape smollm2 --modes graph,sync,eager
 run_stage decode_8b 80 "$PY" benches/gpu_e2e.py decode --shape llama3-8b --modes graph,sync,eager
+# sampled decoding (temperature 0.7, top-p 0.9, top-k 50): the threshold kernel inside the graph
+run_stage decode_8b_sampled 40 "$PY" benches/gpu_e2e.py decode --shape llama3-8b --modes graph --sampled
 run_stage prefill_8b 25 "$PY" benches/gpu_e2e.py prefill --shape llama3-8b
 run_stage phases_smollm2 20 "$PY" benches/gpu_e2e.py phases --shape smollm2 --batch 1
 run_stage phases_8b 25 "$PY" benches/gpu_e2e.py phases --shape llama3-8b --batch 1

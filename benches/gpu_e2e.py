@@ -1,6 +1,6 @@
 """End-to-end GPU figures on random weights of real shapes (no checkpoint, no download).
 
-    python benches/gpu_e2e.py decode  --shape smollm2|llama3-8b [--modes eager,graph,compile]
+    python benches/gpu_e2e.py decode  --shape smollm2|llama3-8b [--modes eager,graph,compile] [--sampled]
     python benches/gpu_e2e.py prefill --shape llama3-8b
     python benches/gpu_e2e.py phases  --shape smollm2|llama3-8b [--batch 1]
     python benches/gpu_e2e.py kernels --shape smollm2|llama3-8b [--batch 1]
@@ -106,11 +106,17 @@ def engine(model: torch.nn.Module, device: str, mode: str, max_batch: int, ctx: 
                seed=0)
 
 
-def generate_seconds(llm: LLM, batch: int, prompt: int, new: int, device: str) -> float:
+def generate_seconds(llm: LLM, batch: int, prompt: int, new: int, device: str, sampled: bool = False) -> float:
+    """Seconds to generate ``new`` tokens for ``batch`` random prompts: greedy, or (``sampled``) a
+    chat server's usual temperature 0.7 / top-p 0.9 / top-k 50, seeded per request."""
     rng = random.Random(batch * 1000 + prompt)
     vocab = llm.model.config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt)] for _ in range(batch)]
-    params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+    if sampled:
+        params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=i, max_new_tokens=new, ignore_eos=True)
+                  for i in range(batch)]
+    else:
+        params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
     sync(device)
     t0 = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
@@ -135,12 +141,14 @@ def decode(args: argparse.Namespace) -> None:
     for mode in args.modes.split(","):
         t0 = time.perf_counter()
         llm = engine(model, args.device, mode, max(batches), prompt + long_ + 8)
-        generate_seconds(llm, 2, prompt, short, args.device)  # warm-up (and compile)
-        print(f"# {mode}: engine + warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+        generate_seconds(llm, 2, prompt, short, args.device, args.sampled)  # warm-up (and compile)
+        print(f"# {mode}{' sampled' if args.sampled else ''}: engine + warm-up {time.perf_counter() - t0:.1f} s",
+              flush=True)
         for b in batches:
             # best of 3 each: the difference of two single runs can even come out negative on a busy host
-            step = (min(generate_seconds(llm, b, prompt, long_, args.device) for _ in range(3))
-                    - min(generate_seconds(llm, b, prompt, short, args.device) for _ in range(3))) / (long_ - short)
+            step = (min(generate_seconds(llm, b, prompt, long_, args.device, args.sampled) for _ in range(3))
+                    - min(generate_seconds(llm, b, prompt, short, args.device, args.sampled) for _ in range(3))
+                    ) / (long_ - short)
             ideal = roofline_bytes(model, b, prompt + (short + long_) // 2) / bw
             print(f"{mode:8} {b:5} {step * 1e3:8.2f} {b / step:9.0f} {100 * ideal / step:8.1f}%", flush=True)
         del llm
@@ -302,6 +310,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--modes", default="graph,eager,compile")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--sampled", action="store_true", help="decode: temperature 0.7, top-p 0.9, top-k 50 (else greedy)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of the script")
     args = p.parse_args()
     {"decode": decode, "prefill": prefill, "phases": phases, "kernels": kernels}[args.what](args)

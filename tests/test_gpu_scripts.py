@@ -32,6 +32,14 @@ def test_decode_table_has_every_mode_and_batch() -> None:
 
 
 @pytest.mark.slow
+def test_sampled_decode_table() -> None:
+    out = run("decode", "--modes", "graph", "--sampled")
+    assert "# graph sampled" in out, out
+    rows = re.findall(r"^graph\s+(\d+)\s+([\d.]+)\s+\d+\s+[\d.]+%$", out, re.M)
+    assert [b for b, _ in rows] == ["1", "2"] and all(float(ms) > 0 for _, ms in rows), out
+
+
+@pytest.mark.slow
 def test_prefill_and_phases_report() -> None:
     assert len(re.findall(r"^prefill \d+ x \d+: +\d+ tok/s", run("prefill"), re.M)) == 2
     out = run("phases", "--batch", "2")
