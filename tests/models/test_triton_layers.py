@@ -27,7 +27,7 @@ from treeserve.models._triton_layers import (
     silu_mul_triton,
 )
 from treeserve.models.rope import apply_rope
-from treeserve.models.triton_forward import TritonHead, uses_triton_layers
+from treeserve.models.triton_forward import HEAD_MEASURED_ROWS, TritonHead, bf16_min_rows, uses_triton_layers
 
 DEV = backend_device("triton")
 BITWISE = DEV.type == "cpu"  # the interpreter, compared with torch's CPU kernels
@@ -134,7 +134,7 @@ def test_bf16_head_argmax_equals_float64() -> None:
     gen = torch.Generator().manual_seed(0)
     m, vocab, hidden = 24, 700, 96
     x, w = _near_ties(gen, m, vocab, hidden)
-    head = TritonHead.of(w.to(DEV))
+    head = TritonHead.of(w.to(DEV), bf16_min_rows=1)  # the bf16 pass whatever a GPU would measure
     logits = head(x.to(DEV)).cpu()
     exact = x.double() @ w.double().T
     top2 = exact.topk(2, dim=1).values
@@ -170,7 +170,7 @@ def test_bf16_head_bad_input() -> None:
         TritonHead.of(torch.zeros(4, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="weight must be a contiguous"):
         TritonHead.of(torch.zeros(8, 4).T)
-    head = TritonHead.of(torch.zeros(4, 8).to(DEV))
+    head = TritonHead.of(torch.zeros(4, 8).to(DEV), bf16_min_rows=1)
     with pytest.raises(ValueError, match=r"x must be \[N, 8\]"):
         head(torch.zeros(2, 7).to(DEV))
 
@@ -257,3 +257,64 @@ def test_layer_kernels_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         uses_triton_layers(model)
     model.layer_kernels = "torch"
     assert not uses_triton_layers(model)
+
+
+@given(f32=st.lists(st.floats(1e-6, 1.0), min_size=1, max_size=9), data=st.data())
+def test_bf16_min_rows_is_where_the_bf16_pass_stops_losing(f32: list[float], data: st.DataObject) -> None:
+    """The chosen count: from it on the bf16 pass was never slower; at the count before it, it was
+    (so no smaller count would do); None exactly when it lost at the largest count."""
+    rows = HEAD_MEASURED_ROWS[: len(f32)]
+    b16 = data.draw(st.lists(st.floats(1e-6, 1.0), min_size=len(f32), max_size=len(f32)))
+    got = bf16_min_rows(rows, f32, b16)
+    assert (got is None) == (b16[-1] > f32[-1])
+    if got is not None:
+        i = rows.index(got)
+        assert all(b <= f for b, f in zip(b16[i:], f32[i:]))
+        assert i == 0 or b16[i - 1] > f32[i - 1]
+
+
+@pytest.mark.parametrize(("rows", "f32", "b16"), [((1, 2), (1.0,), (1.0, 1.0)), ((2, 1), (1.0, 1.0), (1.0, 1.0)),
+                                                  ((1, 1), (1.0, 1.0), (1.0, 1.0))])
+def test_bf16_min_rows_bad_input(rows, f32, b16) -> None:
+    with pytest.raises(ValueError, match="rows must increase and match the timings"):
+        bf16_min_rows(rows, f32, b16)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "fast"])
+def test_triton_head_refuses_a_bad_bf16_min_rows(bad: object) -> None:
+    with pytest.raises(ValueError, match="bf16_min_rows must be"):
+        TritonHead.of(torch.zeros(4, 8).to(DEV), bf16_min_rows=bad)  # type: ignore[arg-type]
+
+
+def test_triton_head_serves_few_rows_with_the_float32_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ``bf16_min_rows`` a call is the float32 head itself (bit for bit, no bf16 pass);
+    from it on, the bf16 pass and the re-scoring; None keeps no bf16 copy and never takes it."""
+    import treeserve.models._triton_layers as ops
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 32, generator=gen).to(DEV)
+    x = torch.randn(6, 32, generator=gen).to(DEV)
+    calls = []
+    real = ops.head_bf16_triton
+    monkeypatch.setattr(ops, "head_bf16_triton", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    head = TritonHead.of(w, bf16_min_rows=4)
+    assert torch.equal(head(x[:3]), F.linear(x[:3], w)) and calls == []
+    assert torch.equal(head(x[:5]), TritonHead.of(w, bf16_min_rows=1)(x[:5])) and calls == [5, 5]
+    never = TritonHead.of(w, bf16_min_rows=None)
+    assert never.weight_bf16 is None and torch.equal(never(x), F.linear(x, w))
+    assert calls == [5, 5]
+
+
+@pytest.mark.gpu
+def test_triton_head_measures_where_the_bf16_pass_pays() -> None:
+    """On CUDA the default head times both passes: a measured count (or None), and its logits'
+    argmax is the float32 head's on rows whose top two are apart."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(4096, 256, generator=gen).cuda()
+    head = TritonHead.of(w)
+    assert head.bf16_min_rows is None or head.bf16_min_rows in HEAD_MEASURED_ROWS
+    x = torch.randn(64, 256, generator=gen).cuda()
+    exact = x.double() @ w.double().T
+    top2 = exact.topk(2, dim=1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 1e-3
+    assert torch.equal(head(x).argmax(1)[decided].cpu(), exact.argmax(1)[decided].cpu())

@@ -21,7 +21,10 @@ bound ``max_i (approx_i - F |x| |W_i|)`` is recomputed in float32 from the float
 float32 rounding between two float32 evaluations of one dot product), with no host sync and any
 number of candidates. Other logits are within the bound of the float32 head's. It reads the bf16
 copy (half the float32 bytes) plus the float32 rows of the few candidates; the float32 weight stays
-resident for them (the bf16 copy adds ``2 V K`` bytes of memory).
+resident for them (the bf16 copy adds ``2 V K`` bytes of memory). Where the float32 head itself is
+faster (few rows; a small head), it serves instead: the row counts from which the bf16 pass pays are
+timed once on the GPU when the head is made (``TritonHead.of``); with no such count the bf16 copy is
+not kept.
 
 :func:`uses_triton_layers` decides per call: ``model.layer_kernels`` ``"auto"`` (the default)
 picks this path on CUDA when Triton is usable, the model is not batch-invariant and Dynamo is
@@ -32,15 +35,17 @@ it (on CPU under ``TRITON_INTERPRET=1``, how the tests run it), ``"torch"`` turn
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from treeserve._utils import triton_usable
 from treeserve.kvcache import AttentionMetadata, KVPool, debug_checks_enabled, paged_attention
 
-__all__ = ["LAYER_KERNELS", "TritonHead", "triton_forward", "uses_triton_layers"]
+__all__ = ["HEAD_MEASURED_ROWS", "LAYER_KERNELS", "TritonHead", "bf16_min_rows", "triton_forward", "uses_triton_layers"]
 
 LAYER_KERNELS = ("auto", "torch", "triton")
 _NORM_ROWS = 8192
@@ -76,16 +81,58 @@ def uses_triton_layers(model: torch.nn.Module) -> bool:
     return device.type == "cuda" and triton_usable(device) and getattr(model, "batch_invariant_tile", None) is None
 
 
+HEAD_MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""Row counts at which a CUDA ``TritonHead`` times its two passes when it is made."""
+
+
+def bf16_min_rows(rows: Sequence[int], float32_seconds: Sequence[float], bf16_seconds: Sequence[float]) -> int | None:
+    """The smallest of the (increasing) measured ``rows`` from which the bf16 exact head was no
+    slower than the float32 head at every larger measured count; None when it was slower at the
+    largest (the float32 head then serves every row count). ``ValueError`` for lists of unequal
+    length or rows that do not increase."""
+    if not len(rows) == len(float32_seconds) == len(bf16_seconds) or list(rows) != sorted(set(rows)):
+        raise ValueError(f"rows must increase and match the timings, got {list(rows)}, "
+                         f"{len(float32_seconds)} and {len(bf16_seconds)} timings")
+    start = None
+    for m, f32, b16 in reversed(list(zip(rows, float32_seconds, bf16_seconds))):
+        if b16 > f32:
+            break
+        start = m
+    return start
+
+
+def _event_seconds(fn: Callable[[], object], reps: int = 3) -> float:
+    """Best GPU time of ``fn`` over ``reps`` calls after one warm-up (CUDA events)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
 @dataclass(frozen=True, slots=True)
 class TritonHead:
-    """The bf16 exact head of a float32 ``weight [V, K]`` (see the module docstring): the weight,
-    its bf16 copy and its row norms (float32, computed in float64), made by :meth:`of`."""
+    """The exact head of a float32 ``weight [V, K]`` (see the module docstring): the weight, its
+    bf16 copy and its row norms (float32, computed in float64), made by :meth:`of`.
+
+    A call with fewer than ``bf16_min_rows`` rows (every call when it is None) is the float32
+    head itself (``F.linear``); the others take the bf16 pass and the re-scoring. On CUDA
+    :meth:`of` times both at ``HEAD_MEASURED_ROWS`` (H100, 2026-12-06: at Llama-3-8B's head the
+    bf16 pass was 0.83x the float32 head at 1 row and 1.72x at 64; at SmolLM2's it lost at both).
+    Either way the row's argmax is the float32 head's (up to float32 rounding between two float32
+    evaluations of one dot product)."""
 
     weight: torch.Tensor
-    weight_bf16: torch.Tensor
+    weight_bf16: torch.Tensor | None
     row_norms: torch.Tensor
     factor: float
     key: tuple[int, int, torch.device]
+    bf16_min_rows: int | None = 1
 
     @staticmethod
     def key_of(weight: torch.Tensor) -> tuple[int, int, torch.device]:
@@ -93,21 +140,54 @@ class TritonHead:
         return weight.data_ptr(), weight._version, weight.device
 
     @classmethod
-    def of(cls, weight: torch.Tensor) -> TritonHead:
-        """The head of ``weight`` (float32 ``[V, K]``, contiguous; ``TypeError`` / ``ValueError``)."""
+    def of(cls, weight: torch.Tensor, bf16_min_rows: int | None | str = "measure") -> TritonHead:
+        """The head of ``weight`` (float32 ``[V, K]``, contiguous; ``TypeError`` / ``ValueError``).
+
+        ``bf16_min_rows``: ``"measure"`` (the default) times both passes on CUDA (outside a graph
+        capture; elsewhere, or while capturing, it is 1: the bf16 pass for every row count, as the
+        interpreter tests run it); an int >= 1 or None sets it."""
         if weight.dtype != torch.float32:
             raise TypeError(f"weight must be float32, got {weight.dtype}")
         if weight.dim() != 2 or not weight.is_contiguous():
             raise ValueError(f"weight must be a contiguous [V, K], got {tuple(weight.shape)}")
+        if bf16_min_rows != "measure" and bf16_min_rows is not None and (
+                isinstance(bf16_min_rows, bool) or not isinstance(bf16_min_rows, int) or bf16_min_rows < 1):
+            raise ValueError(f"bf16_min_rows must be 'measure', None or an int >= 1, got {bf16_min_rows!r}")
         w = weight.detach()
         norms = torch.cat([rows.double().norm(dim=1) for rows in w.split(_NORM_ROWS)]).float()
-        return cls(w, w.to(torch.bfloat16), norms, _kernels().head_bound_factor(w.shape[1]), cls.key_of(weight))
+        head = cls(w, w.to(torch.bfloat16), norms, _kernels().head_bound_factor(w.shape[1]), cls.key_of(weight))
+        if bf16_min_rows == "measure":
+            measurable = w.is_cuda and not torch.cuda.is_current_stream_capturing()
+            bf16_min_rows = head._measure() if measurable else 1
+        if bf16_min_rows is None:  # the bf16 copy would never be read
+            return cls(w, None, norms, head.factor, head.key, None)
+        return cls(w, head.weight_bf16, norms, head.factor, head.key, bf16_min_rows)
+
+    def _measure(self) -> int | None:
+        """:func:`bf16_min_rows` of both passes timed on this GPU. The rows are vocabulary rows of
+        the weight, scaled: peaked logits, as a trained model's, whose re-scoring has few
+        candidates (random rows would re-score most of the vocabulary)."""
+        gen = torch.Generator(device=self.weight.device).manual_seed(0)
+        picked = self.weight[torch.randint(0, self.weight.shape[0], (HEAD_MEASURED_ROWS[-1],), generator=gen,
+                                           device=self.weight.device)]
+        x = 8 * picked / picked.norm(dim=1, keepdim=True).clamp_min(1e-6)
+        f32 = [_event_seconds(lambda m=m: F.linear(x[:m], self.weight)) for m in HEAD_MEASURED_ROWS]
+        b16 = [_event_seconds(lambda m=m: self._bf16_exact(x[:m])) for m in HEAD_MEASURED_ROWS]
+        return bf16_min_rows(HEAD_MEASURED_ROWS, f32, b16)
+
+    def _bf16_exact(self, x: torch.Tensor) -> torch.Tensor:
+        ops = _kernels()
+        approx, partial, xnorm = ops.head_bf16_triton(x, self.weight_bf16, self.row_norms, self.factor)
+        return ops.head_rescore_triton(x, self.weight, self.row_norms, approx, partial, xnorm, self.factor)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[M, V]`` of ``x [M, K]`` (float32 or bfloat16)."""
-        x, ops = x.contiguous(), _kernels()
-        approx, partial, xnorm = ops.head_bf16_triton(x, self.weight_bf16, self.row_norms, self.factor)
-        return ops.head_rescore_triton(x, self.weight, self.row_norms, approx, partial, xnorm, self.factor)
+        k = self.weight.shape[1]
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be [N, {k}], got shape {tuple(x.shape)}")
+        if self.bf16_min_rows is None or x.shape[0] < self.bf16_min_rows:
+            return F.linear(x.float(), self.weight)
+        return self._bf16_exact(x.contiguous())
 
 
 def _head(model: torch.nn.Module) -> TritonHead | None:
