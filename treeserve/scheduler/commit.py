@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from treeserve.scheduler.batch import DraftTree, SampledToken, ScheduledBatch
+from treeserve.scheduler.draft_plan import verified_counts
 from treeserve.scheduler.ledger import KVLedger
 from treeserve.scheduler.queues import RequestQueues
 from treeserve.scheduler.request import FinishReason, Request, RequestState, SpecStats
@@ -104,13 +105,16 @@ def _commit_one(
 def _record_draft(spec: SpecStats, req: Request, draft: DraftTree, accepted: int) -> None:
     """A verified draft's counts: the scheduler's and the request's ``SpecStats`` (one
     accounting), and the request's acceptance estimate from the drafter's nodes
-    (``Request.draft_hits`` / ``draft_misses``; jump-forward tokens, accepted with probability 1
-    but at a tokenization boundary, say nothing about the drafter)."""
+    (``Request.draft_hits`` / ``draft_misses``, aged per draft: ``draft_plan.verified_counts``;
+    jump-forward tokens, accepted with probability 1 but at a tokenization boundary, say nothing
+    about the drafter)."""
     for stats in (spec, req.metrics.speculation):
         stats.record(len(draft), accepted, draft.num_forced)
     if len(draft) > draft.num_forced:
-        req.draft_hits += max(0, accepted - draft.num_forced)
-        req.draft_misses += accepted < max(draft.depths())  # the walk stopped short of a leaf
+        req.draft_hits, req.draft_misses = verified_counts(
+            req.draft_hits, req.draft_misses, max(0, accepted - draft.num_forced),
+            accepted < max(draft.depths()),  # the walk stopped short of a leaf
+        )  # fmt: skip
 
 
 def _advance_grammar(req: Request, token: int) -> FinishReason | None:

@@ -1,16 +1,43 @@
 """How many draft nodes each decoding request gets in a step: the goodput rule.
 
-A step's time is modelled as ``T = T_fixed + R * T_row`` for ``R`` query rows (every weight read
-once, then per-row arithmetic); ``row_cost = T_row / T_fixed`` is measured per machine and model
-(``treeserve.runner.step_cost``). A chain draft's node ``j`` (1-based) is accepted with
-probability ``alpha ** j`` when each node, its parent accepted, is accepted with probability
-``alpha`` (a request's running estimate, :func:`acceptance`). The step emits ``E`` tokens in
-expectation (one per sampled row, plus the expected accepted nodes). Adding a node of expected
-gain ``g`` raises tokens per unit time exactly when ``g * (1 + R * row_cost) > E * row_cost``;
-:func:`plan_draft_lengths` adds nodes greedily, best gain first, while that holds. So drafting
+**Cost per step.** A step's time is modelled as ``T = T_fixed + R * T_row`` for ``R`` query rows
+(every weight read once, then per-row arithmetic); ``row_cost = T_row / T_fixed`` is measured per
+machine and model (``treeserve.runner.step_cost``).
+
+**Tokens per step.** A chain draft's node ``j`` (1-based) is accepted with probability
+``alpha ** j`` when each node, its parent accepted, is accepted with probability ``alpha`` (the
+request's estimate, below). The step emits ``E`` tokens in expectation (one per sampled row, plus
+the expected accepted nodes).
+
+**The rule.** Adding a node of expected gain ``g`` raises tokens per unit time exactly when
+``g * (1 + R * row_cost) > E * row_cost``; :func:`plan_draft_lengths` adds nodes greedily, best
+gain first, while that holds. A lone request (``R = E = 1``) drafts its first node only when
+``alpha > row_cost / (1 + row_cost)``: 0.29 at the row cost 0.40 measured on Zen 4. So drafting
 stops by itself where rows are expensive (a CPU batch: ``E`` and ``R`` grow together, the bar
 tends to 1) or acceptance is low (chat that does not quote its input), and where rows are free
 (``row_cost == 0``: a memory-bound GPU step) every request gets its whole room.
+
+**The acceptance estimate** (:func:`acceptance`) is the posterior mean of a uniform prior (0.5)
+updated with the request's verified drafts: ``hits`` nodes accepted with their parent accepted,
+``misses`` chains cut short (``Request.draft_hits`` / ``draft_misses``). The counts age twice:
+
+- per verified draft, by :data:`ACCEPT_DECAY` before its counts are added
+  (:func:`verified_counts`): the estimate follows the last ~20 drafts, as a request moves
+  between quoting its input and writing freely;
+- per step the request is considered, by :data:`RETRY_DECAY`: a request below the bar drifts
+  back toward the prior and probes again with one node after ~30-50 steps (two misses in a row
+  need ~30 steps, each further miss ~50 more), so probing costs a request that never gains at
+  most one losing verify step in ~30-50 steps.
+
+The evidence must not fade with steps that verified nothing: an n-gram drafter proposes on only
+some steps (a chat turn: about one in fifteen), and counts that faded by 0.95 a step between its
+proposals judged each proposal near the prior, above the bar. Chat at batch 1 then drafted at
+12% acceptance on Zen 4 and ran at 0.92x of no speculation (issue 32).
+
+Known gap: the row cost is the model forward's alone. On Zen 4 a whole batch-1 verify step (the
+host's tree inputs, verification and KV roll-back included) costs 1.6-1.8 decode steps for one
+node where the model predicts 1.3, so the bar is optimistic for requests accepted 30-60% of the
+time (benches/RESULTS.md, issue 32).
 """
 
 from __future__ import annotations
@@ -18,21 +45,34 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-__all__ = ["ACCEPT_DECAY", "acceptance", "plan_draft_lengths"]
+__all__ = ["ACCEPT_DECAY", "RETRY_DECAY", "acceptance", "plan_draft_lengths", "verified_counts"]
 
 ACCEPT_DECAY = 0.95
-"""Per step a request is considered for drafting, its accepted / rejected counts are multiplied
-by this: about the last 20 verify steps count, and a request that stopped drafting (low estimate)
-drifts back to the prior and is tried again."""
+"""Per verified draft, a request's accepted / rejected counts are multiplied by this before the
+draft's own are added (:func:`verified_counts`): about the last 20 drafts count."""
+
+RETRY_DECAY = 0.99
+"""Per step a request is considered for drafting (drafting or not), its counts are multiplied by
+this: a request whose estimate fell below the bar drifts back toward the prior (half-life ~70
+steps) and is probed again (module docstring)."""
 
 
 def acceptance(hits: float, misses: float) -> float:
-    """The per-node acceptance estimate from decayed counts: ``hits`` nodes accepted with their
+    """The per-node acceptance estimate from aged counts: ``hits`` nodes accepted with their
     parent accepted, ``misses`` nodes rejected there (a chain stopping short of its end), under a
     uniform prior (one of each): in ``(0, 1)``, 0.5 with no history."""
     if hits < 0 or misses < 0:
         raise ValueError(f"hits and misses must be >= 0, got {hits} and {misses}")
     return (1.0 + hits) / (2.0 + hits + misses)
+
+
+def verified_counts(hits: float, misses: float, accepted: int, cut: bool) -> tuple[float, float]:
+    """A request's counts after a verified draft of which ``accepted`` drafter nodes were accepted
+    and whose walk stopped short of its deepest node (``cut``): the old counts aged by
+    :data:`ACCEPT_DECAY`, plus the draft's own."""
+    if hits < 0 or misses < 0 or accepted < 0:
+        raise ValueError(f"hits, misses and accepted must be >= 0, got {hits}, {misses} and {accepted}")
+    return hits * ACCEPT_DECAY + accepted, misses * ACCEPT_DECAY + cut
 
 
 def plan_draft_lengths(

@@ -28,7 +28,7 @@ from treeserve.sampling import SamplingParams
 from treeserve.scheduler.admission import admit
 from treeserve.scheduler.batch import SampledToken, ScheduledBatch, ScheduledItem
 from treeserve.scheduler.commit import commit_step
-from treeserve.scheduler.draft_plan import ACCEPT_DECAY, acceptance, plan_draft_lengths
+from treeserve.scheduler.draft_plan import RETRY_DECAY, acceptance, plan_draft_lengths
 from treeserve.scheduler.ledger import KVLedger
 from treeserve.scheduler.preemption import reserve_decode_slots, reserve_or_preempt
 from treeserve.scheduler.queues import RequestQueues
@@ -353,8 +353,8 @@ class Scheduler:
                 continue
             f = min(n_forced, room, budget)
             budget -= f
-            req.draft_hits *= ACCEPT_DECAY
-            req.draft_misses *= ACCEPT_DECAY
+            req.draft_hits *= RETRY_DECAY
+            req.draft_misses *= RETRY_DECAY
             asking.append(j)
             forced.append(f)
             rooms.append(room - f if k else 0)
