@@ -84,7 +84,7 @@ def record(kernel: str, backend: str, fn: Callable[[], object], nbytes: int, bw:
     ROWS.append((kernel, backend, f"{s * 1e6:9.1f}", f"{nbytes / s / 1e9:7.1f}", f"{100 * nbytes / s / bw:5.1f}%", note))
 
 
-def attention_case(bsz: int, kv_len: int, qo_len: int, tree: bool, bw: float, tile_sweep: bool = False) -> None:
+def attention_case(bsz: int, kv_len: int, qo_len: int, tree: bool, bw: float) -> None:
     hq, hkv, d, ps = (4, 2, 16, 4) if QUICK else (32, 8, 128, 16)
     name = f"{'tree' if tree else 'decode'} attn B={bsz} kv={kv_len}" + (f" nodes={qo_len}" if tree else "")
     dtype = torch.bfloat16 if CUDA else torch.float32
@@ -119,15 +119,15 @@ def attention_case(bsz: int, kv_len: int, qo_len: int, tree: bool, bw: float, ti
         fn = lambda s=s: paged_attention_triton(q, k, v, meta, scale, True, s)  # noqa: E731
         record(name, "triton" + (" auto" if s is None else f" s={s}"), fn, nbytes, bw,
                f"rule: s={chosen}" if s is None else "")
-    if tile_sweep:  # other tiles, unsplit (the AOT check compiles only the chosen one)
-        base = tiles(dtype, qo_len * hq // hkv, d, tree)
-        variants = (base._replace(block_n=16), base._replace(block_n=64), base._replace(num_warps=8))
-        if tree:
-            variants = (base._replace(block_n=32), base._replace(block_n=32, num_warps=4),
-                        base._replace(block_m=32, block_n=32), base._replace(block_m=16, block_n=32, num_warps=4))
-        for t in variants:
-            fn = lambda t=t: paged_attention_triton(q, k, v, meta, scale, True, 1, t)  # noqa: E731
-            record(name, f"triton m{t.block_m} n{t.block_n} w{t.num_warps}", fn, nbytes, bw)
+    # other tiles, unsplit (the AOT check compiles only the chosen one)
+    base = tiles(dtype, qo_len * hq // hkv, d, tree)
+    variants = (base._replace(block_n=16), base._replace(block_n=64), base._replace(num_warps=8))
+    if tree:
+        variants = (base._replace(block_n=32), base._replace(block_n=32, num_warps=4),
+                    base._replace(block_m=32, block_n=32), base._replace(block_m=16, block_n=32, num_warps=4))
+    for t in variants:
+        fn = lambda t=t: paged_attention_triton(q, k, v, meta, scale, True, 1, t)  # noqa: E731
+        record(name, f"triton m{t.block_m} n{t.block_n} w{t.num_warps}", fn, nbytes, bw)
     if CUDA and flashinfer_available():
         record(name, "flashinfer", lambda: paged_attention(q, k, v, meta, backend="flashinfer"), nbytes, bw)
 
@@ -190,8 +190,8 @@ def main() -> None:
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s ({DEV}{', ' + torch.cuda.get_device_name() if CUDA else ''})")
     cases = ((2, 64, 1, False), (2, 40, 4, True)) if QUICK else (
         (64, 2048, 1, False), (8, 4096, 1, False), (1, 16384, 1, False), (16, 1024, 16, True))
-    for i, (bsz, kv, qo, tree) in enumerate(cases):
-        attention_case(bsz, kv, qo, tree, bw, tile_sweep=i == 0 or tree)
+    for bsz, kv, qo, tree in cases:
+        attention_case(bsz, kv, qo, tree, bw)
     sampling_case(bw)
     verify_case(bw)
     print(f"{'kernel':36} {'backend':18} {'us':>9} {'GB/s':>7} {'of copy':>7}")

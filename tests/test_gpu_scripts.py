@@ -49,7 +49,7 @@ def test_prefill_and_phases_report() -> None:
 @pytest.mark.slow
 def test_kernel_table_has_every_backend() -> None:
     """``benches/gpu_kernels.py`` in its smoke mode: every attention case has its torch, SDPA,
-    unsplit, rule-chosen and split Triton rows, the first decode case and the tree case their tile sweeps, and sampling
+    unsplit, rule-chosen and split Triton rows, every case its tile sweep, and sampling
     and verify theirs; no row failed."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "benches" / "gpu_kernels.py"), "--quick", "--device", "cpu"],
