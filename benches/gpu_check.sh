@@ -6,9 +6,17 @@
 #
 #     bash benches/gpu_check.sh [WHEEL_DIR]
 #
-# WHEEL_DIR (default ./.whl when it exists) holds only the few wheels that Python lacks (gguf;
-# optionally flashinfer-python): they are installed with --no-index --no-deps into a private
-# --target folder put on PYTHONPATH, so the image's own packages are never replaced. Models are
+# WHEEL_DIR (default ./.whl when it exists) holds only the few wheels that Python lacks (gguf and
+# its pyyaml; optionally flashinfer-python): they are installed with --no-index --no-deps into a
+# private --target folder put on PYTHONPATH, so the image's own packages are never replaced. Made
+# on a machine with the package index, for a Python 3.12 x86-64 image (untracked, not ignored, so
+# it travels with the working tree):
+#
+#     pip download -q --no-deps -d .whl gguf==0.19.0
+#     pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#         --platform manylinux2014_x86_64 -d .whl pyyaml
+#
+# Models are
 # random weights of real shapes (benches/gpu_e2e.py): no checkpoint travels. Stages share a budget
 # of GPU_CHECK_BUDGET_S seconds (default 540: the whole check within 9.5 minutes); a stage that runs
 # out of time is cut and reported, and the next one still runs. Output: each stage's table on
