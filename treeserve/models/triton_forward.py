@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -159,9 +159,9 @@ class TritonHead:
         if bf16_min_rows == "measure":
             measurable = w.is_cuda and not torch.cuda.is_current_stream_capturing()
             bf16_min_rows = head._measure() if measurable else 1
-        if bf16_min_rows is None:  # the bf16 copy would never be read
-            return cls(w, None, norms, head.factor, head.key, None)
-        return cls(w, head.weight_bf16, norms, head.factor, head.key, bf16_min_rows)
+        # With no row count for the bf16 pass, its copy would never be read: not kept.
+        return replace(head, weight_bf16=None if bf16_min_rows is None else head.weight_bf16,
+                       bf16_min_rows=bf16_min_rows)
 
     def _measure(self) -> int | None:
         """:func:`bf16_min_rows` of both passes timed on this GPU. The rows are vocabulary rows of
