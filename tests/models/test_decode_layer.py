@@ -151,6 +151,40 @@ def test_verify_step_fused_equals_python_path(trees: list[list[int]], page_size:
 
 
 @requires_op
+@settings(max_examples=8, deadline=None)
+@given(batch=st.integers(2, 13), seed=st.integers(0, 2**16))
+def test_each_request_of_a_batch_is_the_request_alone(batch: int, seed: int) -> None:
+    """A fused decode step of ``batch`` requests on the GGUF codes' int16 path (``packed_max_rows``
+    above the batch) gives each request the final hidden state it gets alone, bit for bit, on every
+    host: the operator sums every row of a call as the row alone (two accumulator chains per row in
+    each register block), so the batch a request lands in never changes what the head scores (the
+    head's own passes differ by row count; the engine's heads re-score every greedy contender
+    exactly, ``ExactHead``)."""
+    model = gguf_model(seed=seed % 3, max_rows=16)
+    cfg, page_size = model.config, 4
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (batch,), generator=gen)
+    positions = torch.randint(0, 50, (batch,), generator=gen)
+
+    def step(rows: list[int]) -> torch.Tensor:  # each request: its token alone in a page of its own
+        pool = KVPool(cfg.num_layers, 1 + len(rows), page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+        meta = AttentionMetadata.build([1] * len(rows), [1] * len(rows), [[1 + i] for i in range(len(rows))], page_size)
+        slots = torch.tensor([(1 + i) * page_size for i in range(len(rows))])
+        model._decode_plan = None
+        seen: list[torch.Tensor] = []
+        hook = model.lm_head.register_forward_hook(lambda _m, args, _out: seen.append(args[0]))
+        try:
+            model(ids[rows], positions[rows], pool, slots, meta, torch.arange(len(rows)))
+        finally:
+            hook.remove()
+        return seen[0]
+
+    together = step(list(range(batch)))
+    for b in range(batch):
+        assert torch.equal(together[b : b + 1], step([b])), b
+
+
+@requires_op
 @pytest.mark.parametrize("head_dim", [32, 64])  # 64: the attention operator's compile-time (AVX-512) size
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_dense_model_equals_python_path(head_dim: int, kv_dtype: torch.dtype) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from treeserve._tuning import clear_memo
 from treeserve.models import load, quant
-from treeserve.models.gguf_op import q8_vnni, same_rows
+from treeserve.models.gguf_op import q8_vnni
 from treeserve.models.quant import PackedLinear, large_tier_budget
 from treeserve.models.synthetic_gguf import SyntheticSpec, write_synthetic_gguf
 from treeserve.runner import PagedSequence
@@ -125,14 +125,11 @@ def test_a_group_whose_dense_weights_do_not_fit_what_is_left_keeps_its_codes(
     assert all(m.packed_max_rows <= 128 for m in down)
 
 
-@pytest.mark.parametrize(("rows", "expect"), [("8", (4, 8)), ("all", (4,)), ("2", (2,)), ("0", (0,))])
+@pytest.mark.parametrize(("rows", "expect"), [("8", (8,)), ("all", ()), ("2", (2,)), ("0", (0,))])
 def test_path_rows_name_every_row_count_where_a_row_is_computed_otherwise(
         gguf: Path, monkeypatch: pytest.MonkeyPatch, rows: str, expect: tuple[int, ...]) -> None:
-    """``quant.path_rows``: each projection's ``packed_max_rows`` below every batch, and the GGUF
-    operator's ``same_rows()`` where its int16 path serves more rows than that (none with AVX-512:
-    every row of every call is the row alone there)."""
+    """``quant.path_rows``: each projection's ``packed_max_rows`` below every batch, nothing for the
+    GGUF operator's int16 path itself (every row of every call is the row alone, on every host)."""
     monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", rows)
     model, _ = load(gguf, quantization="auto")
-    if same_rows() is None:
-        expect = tuple(r for r in expect if r != 4 or rows == "4")
     assert quant.path_rows(model) == expect

@@ -35,27 +35,11 @@ import torch
 import torch.nn.functional as F
 from treeserve._cpp import cpp_op_loader, cpu_flags, load_cpp_op
 
-__all__ = ["BLOCK_BYTES", "GROUP", "SAME_ROWS", "GGUFWeight", "gguf_linear", "gguf_op_available", "load_gguf_linear_op", "q8_vnni",
-           "same_rows"]
+__all__ = ["BLOCK_BYTES", "GROUP", "GGUFWeight", "gguf_linear", "gguf_op_available", "load_gguf_linear_op", "q8_vnni"]
 
 GROUP = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 SOURCE = Path(__file__).with_name("csrc") / "gguf_linear.cpp"
-SAME_ROWS = 4
-"""On a host without AVX-512, ``gguf_linear`` (int16) sums each row of a call of at most this many
-rows exactly as it sums the row alone (two accumulator chains per row; more rows: one chain, in
-register blocks of 8); with AVX-512 every row of every call (``same_rows``)."""
-
-
-def same_rows() -> int | None:
-    """Rows up to which ``gguf_linear`` computes each row of a call bit for bit as the row alone:
-    ``None`` (every call) where the operator is built with AVX-512 VL (32 vector registers: two
-    chains for every register block) or without AVX2 (its scalar loop sums a row alone), else
-    ``SAME_ROWS``."""
-    flags = cpu_flags().split()
-    return None if "avx512vl" in flags or "avx2" not in flags else SAME_ROWS
-
-
 class GGUFWeight(NamedTuple):
     """A weight ``[N, K]`` as GGUF blocks: ``raw`` uint8 ``[N, K/32 * BLOCK_BYTES[qtype]]``."""
 

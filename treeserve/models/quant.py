@@ -48,7 +48,7 @@ from torch import nn
 
 from treeserve._cpp import cpp_op_loader, load_cpp_op
 from treeserve._tuning import measured
-from treeserve.models.gguf_op import GGUFWeight, gguf_op_available, q8_vnni, same_rows
+from treeserve.models.gguf_op import GGUFWeight, gguf_op_available, q8_vnni
 from treeserve.models.int8_op import BLOCK as INT8_BLOCK
 from treeserve.models.int8_cache import int8_weight
 from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear, int8_swiglu_linear
@@ -370,25 +370,17 @@ class PackedLinear(nn.Module):
 
 def path_rows(model: object) -> tuple[int, ...]:
     """The row counts at which a projection of ``model`` changes how it computes a row (sorted,
-    distinct): the ``packed_max_rows`` of its ``PackedLinear`` layers that have a large-batch path,
-    and ``gguf_op.same_rows()`` where the GGUF operator's int16 path serves more rows than that (up
-    to it, every row is summed as when it is alone; with AVX-512, no limit). A step that stays at or below the first
+    distinct): the ``packed_max_rows`` of its ``PackedLinear`` layers that have a large-batch path
+    (below it, the GGUF operator's int16 path sums every row of a call as the row alone, on every
+    host). A step that stays at or below the first
     threshold at or above its row count computes each row as a one-row step would (the scheduler's
     ``speculative_path_rows``: greedy speculation keeps plain decoding's output). ``()`` for a
     model that is not an ``nn.Module`` (a tensor-parallel engine passes rank 0's shard: the other
     ranks' equal shards read the same measurements)."""
     if not isinstance(model, nn.Module):
         return ()
-    rows: set[int] = set()
-    same = same_rows()
-    for m in model.modules():
-        if not isinstance(m, PackedLinear):
-            continue
-        if m.packed_max_rows < _ALL_ROWS:
-            rows.add(m.packed_max_rows)
-        if m.qtype is not None and m.use_op and same is not None and m.packed_max_rows > same:
-            rows.add(same)
-    return tuple(sorted(rows))
+    return tuple(sorted({m.packed_max_rows for m in model.modules()
+                         if isinstance(m, PackedLinear) and m.packed_max_rows < _ALL_ROWS}))
 
 
 def prepare_large_weights(model: nn.Module) -> int:

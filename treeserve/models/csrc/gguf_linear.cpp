@@ -34,7 +34,14 @@
 namespace {
 
 constexpr int64_t GROUP = 32;
-constexpr int64_t MAX_ROWS = 8;
+constexpr int64_t MAX_ROWS = 8;  // rows of x per register block (gguf_linear_exact)
+// Rows of x per register block of the int16 path (gguf_linear): two accumulator chains per row take 2 INT_ROWS
+// vector registers, which AVX2's 16 hold for 4 rows and AVX-512's 32 for 8.
+#if defined(__AVX2__) && !defined(__AVX512VL__)
+constexpr int64_t INT_ROWS = 4;
+#else
+constexpr int64_t INT_ROWS = MAX_ROWS;
+#endif
 
 enum class QType { Q4_0, Q4_1, Q8_0 };
 
@@ -295,22 +302,15 @@ inline __m256i dot_pairs(__m256i a, __m256i x, __m256i b, __m256i y) {
 }
 
 // Per block: the codes widened to 2 x 16 int16, _mm256_madd_epi16 with the row's int16 x (exact int32),
-// one conversion and one FMA by d s_b per row, in chains(MC) accumulator chains.
-// Accumulator chains per row for a register block of MC rows: two (even / odd blocks) where registers
-// allow, so that each row is summed as it is alone: with AVX-512's 32 vector registers for every block
-// size (every row of every call, ~1-3% slower at 8 rows than one chain), up to 4 rows with AVX2's 16.
-constexpr int chains([[maybe_unused]] int mc) {
-#ifdef __AVX512VL__
-  return 2;
-#else
-  return mc <= 4 ? 2 : 1;
-#endif
-}
+// one conversion and one FMA by d s_b per row, in two accumulator chains per row (even / odd blocks),
+// whatever the register block's row count (INT_ROWS keeps the blocks small enough for the registers):
+// each row of every call is summed as it is alone.
+constexpr int CHAINS = 2;
 
 template <QType T, int MC, bool L2>
 void rows_int_avx2(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, float* y, int64_t K,
                    int64_t N, int64_t n0, int64_t n1) {
-  constexpr int CH = chains(MC);
+  constexpr int CH = CHAINS;
   const int64_t nb = K / GROUP;
   const __m256i low4 = _mm256_set1_epi16(15), bias = _mm256_set1_epi16(8);
   float ds[MC][CHUNK];
@@ -386,19 +386,13 @@ void rows(QType t, const float* x, const float* xsum, const uint8_t* w, float* y
 #endif
 }
 
-// fn(std::integral_constant<int, mc>) for mc in 1..MAX_ROWS (larger counts: MAX_ROWS).
-template <typename Fn>
+// fn(std::integral_constant<int, mc>) for mc in 1..MAX (larger counts: MAX).
+template <int MAX, int MC = 1, typename Fn>
 void by_rows(int64_t mc, Fn&& fn) {
-  switch (mc) {
-    case 1: return fn(std::integral_constant<int, 1>{});
-    case 2: return fn(std::integral_constant<int, 2>{});
-    case 3: return fn(std::integral_constant<int, 3>{});
-    case 4: return fn(std::integral_constant<int, 4>{});
-    case 5: return fn(std::integral_constant<int, 5>{});
-    case 6: return fn(std::integral_constant<int, 6>{});
-    case 7: return fn(std::integral_constant<int, 7>{});
-    default: return fn(std::integral_constant<int, 8>{});
+  if constexpr (MC < MAX) {
+    if (mc > MC) return by_rows<MAX, MC + 1>(mc, fn);
   }
+  fn(std::integral_constant<int, MC>{});
 }
 
 template <typename Fn>
@@ -518,18 +512,23 @@ at::Tensor gguf_linear_impl(const at::Tensor& x, const at::Tensor& w, const std:
   }
   // Grain: at least ~32k weights per task.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
-  // More than MAX_ROWS rows: each span of weight rows (~64 KiB, in L2) serves every register block
+  // More rows than a register block: each span of weight rows (~64 KiB, in L2) serves every register block
   // of x before the next span is read from memory, instead of one pass over the weights per block.
-  const int64_t span = M > MAX_ROWS ? std::max<int64_t>(1, 65536 / (nb * block_bytes(t))) : N;
+  const int64_t block = exact ? MAX_ROWS : INT_ROWS;
+  const int64_t span = M > block ? std::max<int64_t>(1, 65536 / (nb * block_bytes(t))) : N;
   at::parallel_for(0, N, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t n0 = p0; n0 < p1; n0 += span) {
       const int64_t n1 = std::min(p1, n0 + span);
-      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        by_rows(std::min(MAX_ROWS, M - m0), [&](auto mc) {
-          if (exact) return rows<mc.value>(t, xp + m0 * K, sums(m0), wp, yp + m0 * N, K, N, n0, n1);
+      for (int64_t m0 = 0; m0 < M; m0 += block) {
+        const int64_t mc = std::min(block, M - m0);
+        if (exact) {
+          by_rows<MAX_ROWS>(mc, [&](auto r) { rows<r.value>(t, xp + m0 * K, sums(m0), wp, yp + m0 * N, K, N, n0, n1); });
+          continue;
+        }
+        by_rows<INT_ROWS>(mc, [&](auto r) {
           by_qtype(t, [&](auto qt) {
-            rows_int<qt.value, mc.value>(xq.data() + m0 * K, xs.data() + m0 * nb, sums(m0), wp, yp + m0 * N, K, N,
-                                         n0, n1);
+            rows_int<qt.value, r.value>(xq.data() + m0 * K, xs.data() + m0 * nb, sums(m0), wp, yp + m0 * N, K, N, n0,
+                                        n1);
           });
         });
       }
