@@ -155,11 +155,13 @@ class TritonHead:
             raise ValueError(f"bf16_min_rows must be 'measure', None or an int >= 1, got {bf16_min_rows!r}")
         w = weight.detach()
         norms = torch.cat([rows.double().norm(dim=1) for rows in w.split(_NORM_ROWS)]).float()
-        head = cls(w, w.to(torch.bfloat16), norms, _kernels().head_bound_factor(w.shape[1]), cls.key_of(weight))
+        # With no row count for the bf16 pass its copy would never be read: not made when None is given,
+        # dropped when the measurement finds none.
+        bf16 = None if bf16_min_rows is None else w.to(torch.bfloat16)
+        head = cls(w, bf16, norms, _kernels().head_bound_factor(w.shape[1]), cls.key_of(weight))
         if bf16_min_rows == "measure":
             measurable = w.is_cuda and not torch.cuda.is_current_stream_capturing()
             bf16_min_rows = head._measure() if measurable else 1
-        # With no row count for the bf16 pass, its copy would never be read: not kept.
         return replace(head, weight_bf16=None if bf16_min_rows is None else head.weight_bf16,
                        bf16_min_rows=bf16_min_rows)
 
