@@ -145,6 +145,34 @@ def test_q8_rows_of_any_call_are_the_rows_alone(qtype: str, m: int, groups: int,
 
 @requires_op
 @pytest.mark.parametrize("qtype", QTYPES)
+def test_q8_extreme_codes_and_activations_do_not_saturate(qtype: str) -> None:
+    """The largest products the int8 path can meet: every code at an end of its range (Q4 nibbles 0 /
+    15, Q8_0 -128 / 127) against blocks of x rounded to +-127 everywhere, with both signs and mixed.
+    Without VNNI the kernel adds byte products in saturating int16 (``vpmaddubsw``); its sums must
+    stay exact: a saturated pair would be off by thousands of codes, far past ``q8_bound``. One lane
+    group and several."""
+    n, k = 6, 32 * 9
+    blocks = np.zeros((n, k // 32, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    halves = 2 if qtype == "Q4_1" else 1
+    blocks[..., : 2 * halves] = np.full((n, k // 32, halves), 0.03, dtype=np.float16).view(np.uint8)
+    code_bytes = blocks[..., 2 * halves :]
+    ends = (0x00, 0xFF) if qtype != "Q8_0" else (0x80, 0x7F)  # nibbles 0 / 15; int8 -128 / 127
+    code_bytes[0::2] = ends[0]
+    code_bytes[1::2] = ends[1]
+    code_bytes[4, :, ::2] = ends[0]  # one row mixed within each block
+    w = GGUFWeight.from_bytes(qtype, blocks.reshape(-1), (n, k))
+    signs = torch.ones(12, k)
+    signs[1::3] = -1
+    signs[2::3, 1::2] = -1  # rows of alternating signs
+    x = signs * torch.linspace(0.5, 4.0, 12)[:, None]  # each block's entries equal in size: codes +-127
+    ref = x.double() @ w.dequantize(torch.float64).T
+    for m in (1, 3, 12):
+        y = torch.ops.treeserve.gguf_linear_q8(x[:m], w.raw, qtype, k)
+        assert bool(((y.double() - ref[:m]).abs() <= q8_bound(x[:m], w)).all()), m
+
+
+@requires_op
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_q8_rounding_is_real_and_non_finite_rows_stay_apart(qtype: str) -> None:
     """The int8 rounding is what the bound says, not a no-op (the result differs from the int16 one
     by more than the int16 bound), zero rows give 0 and a non-finite activation only its own row NaN."""
@@ -370,8 +398,8 @@ def test_vnni_build_is_bitwise_the_avx2_one(tmp_path) -> None:
     """The int16 path's integer dot products use ``vpdpwssd`` (and the int8 path ``vpdpbusd``) where the
     host has AVX-512 VNNI (or AVX-VNNI): the native build holds them exactly on such hosts, and its
     int16 outputs are bit for bit those of the same source built without VNNI (exact int32 lanes, the
-    same float32 order), every qtype and row-block size; that build's int8 path (the scalar loop)
-    keeps its bound and is bit for bit the native one too."""
+    same float32 order), every qtype and row-block size; that build's int8 path (``vpmaddubsw``, int16
+    sums) keeps its bound and is bit for bit the native one too."""
     import subprocess
 
     from torch.utils.cpp_extension import load
@@ -399,7 +427,7 @@ def test_vnni_build_is_bitwise_the_avx2_one(tmp_path) -> None:
             w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, m), (n, k))
             x = block_scaled(m, k, m, 3.0)
             assert torch.equal(run_op(x, w, False, "treeserve_novnni"), run_op(x, w, False))
-            ref = x.double() @ w.dequantize(torch.float64).T  # the int8 path without VNNI: the scalar loop
+            ref = x.double() @ w.dequantize(torch.float64).T  # the int8 path without VNNI: vpmaddubsw
             y = torch.ops.treeserve_novnni.gguf_linear_q8(x, w.raw, qtype, k)
             assert bool(((y.double() - ref).abs() <= q8_bound(x, w)).all())
             assert torch.equal(y, torch.ops.treeserve.gguf_linear_q8(x, w.raw, qtype, k))

@@ -14,7 +14,7 @@ import torch
 
 from treeserve._tuning import clear_memo
 from treeserve.models import load, quant
-from treeserve.models.gguf_op import q8_vnni
+from treeserve.models.gguf_op import q8_lanes
 from treeserve.models.quant import PackedLinear, large_tier_budget
 from treeserve.models.synthetic_gguf import SyntheticSpec, write_synthetic_gguf
 from treeserve.runner import PagedSequence
@@ -96,7 +96,7 @@ def test_over_the_budget_the_int8_activation_rows_are_measured(gguf: Path, monke
     packed = _packed(load(gguf, quantization="auto")[0])
     for m in packed:
         assert m.large_q8 == (m.packed_max_rows < quant._ALL_ROWS) and m.packed_max_rows >= 1
-    if not q8_vnni():  # no VNNI tile on this host: its scalar loop is neither measured nor taken
+    if not q8_lanes():  # no vector kernel on this host: its scalar loop is neither measured nor taken
         assert not any(m.large_q8 for m in packed)
     clear_memo()
     again = _packed(load(gguf, quantization="auto")[0])

@@ -190,9 +190,9 @@ def test_use_q8_head_measures_or_takes_the_override(monkeypatch: pytest.MonkeyPa
                                                     qtype: str) -> None:
     """``quant.use_q8_head``: the override sets the int16 pass's last row count (``all``: never int8);
     without it the measured choice is None or more than one row (a single stream keeps int16), and
-    none where the operator has no VNNI kernel; Q4_1 heads never take int8; a head with the int8
+    none where the operator has no vector kernel (no AVX2); Q4_1 heads never take int8; a head with the int8
     pass still picks the float32 head's greedy tokens."""
-    from treeserve.models.gguf_op import q8_vnni
+    from treeserve.models.gguf_op import q8_lanes
     from treeserve.models.quant import use_q8_head
 
     w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, 300, 128, 3), (300, 128))
@@ -208,7 +208,7 @@ def test_use_q8_head_measures_or_takes_the_override(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("TREESERVE_CACHE_DIR", str(tmp_path))
     head = CodesHead(w)
     use_q8_head(head)
-    if not (head.int16 and q8_vnni()):
+    if not (head.int16 and q8_lanes()):
         assert head.q8_min_rows is None
     else:
         assert head.q8_min_rows is None or head.q8_min_rows >= 2

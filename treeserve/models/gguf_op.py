@@ -17,8 +17,8 @@ them, a scalar loop otherwise), in one of two activation modes, one C++ operator
 A third operator, ``treeserve::gguf_linear_q8``, rounds each 32-block of ``x`` to int8 instead
 (``s_b = max|x_b| / 127``, llama.cpp's Q8_0 activations: about 2^-8 of each block's largest
 activation) for the large batches of a model whose codes serve every batch (``quant.use_q8_large``);
-``q8_vnni`` says whether it runs its VNNI kernel here (the rows of ``x`` in the lanes of
-``vpdpbusd``).
+``q8_lanes`` says whether it runs its vector kernel here (the rows of ``x`` in the lanes of
+``vpdpbusd`` with AVX-512 VNNI or AVX-VNNI, of ``vpmaddubsw`` with AVX2 alone).
 
 Without a compiler the same product runs through torch (``dequantize`` then ``F.linear``, float32
 activations in both modes).
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from treeserve._cpp import cpp_op_loader, cpu_flags, load_cpp_op
 
-__all__ = ["BLOCK_BYTES", "GROUP", "GGUFWeight", "gguf_linear", "gguf_op_available", "load_gguf_linear_op", "q8_vnni"]
+__all__ = ["BLOCK_BYTES", "GROUP", "GGUFWeight", "gguf_linear", "gguf_op_available", "load_gguf_linear_op", "q8_lanes"]
 
 GROUP = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -143,13 +143,12 @@ def load_gguf_linear_op() -> str | None:
             return reason
     return None
 
-def q8_vnni() -> bool:
-    """Whether ``treeserve::gguf_linear_q8`` runs its ``vpdpbusd`` kernel here: the operator is built and
-    the host (``-march=native``) has AVX-512 VNNI with AVX-512 BW and VL, or AVX-VNNI (the kernel's
-    build condition). Elsewhere it is a scalar loop, correct but never faster than ``gguf_linear``:
-    not worth measuring."""
-    flags = set(cpu_flags().split())
-    return gguf_op_available() and ({"avx512_vnni", "avx512bw", "avx512vl"} <= flags or "avx_vnni" in flags)
+def q8_lanes() -> bool:
+    """Whether ``treeserve::gguf_linear_q8`` runs its vector kernel here (the rows of ``x`` in the lanes
+    of a register: ``vpdpbusd`` with AVX-512 VNNI, BW and VL or AVX-VNNI, ``vpmaddubsw`` with AVX2
+    alone): the operator is built (``-march=native``) and the host has AVX2. Elsewhere it is a scalar
+    loop, correct but never faster than ``gguf_linear``: not worth measuring."""
+    return gguf_op_available() and "avx2" in cpu_flags().split()
 
 
 def gguf_op_available() -> bool:

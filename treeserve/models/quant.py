@@ -48,7 +48,7 @@ from torch import nn
 
 from treeserve._cpp import cpp_op_loader, load_cpp_op
 from treeserve._tuning import measured
-from treeserve.models.gguf_op import GGUFWeight, gguf_op_available, q8_vnni
+from treeserve.models.gguf_op import GGUFWeight, gguf_op_available, q8_lanes
 from treeserve.models.int8_op import BLOCK as INT8_BLOCK
 from treeserve.models.int8_cache import int8_weight
 from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear, int8_swiglu_linear
@@ -527,12 +527,12 @@ def use_q8_large(layers: Sequence[PackedLinear]) -> int:
     faster on this machine, and return the row count up to which the int16 path stays
     (``packed_max_rows``: at least 1, a single stream keeps the finer activations; ``_ALL_ROWS``
     when the int8 path is never faster or not built). Measured once per host per set of shapes and
-    thread count (``treeserve._tuning``), on hosts where it runs as a ``vpdpbusd`` kernel
-    (``gguf_op.q8_vnni``: AVX-512 VNNI / AVX-VNNI; elsewhere its scalar loop is not measured, nor
-    taken); ``TREESERVE_PACKED_MAX_ROWS`` (an int) overrides both."""
+    thread count (``treeserve._tuning``), on hosts where it runs as a vector kernel
+    (``gguf_op.q8_lanes``: AVX2, with VNNI where the host has it; elsewhere its scalar loop is not
+    measured, nor taken); ``TREESERVE_PACKED_MAX_ROWS`` (an int) overrides both."""
     group = list(layers)
     env = _env_rows("TREESERVE_PACKED_MAX_ROWS")
-    if not group or any(m.qtype is None or not m.use_op for m in group) or (env is None and not q8_vnni()):
+    if not group or any(m.qtype is None or not m.use_op for m in group) or (env is None and not q8_lanes()):
         return _ALL_ROWS
     if env is None:
         timed = _measured_part(group)
@@ -554,11 +554,11 @@ def use_q8_head(head: CodesHead) -> None:
     """Give a head kept as Q4_0 / Q8_0 codes (``CodesHead``) the int8-activation first pass
     (``gguf_linear_q8``) for the batches where, re-scoring included, it beats the int16 one on this
     machine (``head.q8_min_rows``; random activations, whose flat logits re-score the most).
-    Measured once per host per shape and thread count, where the operator runs its VNNI kernel
-    (``q8_vnni``); ``TREESERVE_HEAD_INT16_MAX_ROWS`` (an int, or ``all``) sets the rows up to which
+    Measured once per host per shape and thread count, where the operator runs its vector kernel
+    (``q8_lanes``); ``TREESERVE_HEAD_INT16_MAX_ROWS`` (an int, or ``all``) sets the rows up to which
     the int16 pass stays."""
     env = _env_rows("TREESERVE_HEAD_INT16_MAX_ROWS")
-    if not head.int16 or (env is None and not q8_vnni()):
+    if not head.int16 or (env is None and not q8_lanes()):
         return
     if env is None:
         env = _int16_rows("head-q8-rows", (head.out_features, head.qtype), head.in_features,

@@ -644,15 +644,20 @@ void codes_head_rescore(const at::Tensor& logits, const at::Tensor& x, const at:
 // with the float32 sums of the unrounded x; y = acc + off. Every row of x goes through the same operations
 // in the same order whatever the call's other rows: a row of any call is bit for bit the row alone, and
 // the VNNI build's rows are the scalar loop's.
-// Where the host has AVX-512 VNNI (16 rows of x per zmm; 8 per ymm for calls of at most 8 rows) or AVX-VNNI
-// (8 per ymm): the rows of x lie in the
-// lanes of vpdpbusd (its signed operand); each 4-byte group of a weight block's codes, as unsigned bytes
-// u = c + bias (Q4_0, Q4_1: the nibbles q, bias 8 / 0; Q8_0: q + 128, bias 128), is broadcast across the
-// lanes, and bias * sum(xq), per row and block of x, is subtracted in int32. A tile of Q8_ROWS weight rows
-// against one lane group (calls of at most L rows: batched decode) decodes each block's codes one block
-// ahead inside the loop that multiplies them (rows_q8_one); against several, it decodes Q8_CHUNK blocks at a
-// time and serves every group with them (rows_q8_lanes). Elsewhere the scalar loop (correct, slow: the
-// caller measures).
+// Where the host has AVX2, the rows of x lie in the lanes of a vector register (8 per ymm; with AVX-512 VNNI
+// 16 per zmm, 8 per ymm for calls of at most 8 rows); each 4-byte group of a weight block's codes, as unsigned
+// bytes u, is broadcast across the lanes and multiplied with the lanes' 4 signed bytes of x:
+// - with AVX-512 VNNI or AVX-VNNI, by vpdpbusd (4 products added into int32): u = c + bias (Q4_0, Q4_1: the
+//   nibbles q, bias 8 / 0; Q8_0: q + 128, bias 128), and bias * sum(xq), per row and block of x, is
+//   subtracted in int32;
+// - with AVX2 alone, by vpmaddubsw, which adds pairs of products into saturating int16: Q4's nibbles q in
+//   order (u <= 15, bias 8 / 0) so that a block's 16 products per int16 lane stay below 2^15 (16 * 15 * 127)
+//   and are summed in int16 before one vpmaddwd widens them; Q8_0 by the sign trick, |c| against x with c's
+//   sign (pairs at most 2 * 128 * 127 < 2^15), widened per step.
+// A tile of Q8_ROWS weight rows against one lane group (calls of at most L rows: batched decode) decodes each
+// block's codes one block ahead inside the loop that multiplies them (rows_q8_one); against several, it
+// decodes Q8_CHUNK blocks at a time and serves every group with them (rows_q8_lanes). Without AVX2 the scalar
+// loop (correct, slow: the caller measures).
 
 template <QType T>
 void rows_q8_scalar(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w, float* y, int64_t M,
@@ -679,12 +684,15 @@ void rows_q8_scalar(const int8_t* xq, const float* xs, const float* xsum, const 
   }
 }
 
+#ifdef __AVX2__
+#define TREESERVE_Q8_LANES 1
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define TREESERVE_Q8_VNNI 1
-// L rows of x per register: 16 (a zmm, AVX-512 VNNI) or 8 (a ymm: AVX-VNNI, or AVX-512 VL for calls of at
-// most 8 rows, where a zmm would compute 8 empty lanes). GCC vector types, so that the arithmetic is written
-// once; the two instructions that need a width, by intrinsics.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#endif
+// L rows of x per register: 16 (a zmm, AVX-512 VNNI) or 8 (a ymm: AVX2, AVX-VNNI, or AVX-512 VL for calls of
+// at most 8 rows, where a zmm would compute 8 empty lanes). GCC vector types, so that the arithmetic is
+// written once; the instructions that need a width, by intrinsics.
+#if defined(TREESERVE_Q8_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TREESERVE_Q8_ZMM 1
 constexpr int MAX_LANES = 16;
 #else
@@ -701,6 +709,7 @@ struct Lanes {
     std::memcpy(&v, p, sizeof v);
     return v;
   }
+#ifdef TREESERVE_Q8_VNNI
   // acc + per lane the dot product of the 4 unsigned bytes at u4 with x's 4 signed bytes (vpdpbusd).
   static I dot(I acc, const uint8_t* u4, I x) {
     int32_t v;
@@ -718,6 +727,17 @@ struct Lanes {
 #endif
     }
   }
+#else
+  // Per lane the two int16 sums of the pairs of products of the 4 unsigned bytes at u4 with x's 4 signed
+  // bytes (vpmaddubsw: saturating, the caller bounds u). AVX2 alone: L == 8.
+  static __m256i pairs(const uint8_t* u4, I x) {
+    int32_t v;
+    std::memcpy(&v, u4, 4);
+    return _mm256_maddubs_epi16(_mm256_set1_epi32(v), reinterpret_cast<__m256i>(x));
+  }
+  // Per lane the int32 sum of its two int16 sums.
+  static I widen(__m256i p) { return reinterpret_cast<I>(_mm256_madd_epi16(p, _mm256_set1_epi16(1))); }
+#endif
   // a b + c rounded once (std::fma per lane).
   static F fma(F a, F b, F c) {
     if constexpr (L == 16) {
@@ -731,14 +751,22 @@ struct Lanes {
 };
 #endif
 
-#ifdef TREESERVE_Q8_VNNI
+#ifdef TREESERVE_Q8_LANES
 constexpr int Q8_ROWS = 4;         // weight rows of a tile
 constexpr int64_t Q8_CHUNK = 8;    // blocks whose codes a tile decodes at a time
 static_assert(Q8_CHUNK == 8, "a full chunk's scales are one halves8");
 constexpr int64_t Q8_GROUPS = 8;   // lane groups of x (Q8_GROUPS * L rows) served per pass over the weights
 
+#ifdef TREESERVE_Q8_VNNI
+constexpr bool Q8_SIGNED = false;
+#else
+constexpr bool Q8_SIGNED = true;  // Q8_0's codes as |c| and c (the sign trick), no bias
+#endif
 template <QType T>
-constexpr int32_t Q8_BIAS = T == QType::Q4_0 ? 8 : (T == QType::Q8_0 ? 128 : 0);  // u = c + bias
+constexpr int32_t Q8_BIAS = T == QType::Q4_0 ? 8 : (T == QType::Q8_0 && !Q8_SIGNED ? 128 : 0);  // u = c + bias
+// Bytes of one block's decoded codes (codes_u8_vec): Q8_0 with the sign trick keeps |c| and c.
+template <QType T>
+constexpr int64_t UB = T == QType::Q8_0 && Q8_SIGNED ? 2 * GROUP : GROUP;
 
 // x in lanes: group g (rows g L .. g L + L - 1, zero-padded), block b, 4-byte step j: L lanes of 4 bytes
 // xq at xt[((g nb + b) 8 + j) 4 L]; per lane at [(g nb + b) L] the block's scale, bias * sum(xq) (xc)
@@ -784,19 +812,31 @@ LaneX lanes_of(const float* x, int64_t M, int64_t nb) {
   return lx;
 }
 
-// One block's codes as unsigned bytes stored at out (32 bytes): Q8_0 u = c + 128 in order; Q4 the 16 code
-// bytes masked twice, the low nibbles q_0..q_15 (u = c + bias) then the high nibbles times 16 (16 q_16..16 q_31,
-// at most 240: still unsigned bytes). A broadcast and one mask, where the nibbles in order took a shift and an
-// insert more; block_dot divides the high half's sum by 16 (exact: a multiple of 16).
+// One block's codes stored at out (UB<T> bytes). With VNNI, as unsigned bytes: Q8_0 u = c + 128 in order; Q4
+// the 16 code bytes masked twice, the low nibbles q_0..q_15 (u = c + bias) then the high nibbles times 16
+// (16 q_16..16 q_31, at most 240: still unsigned bytes), a broadcast and one mask where the nibbles in order
+// took a shift and an insert more (block_dot divides the high half's sum by 16: exact, a multiple of 16).
+// With AVX2 alone: Q4's nibbles in order (u <= 15), Q8_0's |c| then c.
 template <QType T>
 inline void codes_u8_vec(const uint8_t* blk, uint8_t* out) {
   __m256i u;
   if constexpr (T == QType::Q8_0) {
-    u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    if constexpr (Q8_SIGNED) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + GROUP), c);
+      u = _mm256_abs_epi8(c);
+    } else {
+      u = _mm256_xor_si256(c, _mm256_set1_epi8(-128));
+    }
   } else {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == QType::Q4_1 ? 4 : 2)));
-    const __m256i low_high = _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(0xf0)), _mm_set1_epi8(0x0f));
-    u = _mm256_and_si256(_mm256_broadcastsi128_si256(v), low_high);
+    if constexpr (Q8_SIGNED) {
+      const __m128i low = _mm_set1_epi8(0x0f);
+      u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+    } else {
+      const __m256i low_high = _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(0xf0)), _mm_set1_epi8(0x0f));
+      u = _mm256_and_si256(_mm256_broadcastsi128_si256(v), low_high);
+    }
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), u);
 }
@@ -822,12 +862,14 @@ inline void in_register(V& v) {
 }
 
 // D = sum c xq per lane for one block of one weight row: its codes ub (codes_u8_vec) against x's block (its
-// steps X, bias * sum(xq) xc). Two chains of four (exact int32, any order); Q4's second chain runs on the high
-// nibbles times 16.
+// steps X, bias * sum(xq) xc). Two chains of four (exact, any order). With VNNI, int32 chains; Q4's second
+// runs on the high nibbles times 16. With AVX2 alone, Q4's chains in int16 (at most 16 * 15 * 127 per lane)
+// widened once; Q8_0's steps widened one by one.
 template <QType T, int L>
 inline typename Lanes<L>::I block_dot(const uint8_t* ub, const typename Lanes<L>::I* X, typename Lanes<L>::I xc) {
   using V = Lanes<L>;
   using I = typename V::I;
+#ifdef TREESERVE_Q8_VNNI
   if constexpr (T == QType::Q8_0) {
     I e = V::dot(I{}, ub, X[0]);
     I od = V::dot(I{}, ub + 4, X[1]);
@@ -846,6 +888,32 @@ inline typename Lanes<L>::I block_dot(const uint8_t* ub, const typename Lanes<L>
     if constexpr (Q8_BIAS<T> != 0) e -= xc;
     return e + (od >> 4);
   }
+#else
+  if constexpr (T == QType::Q8_0) {  // |c| against x with c's sign
+    const auto signed_x = [&](int j) {
+      int32_t c;
+      std::memcpy(&c, ub + GROUP + 4 * j, 4);
+      return reinterpret_cast<I>(_mm256_sign_epi8(reinterpret_cast<__m256i>(X[j]), _mm256_set1_epi32(c)));
+    };
+    I e = V::widen(V::pairs(ub, signed_x(0)));
+    I od = V::widen(V::pairs(ub + 4, signed_x(1)));
+    for (int j = 2; j < 8; j += 2) {
+      e += V::widen(V::pairs(ub + 4 * j, signed_x(j)));
+      od += V::widen(V::pairs(ub + 4 * j + 4, signed_x(j + 1)));
+    }
+    return e + od;
+  } else {
+    __m256i e = V::pairs(ub, X[0]);
+    __m256i od = V::pairs(ub + 16, X[4]);
+    for (int j = 1; j < 4; ++j) {
+      e = _mm256_add_epi16(e, V::pairs(ub + 4 * j, X[j]));
+      od = _mm256_add_epi16(od, V::pairs(ub + 16 + 4 * j, X[j + 4]));
+    }
+    I d = V::widen(_mm256_add_epi16(e, od));
+    if constexpr (Q8_BIAS<T> != 0) d -= xc;
+    return d;
+  }
+#endif
 }
 
 // a + D d dx for one block of one weight row, the same operations in the same order for every lane as
@@ -867,7 +935,7 @@ inline typename Lanes<L>::F offset_sum(typename Lanes<L>::F o, float m, const La
 // d[r][k] and Q4_1's offsets mo[r][k]: a[r] + D d dx (o[r] + m sum(x_b)) per lane. x's 8 steps, scales and
 // bias sums held in registers across the rows.
 template <QType T, int L, int NR>
-__attribute__((always_inline)) inline void block_rows(const LaneX& lx, int64_t gb, const uint8_t (*u)[GROUP],
+__attribute__((always_inline)) inline void block_rows(const LaneX& lx, int64_t gb, const uint8_t (*u)[UB<T>],
                                                       const float (*d)[Q8_CHUNK], const float (*mo)[Q8_CHUNK],
                                                       int64_t k, typename Lanes<L>::F* a, typename Lanes<L>::F* o) {
   using V = Lanes<L>;
@@ -896,7 +964,7 @@ __attribute__((noinline)) void rows_q8_lanes(const LaneX& lx, const uint8_t* w, 
                                              int64_t M, int64_t nb, int64_t N, int64_t n0, int64_t g0, int64_t g1) {
   using V = Lanes<L>;
   using F = typename V::F;
-  alignas(64) uint8_t u[Q8_CHUNK][NR][GROUP];
+  alignas(64) uint8_t u[Q8_CHUNK][NR][UB<T>];
   alignas(32) float d[NR][Q8_CHUNK], mo[NR][Q8_CHUNK];
   const uint8_t* rows[NR];
   for (int r = 0; r < NR; ++r) rows[r] = w + (n0 + r) * nb * BB<T>;
@@ -943,7 +1011,7 @@ template <QType T, int L, int NR>
 __attribute__((noinline)) void rows_q8_one(const LaneX& lx, const uint8_t* w, float* y, int64_t M, int64_t nb,
                                            int64_t N, int64_t n0) {
   using F = typename Lanes<L>::F;
-  alignas(64) uint8_t u[2][NR][GROUP];
+  alignas(64) uint8_t u[2][NR][UB<T>];
   alignas(32) float d[NR][Q8_CHUNK], mo[NR][Q8_CHUNK];
   const uint8_t* rows[NR];
   F a[NR], o[NR];
@@ -1009,7 +1077,7 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& w, std::string 
   const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-#ifdef TREESERVE_Q8_VNNI
+#ifdef TREESERVE_Q8_LANES
   const int64_t tiles = (N + Q8_ROWS - 1) / Q8_ROWS;
   const auto run = [&](auto qt, auto lanes) {
     const LaneX lx = lanes_of<qt.value, lanes.value>(xp, M, nb);
