@@ -133,3 +133,52 @@ def test_path_rows_name_every_row_count_where_a_row_is_computed_otherwise(
     monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", rows)
     model, _ = load(gguf, quantization="auto")
     assert quant.path_rows(model) == expect
+
+
+def test_codes_that_serve_large_batches_as_fast_keep_no_large_weights(gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``use_codes_large``: where the codes with int8 activations are measured at least as fast as the
+    large-batch weights, a group under the budget makes none (no int8 copy, no dense weight, nothing
+    deferred) and reads its codes for every batch, bitwise the lean configuration up to the row count
+    ``use_q8_large`` measured; where they are slower, the weights are made as before. The choice is
+    measured once (a second load times nothing), never without the vector kernel, and an explicit
+    ``TREESERVE_INT8`` keeps its own choice untimed."""
+    timed: list[int] = []
+    best = quant._best_seconds
+    monkeypatch.setattr(quant, "_best_seconds", lambda fn, reps=5: timed.append(1) or best(fn, reps))
+    group = [m for m in _packed(load(gguf, quantization="auto")[0]) if m.in_features == 128]
+    assert timed  # the load measured
+    timed.clear()
+    choice = quant.use_codes_large(group)
+    assert timed == [] and choice == quant.use_codes_large(group)  # pack_model measured it: cached
+    clear_memo()  # a new process: the disk cache only
+    assert quant.use_codes_large(group) == choice and timed == []
+    monkeypatch.setattr(quant, "q8_lanes", lambda: False)
+    assert not quant.use_codes_large(group)
+    monkeypatch.undo()
+    monkeypatch.setenv("TREESERVE_CACHE_DIR", str(gguf.parent / "cache"))
+    for env in ("0", "1"):
+        monkeypatch.setenv("TREESERVE_INT8", env)
+        assert not quant.use_codes_large(group)
+    monkeypatch.delenv("TREESERVE_INT8")
+
+    for codes in (True, False):
+        monkeypatch.setattr(quant, "use_codes_large", lambda layers, rows=64, codes=codes: codes)
+        monkeypatch.setattr(quant, "use_int8", lambda layers, rows=64, defer=False: False)  # else dense weights
+        model = load(gguf, quantization="auto")[0]
+        packed = _packed(model)
+        for m in packed:
+            assert m.int8 is None and not m.large_int8
+            if codes:
+                assert not (m.large_pending or m.has_dense) and m.large_q8 == (m.packed_max_rows < quant._ALL_ROWS)
+            else:
+                assert (m.large_pending or m.has_dense) and not m.large_q8
+        if codes:
+            rows = {m.packed_max_rows for m in packed}
+            monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "all")
+            lean = load(gguf, quantization="auto")[0]
+            monkeypatch.delenv("TREESERVE_PACKED_MAX_ROWS")
+            with torch.inference_mode():  # one-row steps: the int16 path on both, bitwise
+                a, b = PagedSequence(model, 64, page_size=4), PagedSequence(lean, 64, page_size=4)
+                for tok in (30, 31, 32):
+                    assert torch.equal(a.extend([tok]), b.extend([tok]))
+            assert all(r >= 1 for r in rows)

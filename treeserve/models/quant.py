@@ -73,6 +73,7 @@ __all__ = [
     "quantize_int4",
     "quantize_int8",
     "restore_dense",
+    "use_codes_large",
     "use_int8",
     "use_q8_head",
     "use_q8_large",
@@ -566,6 +567,39 @@ def use_q8_head(head: CodesHead) -> None:
     head.q8_min_rows = None if env >= _ALL_ROWS else env + 1
 
 
+def use_codes_large(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
+    """Whether the GGUF codes of ``layers`` (one input width, run one after another as a step reads
+    them), read with int8 activations (``gguf_linear_q8``), serve ``rows``-row batches at least as
+    fast as the large-batch weights ``pack_model`` would otherwise build: the int8 copies
+    (``use_int8``'s GEMM, where its operator and the width allow) and the dense float32 weights
+    (``F.linear``). Then no such weights are made: the codes serve every batch, their exact weights
+    and no extra memory, with ``use_q8_large`` choosing int16 or int8 activations per row count.
+    Measured once per host per set of shapes and thread count (kept on disk: ``treeserve._tuning``)
+    where the operator runs its vector kernel (``gguf_op.q8_lanes``); ``TREESERVE_INT8`` set (``1``:
+    the int8 copies, ``0``: the dense weights) keeps its choice without timing."""
+    group = list(layers)
+    if (not group or os.environ.get("TREESERVE_INT8") is not None or not q8_lanes()
+            or any(m.qtype is None or not m.use_op for m in group)):
+        return False
+    timed = _measured_part(group)
+    k = group[0].in_features
+    with_int8 = k % INT8_BLOCK == 0 and int8_available()
+
+    def measure() -> bool:
+        dense = [m.dequantized() for m in timed]
+        copies = [_int8_of(m, lambda w=w: w) for m, w in zip(timed, dense)] if with_int8 else []
+        with torch.inference_mode():
+            x = torch.randn(rows, k, dtype=group[0].weight_dtype)
+            xf = x.float()
+            codes_s = _best_seconds(lambda: [torch.ops.treeserve.gguf_linear_q8(xf, m.raw, m.qtype, k) for m in timed])
+            if copies and _best_seconds(lambda: [int8_linear(xf, w) for w in copies]) < codes_s:
+                return False
+            return codes_s <= _best_seconds(lambda: [F.linear(x, w) for w in dense])
+
+    key = (tuple((m.out_features, m.in_features, m.qtype, m.weight_dtype) for m in timed), rows, with_int8)
+    return measured("codes-large", key, bool, measure)
+
+
 def use_int8(layers: Sequence[PackedLinear], rows: int = 64, defer: bool = False) -> bool:
     """Give every layer of ``layers`` (one input width, run one after another as a step reads
     them) an int8 copy of its weight (``Int8Weight``: rotated, per-channel 8-bit codes, row-wise
@@ -959,7 +993,9 @@ def pack_model(
     A model whose projections have more weights than ``large_tier_budget()`` bytes (unless
     ``TREESERVE_INT8=1``), and a group whose dense large-batch weights (int8 not chosen) would not
     fit what is left of it, keep the codes alone too; their large batches read the same codes with
-    int8 activations where that is measured faster (``use_q8_large``).
+    int8 activations where that is measured faster (``use_q8_large``). So does a group whose codes,
+    read with int8 activations, are measured as fast as its large-batch weights would be
+    (``use_codes_large``: no copy is made).
     ``source``: the shipped codes' file (``int8_cache.source_id``): the int8 copies are kept on disk
     for it and read back at the next load (``int8_cache.int8_weight``); None: built every time.
     """
@@ -993,10 +1029,13 @@ def pack_model(
     for group in packed.values():
         rows = _ALL_ROWS if codes_only or over_budget else None
         if rows is None:
-            # The large batches' weights: the int8 copies where they pay, else the dense ones (F.linear
-            # reads them) while they fit the budget; built at the group's first large batch
-            # (``prepare_large``: the crossover's measurement, when it runs, is one), not now.
-            if use_int8(group, defer=True):
+            # The large batches' weights: none where the codes with int8 activations are as fast; else
+            # the int8 copies where they pay, else the dense ones (F.linear reads them) while they fit
+            # the budget; built at the group's first large batch (``prepare_large``: the crossover's
+            # measurement, when it runs, is one), not now.
+            if use_codes_large(group):
+                rows = _ALL_ROWS
+            elif use_int8(group, defer=True):
                 budget -= sum(m.in_features * m.out_features for m in group)
             else:
                 dense = [m for m in group if not m.has_dense]
