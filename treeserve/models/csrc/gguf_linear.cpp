@@ -643,7 +643,7 @@ void codes_head_rescore(const at::Tensor& logits, const at::Tensor& x, const at:
 // Per row of x, in block order: acc = fma(float(D), d * s_b, acc) and for Q4_1 off = fma(m, sum(x_b), off)
 // with the float32 sums of the unrounded x; y = acc + off. Every row of x goes through the same operations
 // in the same order whatever the call's other rows: a row of any call is bit for bit the row alone, and
-// the VNNI build's rows are the scalar loop's.
+// the vector kernels' rows (VNNI or not) are the scalar loop's.
 // Where the host has AVX2, the rows of x lie in the lanes of a vector register (8 per ymm; with AVX-512 VNNI
 // 16 per zmm, 8 per ymm for calls of at most 8 rows); each 4-byte group of a weight block's codes, as unsigned
 // bytes u, is broadcast across the lanes and multiplied with the lanes' 4 signed bytes of x:
@@ -757,16 +757,18 @@ constexpr int64_t Q8_CHUNK = 8;    // blocks whose codes a tile decodes at a tim
 static_assert(Q8_CHUNK == 8, "a full chunk's scales are one halves8");
 constexpr int64_t Q8_GROUPS = 8;   // lane groups of x (Q8_GROUPS * L rows) served per pass over the weights
 
+// Products added in int16 pairs (vpmaddubsw, no VNNI): Q4's nibbles in order, Q8_0's codes as |c| and c (the
+// sign trick, no bias).
 #ifdef TREESERVE_Q8_VNNI
-constexpr bool Q8_SIGNED = false;
+constexpr bool Q8_PAIRS = false;
 #else
-constexpr bool Q8_SIGNED = true;  // Q8_0's codes as |c| and c (the sign trick), no bias
+constexpr bool Q8_PAIRS = true;
 #endif
 template <QType T>
-constexpr int32_t Q8_BIAS = T == QType::Q4_0 ? 8 : (T == QType::Q8_0 && !Q8_SIGNED ? 128 : 0);  // u = c + bias
+constexpr int32_t Q8_BIAS = T == QType::Q4_0 ? 8 : (T == QType::Q8_0 && !Q8_PAIRS ? 128 : 0);  // u = c + bias
 // Bytes of one block's decoded codes (codes_u8_vec): Q8_0 with the sign trick keeps |c| and c.
 template <QType T>
-constexpr int64_t UB = T == QType::Q8_0 && Q8_SIGNED ? 2 * GROUP : GROUP;
+constexpr int64_t UB = T == QType::Q8_0 && Q8_PAIRS ? 2 * GROUP : GROUP;
 
 // x in lanes: group g (rows g L .. g L + L - 1, zero-padded), block b, 4-byte step j: L lanes of 4 bytes
 // xq at xt[((g nb + b) 8 + j) 4 L]; per lane at [(g nb + b) L] the block's scale, bias * sum(xq) (xc)
@@ -822,7 +824,7 @@ inline void codes_u8_vec(const uint8_t* blk, uint8_t* out) {
   __m256i u;
   if constexpr (T == QType::Q8_0) {
     const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    if constexpr (Q8_SIGNED) {
+    if constexpr (Q8_PAIRS) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + GROUP), c);
       u = _mm256_abs_epi8(c);
     } else {
@@ -830,7 +832,7 @@ inline void codes_u8_vec(const uint8_t* blk, uint8_t* out) {
     }
   } else {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == QType::Q4_1 ? 4 : 2)));
-    if constexpr (Q8_SIGNED) {
+    if constexpr (Q8_PAIRS) {
       const __m128i low = _mm_set1_epi8(0x0f);
       u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
     } else {
