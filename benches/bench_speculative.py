@@ -113,11 +113,12 @@ def test_ngram_speculation_vs_none(benchmark, base: LLM, workload: str, batch: i
         assert default_ratio > 1.05 and ratio > 0.95
 
 
-def test_sampled_vs_point_mass_self_drafts(benchmark, base: LLM) -> None:
+@pytest.mark.parametrize("workload", ["rewrite", "chat"])
+def test_sampled_vs_point_mass_self_drafts(benchmark, base: LLM, workload: str) -> None:
     """Temperature 0.8, top-p 0.95, seeded: the same self-speculative engine with sampled drafts
     (the default) and with point-mass drafts (``DraftModelDrafter.sample = False``)."""
     llm = _spec(base, speculative=f"draft:self:{SELF_LAYERS}")
-    prompts = _prompts(base, 4)
+    prompts = (_prompts if workload == "rewrite" else _chat_prompts)(base, 4)
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_new_tokens=NEW, ignore_eos=True)
               for i in range(len(prompts))]
     _run(llm, prompts[:1], params[:1])  # warm-up
@@ -135,7 +136,7 @@ def test_sampled_vs_point_mass_self_drafts(benchmark, base: LLM) -> None:
     plain_s = sum(_run(base, [p], sp)[0] for p, sp in zip(prompts, params))
     print(f"no speculation: {len(prompts) * NEW / plain_s:.1f} tok/s")
     gain = (rows["sampled"][2] + rows["sampled again"][2]) / (rows["point-mass"][2] + rows["point-mass again"][2])
-    print(f"accepted length sampled / point-mass: {gain:.2f}x (target >= 1.3x)")
+    print(f"{workload}, draft:self:{SELF_LAYERS}: accepted length sampled / point-mass: {gain:.2f}x (target >= 1.3x)")
     benchmark.extra_info.update(length_gain=gain)
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     assert gain > 1.0  # regression guard; the target is in RESULTS.md

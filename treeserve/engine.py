@@ -44,6 +44,7 @@ from treeserve.models.invariant import make_batch_invariant
 from treeserve.models.quant import check_quantization, path_rows, prepare_large_weights
 from treeserve.output import SampleDelta, TrackedRequest
 from treeserve.runner import (
+    CALIBRATION_TEXT,
     MAX_ROW_COST,
     ROW_COST_CONTEXT,
     CausalLM,
@@ -57,6 +58,7 @@ from treeserve.runner import (
     draft_pool_tokens,
     fill_drafts,
     measure_row_cost,
+    self_draft_layers,
 )
 from treeserve.sampling import GrammarCompiler, SamplingParams
 from treeserve.scheduler import (
@@ -108,7 +110,8 @@ class EngineConfig:
     ``compile``: ``torch.compile`` the model forward of those decode steps.
     ``speculative``: ``"ngram"`` (prompt lookup over the request's own tokens),
     ``"draft:<model>"`` (a smaller model sharing the tokenizer, loaded like ``model``; or
-    ``"draft:self:<N>"``, the target's first N layers: self-speculation) or ``None``;
+    ``"draft:self:<N>"``: self-speculation, N of the target's layers, those that change its hidden
+    state most over a calibration text, ``runner.self_draft``) or ``None``;
     ``num_speculative_tokens`` draft nodes per step at most; ``speculative_tree_width``: 1 for
     chain drafts, more for token trees (that many alternative continuations); ``ngram_min`` /
     ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first);
@@ -872,11 +875,12 @@ class LLM:
             return None
         if cfg.speculative == "ngram":
             return NgramDrafter(cfg.ngram_max, cfg.ngram_min, cfg.speculative_tree_width)
-        from treeserve.models import load, truncated_copy
+        from treeserve.models import layer_subset, load
 
         name = cfg.speculative[len("draft:") :]
         if name.startswith("self:"):
-            draft = truncated_copy(self.model, int(name[len("self:") :]))
+            calibration = None if self.tokenizer is None else self.tokenizer.encode(CALIBRATION_TEXT)
+            draft = layer_subset(self.model, self_draft_layers(self.model, int(name[len("self:") :]), calibration))
         else:
             draft, _ = load(name, dtype=self.model_dtype, device=cfg.device)
         dc = draft.config

@@ -110,3 +110,36 @@ def test_grounded_decode_reports_what_speculation_gives(engine: LLM) -> None:
     assert result.extra["speedup_vs_no_speculation"] > 0.0
     unspeculated = grounded_decode(plain, plain, 8)
     assert unspeculated.extra["accepted_drafts"] == 0 and unspeculated.extra["tokens_per_verify_step"] == 0.0
+
+
+def test_self_speculation_skips_the_least_influential_layers(engine: LLM) -> None:
+    """``draft:self:26`` runs the 26 layers of highest influence (``runner.self_draft``), not the first
+    26: on the model's own greedy text it agrees with the full model's next token far more often
+    than the first 26 layers do, and greedy speculation with it keeps the plain output."""
+    from treeserve.models import layer_subset, truncated_copy
+    from treeserve.runner import CALIBRATION_TEXT, PagedSequence, self_draft_layers
+
+    model, tok = engine.model, engine.tokenizer
+    keep = self_draft_layers(model, 26, tok.encode(CALIBRATION_TEXT))
+    assert keep != list(range(26))
+    spec = LLM((model, tok), speculative="draft:self:26", dtype="float32")
+    assert [layer for layer in spec.drafter.model.layers] == [model.layers[i] for i in keep]
+    params = SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
+    prompts = [tok.apply_chat_template(p, add_generation_prompt=True) for p in PROMPTS]
+    plain = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == plain
+    assert spec.metrics.accepted_tokens > 0
+
+    def agreement(m: torch.nn.Module) -> float:
+        hits = total = 0
+        for p, out in zip(prompts, plain):
+            ids = tok.encode(p) + list(out)
+            want = PagedSequence(model, len(ids)).extend(ids, all_logits=True).argmax(-1)
+            got = PagedSequence(m, len(ids)).extend(ids, all_logits=True).argmax(-1)
+            n = len(out)
+            hits += int((got[-n - 1 : -1] == want[-n - 1 : -1]).sum())
+            total += n
+        return hits / total
+
+    skipping, truncated = agreement(layer_subset(model, keep)), agreement(truncated_copy(model, 26))
+    assert skipping > truncated + 0.1, (skipping, truncated)

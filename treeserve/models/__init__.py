@@ -12,7 +12,7 @@ from treeserve.models.chat_template import ChatTemplateError
 from treeserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, tiny_config
 from treeserve.models.gguf_loader import load_gguf_model, open_gguf
 from treeserve.models.hf_loader import load_hf_model
-from treeserve.models.llama import LlamaForCausalLM, truncated_copy
+from treeserve.models.llama import LlamaForCausalLM, layer_subset, truncated_copy
 from treeserve.models.loader import EMBEDDED_MODELS, LoadedModel, load, resolve_model_path
 from treeserve.models.synthetic import random_model, save_hf_dir
 from treeserve.models.tokenizer import StreamDecoder, Tokenizer
@@ -28,6 +28,7 @@ __all__ = [
     "ModelConfig",
     "StreamDecoder",
     "Tokenizer",
+    "layer_subset",
     "load",
     "load_gguf_model",
     "load_hf_model",

@@ -13,7 +13,7 @@ these names and the HF checkpoint layout.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -28,7 +28,7 @@ from treeserve.models.quant import PackedLinear
 from treeserve.models.rope import apply_rope, rope_table
 from treeserve.models.triton_forward import triton_forward, uses_triton_layers
 
-__all__ = ["LlamaForCausalLM", "check_forward_inputs"]
+__all__ = ["LlamaForCausalLM", "check_forward_inputs", "layer_subset", "truncated_copy"]
 
 
 @contextmanager
@@ -296,19 +296,31 @@ def check_forward_inputs(
 
 
 def truncated_copy(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
-    """A model running only the first ``num_layers`` decoder layers of ``model`` (self-speculation).
-
-    Shares every parameter with ``model`` (no copy); embeddings, final norm and LM head are the
-    target's. ``ValueError`` unless ``1 <= num_layers <= model.config.num_layers``.
-    """
+    """A model running only the first ``num_layers`` decoder layers of ``model`` (``layer_subset``
+    of them). ``ValueError`` unless ``1 <= num_layers <= model.config.num_layers``."""
     total = model.config.num_layers
-    if not isinstance(num_layers, int) or not 1 <= num_layers <= total:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
         raise ValueError(f"num_layers must be an int in [1, {total}], got {num_layers!r}")
+    return layer_subset(model, range(num_layers))
+
+
+def layer_subset(model: LlamaForCausalLM, layers: Sequence[int]) -> LlamaForCausalLM:
+    """A model running only the decoder layers ``layers`` of ``model`` (strictly increasing
+    indices), in order, the others skipped: a self-speculative drafter (truncated, or with layers
+    skipped, as in Draft & Verify). Shares every parameter with ``model`` (no copy); embeddings,
+    final norm and LM head are the target's; its KV pool needs ``len(layers)`` layers.
+    ``ValueError`` unless ``layers`` is a non-empty increasing sequence of ints in
+    ``[0, model.config.num_layers)``."""
+    total = model.config.num_layers
+    keep = list(layers)
+    if (not keep or any(isinstance(i, bool) or not isinstance(i, int) for i in keep)
+            or keep != sorted(set(keep)) or keep[0] < 0 or keep[-1] >= total):
+        raise ValueError(f"layers must be increasing ints in [0, {total}), at least one, got {keep!r}")
     draft = LlamaForCausalLM.__new__(LlamaForCausalLM)
     nn.Module.__init__(draft)
-    draft.config = model.config.replace(num_layers=num_layers)
+    draft.config = model.config.replace(num_layers=len(keep))
     draft.embed_tokens = model.embed_tokens
-    draft.layers = nn.ModuleList(list(model.layers)[:num_layers])
+    draft.layers = nn.ModuleList([model.layers[i] for i in keep])
     draft.norm = model.norm
     draft.lm_head = model.lm_head
     draft.layer_kernels = model.layer_kernels

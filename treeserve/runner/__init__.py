@@ -9,6 +9,8 @@
   the scheduler only sets draft budgets) and :func:`draft_pool_tokens` (the draft KV pool size).
 - ``ngram``: :class:`NgramDrafter`, prompt-lookup drafts (no model).
 - ``draft_model``: :class:`DraftModelDrafter`, batched drafts from a smaller model over its own KV.
+- ``self_draft``: :func:`self_draft_layers`, which of the target's layers a self-speculative
+  drafter runs (``draft:self:N``: the most influential over a calibration text).
 - ``sequence``: :class:`PagedSequence`, one sequence through a model (tests, benchmarks).
 - ``step_cost``: :func:`measure_row_cost`, what one more query row costs a step (the draft
   planner's input, measured once per machine and model).
@@ -26,10 +28,12 @@ from treeserve.runner.eager import CausalLM, ModelRunner
 from treeserve.runner.graph import DecodeGraphRunner, DecodeLaunch, decode_buckets
 from treeserve.runner.inputs import StepInputs, build_step_inputs
 from treeserve.runner.ngram import NgramDrafter
+from treeserve.runner.self_draft import CALIBRATION_TEXT, layer_influence, self_draft_layers
 from treeserve.runner.sequence import PagedSequence
 from treeserve.runner.step_cost import MAX_ROW_COST, ROW_COST_CONTEXT, measure_row_cost
 
 __all__ = [
+    "CALIBRATION_TEXT",
     "MAX_ROW_COST",
     "ROW_COST_CONTEXT",
     "CausalLM",
@@ -48,5 +52,7 @@ __all__ = [
     "decode_buckets",
     "draft_pool_tokens",
     "fill_drafts",
+    "layer_influence",
     "measure_row_cost",
+    "self_draft_layers",
 ]
