@@ -57,6 +57,7 @@ from treeserve.runner import (
     compile_model,
     draft_pool_tokens,
     fill_drafts,
+    measure_draft_cost,
     measure_row_cost,
     self_draft_layers,
 )
@@ -118,6 +119,11 @@ class EngineConfig:
     ``speculative_max_batch``: steps with more decoding requests than this draft nothing (0 = no
     limit; None = the measured rule: :data:`CPU_SPECULATIVE_MAX_BATCH` for a model loaded by name
     on CPU, which is what it was measured on; no limit on CUDA or for a given module).
+    ``speculative_row_cost`` / ``speculative_draft_cost``: what one more query row / one draft
+    node's drafter forward costs relative to a step's fixed part, the goodput rule's inputs
+    (``scheduler.draft_plan``); None = measured once per machine and model for a model loaded by
+    name on CPU (the draft cost only for a drafter that runs a model), else 0 (both 0: every
+    asking request drafts its whole room).
     ``jump_forward_tokens``: a structured-output request whose grammar forces its next tokens
     (``{"name": "`` in a schema) proposes up to this many of them as a draft each step, verified
     like any draft (a forced token is accepted with probability 1, so the output law is
@@ -161,6 +167,7 @@ class EngineConfig:
     ngram_max: int = 4
     speculative_max_batch: int | None = None
     speculative_row_cost: float | None = None
+    speculative_draft_cost: float | None = None
     jump_forward_tokens: int = 16
     batch_invariant: bool = False
     tensor_parallel_size: int = 1
@@ -200,9 +207,11 @@ class EngineConfig:
         smb = self.speculative_max_batch
         if smb is not None and (isinstance(smb, bool) or not isinstance(smb, int) or smb < 0):
             raise ValueError(f"speculative_max_batch must be None or an int >= 0, got {smb!r}")
-        src = self.speculative_row_cost
-        if src is not None and (isinstance(src, bool) or not isinstance(src, (int, float)) or not 0 <= src < float("inf")):
-            raise ValueError(f"speculative_row_cost must be None or a finite number >= 0, got {src!r}")
+        for name in ("speculative_row_cost", "speculative_draft_cost"):
+            cost = getattr(self, name)
+            if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float))
+                                     or not 0 <= cost < float("inf")):
+                raise ValueError(f"{name} must be None or a finite number >= 0, got {cost!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -488,6 +497,7 @@ class LLM:
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids or [])
         self.drafter = self._make_drafter(max_len, eos)  # run by the engine; the scheduler only asks
         drafter = self.drafter
+        row_cost = self._row_cost(loaded=isinstance(model, str))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_batched_tokens=cfg.max_batched_tokens,
@@ -496,7 +506,8 @@ class LLM:
                 num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative else 0,
                 speculative_max_batch=cfg.draft_batch_limit(loaded=isinstance(model, str)),
                 jump_forward_tokens=cfg.jump_forward_tokens,
-                speculative_row_cost=self._row_cost(loaded=isinstance(model, str)),
+                speculative_row_cost=row_cost,
+                speculative_draft_cost=self._draft_cost(loaded=isinstance(model, str), row_cost=row_cost),
                 # tensor parallel: rank 0's shard (the ranks hold equal shards, measured alike)
                 speculative_path_rows=path_rows(getattr(self.model, "local", self.model)),
             ),
@@ -868,6 +879,21 @@ class LLM:
         rows = 1 + cfg.num_speculative_tokens
         context = min(ROW_COST_CONTEXT, self.kv.allocator.num_free * self.kv.page_size - rows)
         return measure_row_cost(self.model, self.kv, rows, context) if context >= 1 else MAX_ROW_COST
+
+    def _draft_cost(self, loaded: bool, row_cost: float) -> float:
+        """The scheduler's ``speculative_draft_cost``: the config's, else measured for a drafter that
+        runs a model when the row cost is measured (``runner.measure_draft_cost``, after as many
+        cached tokens as ``_row_cost``'s; pools that cannot lend one give ``MAX_ROW_COST``), else 0."""
+        cfg, drafter = self.config, self.drafter
+        if cfg.speculative_draft_cost is not None:
+            return float(cfg.speculative_draft_cost)
+        if not isinstance(drafter, DraftModelDrafter) or not cfg.measured_setting(loaded):
+            return 0.0
+        free = min(self.kv.allocator.num_free * self.kv.page_size, drafter.kv.allocator.num_free)
+        context = min(ROW_COST_CONTEXT, free - 1)
+        if context < 1:
+            return MAX_ROW_COST
+        return measure_draft_cost(self.model, self.kv, drafter.model, drafter.kv, row_cost, context)
 
     def _make_drafter(self, max_len: int, eos: list[int]) -> Drafter | None:
         cfg = self.config

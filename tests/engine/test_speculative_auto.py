@@ -11,7 +11,7 @@ from treeserve._tuning import clear_memo
 from treeserve.engine import EngineConfig
 from treeserve.kvcache import KVPool
 from treeserve.models import random_model, tiny_config
-from treeserve.runner import measure_row_cost
+from treeserve.runner import measure_draft_cost, measure_row_cost
 from treeserve.runner.step_cost import MAX_ROW_COST, ROW_COST_CONTEXT
 
 
@@ -25,10 +25,11 @@ def test_auto_resolves_where_it_was_measured() -> None:
     assert EngineConfig(speculative=None).resolved_speculative(loaded=True) is None
 
 
+@pytest.mark.parametrize("name", ["speculative_row_cost", "speculative_draft_cost"])
 @pytest.mark.parametrize("bad", [-0.5, float("inf"), float("nan"), True, "1"])
-def test_bad_row_cost_is_refused(bad: object) -> None:
-    with pytest.raises(ValueError, match="speculative_row_cost must be None or a finite number >= 0"):
-        EngineConfig(speculative_row_cost=bad)
+def test_bad_costs_are_refused(name: str, bad: object) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be None or a finite number >= 0"):
+        EngineConfig(**{name: bad})
 
 
 def test_given_module_keeps_plain_decoding_and_an_explicit_cost_reaches_the_scheduler() -> None:
@@ -97,3 +98,39 @@ def test_row_cost_bad_input() -> None:
         measure_row_cost(model, kv, 1)
     with pytest.raises(ValueError, match="needs 34 free KV pages, the pool has 7"):
         measure_row_cost(model, kv, 5)
+
+
+def test_draft_cost_is_measured_for_a_draft_model_once(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drafter that runs a model gets its measured cost per node where the row cost is measured
+    (``measure_draft_cost``: its one-token forward over the target's, times ``1 + row_cost``; the
+    pages of both pools given back, kept on disk); n-gram drafts and given costs get none measured."""
+    monkeypatch.setenv("TREESERVE_CACHE_DIR", str(tmp_path))
+    clear_memo()
+    model = random_model(tiny_config("llama", num_layers=4, eos_token_ids=(2,)), seed=0)
+    monkeypatch.setattr(EngineConfig, "measured_setting", lambda self, loaded: True)  # as for a model loaded by name
+    seen = []
+    real = engine_module.measure_draft_cost
+
+    def spy(*args):  # noqa: ANN002, ANN202
+        seen.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(engine_module, "measure_draft_cost", spy)
+    llm = LLM((model, None), kv_cache_tokens=512, max_model_len=128, speculative="draft:self:2")
+    sched = llm.scheduler.config
+    assert len(seen) == 1 and seen[0][2] is llm.drafter.model and seen[0][4] == sched.speculative_row_cost
+    assert 0.0 < sched.speculative_draft_cost <= MAX_ROW_COST
+    assert llm.kv.allocator.num_free == llm.kv.allocator.num_pages - 1  # all but the dummy page given back
+    assert llm.drafter.kv.allocator.num_free == llm.drafter.kv.allocator.num_pages - 1
+    ratio = sched.speculative_draft_cost / (1 + sched.speculative_row_cost)
+    clear_memo()  # from the disk entry now: the same ratio, scaled by the given row cost
+    again = measure_draft_cost(model, llm.kv, llm.drafter.model, llm.drafter.kv, 1.0, seen[0][5])
+    assert again == pytest.approx(2 * ratio, abs=2e-3)
+    assert LLM((model, None), kv_cache_tokens=512, max_model_len=128, speculative="ngram").scheduler.config.speculative_draft_cost == 0.0
+    given = LLM((model, None), kv_cache_tokens=512, max_model_len=128, speculative="draft:self:2", speculative_draft_cost=0.7)
+    assert given.scheduler.config.speculative_draft_cost == 0.7 and len(seen) == 1
+    with pytest.raises(ValueError, match="row_cost must be a finite number >= 0"):
+        measure_draft_cost(model, llm.kv, llm.drafter.model, llm.drafter.kv, -1.0)
+    with pytest.raises(ValueError, match="context must be an int >= 1"):
+        measure_draft_cost(model, llm.kv, llm.drafter.model, llm.drafter.kv, 0.5, 0)
+    clear_memo()

@@ -12,8 +12,9 @@
 - ``self_draft``: :func:`self_draft_layers`, which of the target's layers a self-speculative
   drafter runs (``draft:self:N``: the most influential over a calibration text).
 - ``sequence``: :class:`PagedSequence`, one sequence through a model (tests, benchmarks).
-- ``step_cost``: :func:`measure_row_cost`, what one more query row costs a step (the draft
-  planner's input, measured once per machine and model).
+- ``step_cost``: :func:`measure_row_cost`, what one more query row costs a step, and
+  :func:`measure_draft_cost`, what a draft model's forward costs (the draft planner's inputs,
+  measured once per machine and model).
 
 Imports point down only: ``kvcache``, ``sampling``, ``scheduler`` (its batch/request types) and,
 for the draft model, ``models``.
@@ -30,7 +31,7 @@ from treeserve.runner.inputs import StepInputs, build_step_inputs
 from treeserve.runner.ngram import NgramDrafter
 from treeserve.runner.self_draft import CALIBRATION_TEXT, layer_influence, self_draft_layers
 from treeserve.runner.sequence import PagedSequence
-from treeserve.runner.step_cost import MAX_ROW_COST, ROW_COST_CONTEXT, measure_row_cost
+from treeserve.runner.step_cost import MAX_ROW_COST, ROW_COST_CONTEXT, measure_draft_cost, measure_row_cost
 
 __all__ = [
     "CALIBRATION_TEXT",
@@ -53,6 +54,7 @@ __all__ = [
     "draft_pool_tokens",
     "fill_drafts",
     "layer_influence",
+    "measure_draft_cost",
     "measure_row_cost",
     "self_draft_layers",
 ]

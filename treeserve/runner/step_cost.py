@@ -5,7 +5,9 @@ fused decode layers, the head's row-count choices) over a short cached context, 
 and for ``rows`` rows of one request (a chain draft's tree mask), and fits
 ``T(r) = T_fixed + r * T_row``: it returns ``T_row / T_fixed`` (``scheduler.draft_plan``). Measured
 once per machine, model shape and thread count and kept on disk (``treeserve._tuning``); the
-context's KV is written to pages borrowed from the pool and given back.
+context's KV is written to pages borrowed from the pool and given back. :func:`measure_draft_cost`
+times a drafter's one-token forward against the target's the same way: what a draft node costs
+a drafter that runs a model.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from treeserve._tuning import measured
 from treeserve.kvcache import AttentionMetadata, KVPool, pages_to_slots
 from treeserve.runner.inputs import CausalLM
 
-__all__ = ["MAX_ROW_COST", "ROW_COST_CONTEXT", "measure_row_cost"]
+__all__ = ["MAX_ROW_COST", "ROW_COST_CONTEXT", "measure_draft_cost", "measure_row_cost"]
 
 MAX_ROW_COST = 20.0
 """Cap of the ratio (a step whose fixed part measured under 1/20 of a one-row step: rows are all
@@ -45,35 +47,50 @@ def _model_key(model: CausalLM, kv: KVPool) -> tuple[object, ...]:
             c.vocab_size, next(model.parameters()).dtype, kv.dtype, kv.page_size, tuple(kinds))  # fmt: skip
 
 
+def _forward(model: CausalLM, kv: KVPool, pages: torch.Tensor, total: int, n: int) -> Callable[[], object]:
+    """A call of ``model`` on ``n`` new tokens of one request ending at ``total`` tokens, over
+    ``pages`` of ``kv`` (a chain's tree mask when ``n > 1``)."""
+    ps, dev = kv.page_size, kv.device
+    slots = pages_to_slots(pages, ps)[:total]
+    ids = torch.zeros(n, dtype=torch.int64, device=dev)
+    positions = torch.arange(total - n, total, device=dev)
+    parents = None if n == 1 else [list(range(-1, n - 1))]
+    meta = AttentionMetadata.build([n], [total], [pages.tolist()], ps, tree_parents=parents, device=dev)
+    out_slots, logits_rows = slots[total - n :].to(dev), torch.arange(n, device=dev)
+    return lambda: model(ids, positions, kv, out_slots, meta, logits_rows)
+
+
+def _median_ratio(num: Callable[[], object], den: Callable[[], object]) -> float:
+    """Median over interleaved pairs of time(``num``) / time(``den``) (after one warm-up call of
+    each): pairs taken back to back see the same machine load, so their ratio is steadier than a
+    ratio of two separate best times."""
+    num(), den()
+    ratios: list[float] = []
+    spent = 0.0
+    while len(ratios) < _PAIRS and (len(ratios) < 3 or spent < _BUDGET_S):
+        td, tn = _timed(den), _timed(num)
+        ratios.append(tn / td)
+        spent += td + tn
+    return statistics.median(ratios)
+
+
+def _borrowed(kv: KVPool, tokens: int) -> torch.Tensor:
+    """Pages of ``kv`` for ``tokens`` tokens (give them back with ``kv.allocator.free``);
+    ``ValueError`` when the pool has too few free."""
+    need = -(-tokens // kv.page_size)
+    if kv.allocator.num_free < need:
+        raise ValueError(f"measuring a step's cost needs {need} free KV pages, the pool has {kv.allocator.num_free}")
+    return kv.allocator.alloc(need)
+
+
 @torch.inference_mode()
 def _step_ratio(model: CausalLM, kv: KVPool, rows: int, context: int) -> float:
-    """Median over interleaved pairs of (time of ``rows`` new tokens) / (time of one new token), of
-    one request after ``context`` cached ones: pairs taken back to back see the same machine
-    load, so their ratio is steadier than a ratio of two separate best times."""
-    ps = kv.page_size
+    """Median ratio of (time of ``rows`` new tokens) / (time of one new token), of one request
+    after ``context`` cached ones."""
     total = context + rows
-    pages = kv.allocator.alloc(-(-total // ps))
+    pages = _borrowed(kv, total)
     try:
-        slots = pages_to_slots(pages, ps)[:total]
-        dev = kv.device
-
-        def forward(n: int) -> Callable[[], object]:
-            ids = torch.zeros(n, dtype=torch.int64, device=dev)
-            positions = torch.arange(total - n, total, device=dev)
-            parents = None if n == 1 else [list(range(-1, n - 1))]
-            meta = AttentionMetadata.build([n], [total], [pages.tolist()], ps, tree_parents=parents, device=dev)
-            out_slots, logits_rows = slots[total - n :].to(dev), torch.arange(n, device=dev)
-            return lambda: model(ids, positions, kv, out_slots, meta, logits_rows)
-
-        one, many = forward(1), forward(rows)
-        one(), many()  # warm-up
-        ratios: list[float] = []
-        spent = 0.0
-        while len(ratios) < _PAIRS and (len(ratios) < 3 or spent < _BUDGET_S):
-            t1, tr = _timed(one), _timed(many)
-            ratios.append(tr / t1)
-            spent += t1 + tr
-        return statistics.median(ratios)
+        return _median_ratio(_forward(model, kv, pages, total, rows), _forward(model, kv, pages, total, 1))
     finally:
         kv.allocator.free(pages)
 
@@ -85,8 +102,7 @@ def measure_row_cost(model: CausalLM, kv: KVPool, rows: int, context: int = ROW_
     kept as thousandths). ``ValueError`` when the pool has too few free pages for them."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 2:
         raise ValueError(f"rows must be an int >= 2, got {rows!r}")
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise ValueError(f"context must be an int >= 1, got {context!r}")
+    _check_context(context)
     need = -(-(context + rows) // kv.page_size)
     if kv.allocator.num_free < need:
         raise ValueError(f"measuring the row cost needs {need} free KV pages, the pool has {kv.allocator.num_free}")
@@ -97,3 +113,37 @@ def measure_row_cost(model: CausalLM, kv: KVPool, rows: int, context: int = ROW_
         return round(1000 * (MAX_ROW_COST if c >= rows else min(MAX_ROW_COST, (c - 1) / (rows - c))))
 
     return measured("row-cost", (*_model_key(model, kv), rows, context), int, measure) / 1000
+
+
+def measure_draft_cost(model: CausalLM, kv: KVPool, draft: CausalLM, draft_kv: KVPool, row_cost: float,
+                       context: int = ROW_COST_CONTEXT) -> float:
+    """One draft node's cost for the goodput rule (``scheduler.draft_plan``): the drafter's
+    one-token forward over ``T_fixed`` of ``model``'s step, i.e. its time over ``model``'s
+    one-token forward times ``1 + row_cost`` (both after ``context`` cached tokens, ``>= 1``),
+    in ``[0, MAX_ROW_COST]``; measured once per host and pair of models (kept as thousandths,
+    ``treeserve._tuning``). ``ValueError`` when either pool has too few free pages."""
+    _check_context(context)
+    if not 0 <= row_cost < float("inf"):
+        raise ValueError(f"row_cost must be a finite number >= 0, got {row_cost!r}")
+
+    @torch.inference_mode()
+    def measure() -> int:
+        total = context + 1
+        pages = _borrowed(kv, total)
+        try:
+            draft_pages = _borrowed(draft_kv, total)
+            try:
+                ratio = _median_ratio(_forward(draft, draft_kv, draft_pages, total, 1), _forward(model, kv, pages, total, 1))
+            finally:
+                draft_kv.allocator.free(draft_pages)
+        finally:
+            kv.allocator.free(pages)
+        return round(1000 * ratio)
+
+    ratio = measured("draft-cost", (*_model_key(model, kv), *_model_key(draft, draft_kv), context), int, measure) / 1000
+    return min(MAX_ROW_COST, ratio * (1.0 + row_cost))
+
+
+def _check_context(context: int) -> None:
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"context must be an int >= 1, got {context!r}")

@@ -17,6 +17,16 @@ stops by itself where rows are expensive (a CPU batch: ``E`` and ``R`` grow toge
 tends to 1) or acceptance is low (chat that does not quote its input), and where rows are free
 (``row_cost == 0``: a memory-bound GPU step) every request gets its whole room.
 
+**The drafter's cost.** A drafter that runs a model (``draft:<model>``, ``draft:self:N``) spends
+one of its forwards per draft node of a chain; ``node_cost`` is that forward's time over the
+target step's fixed part (measured, ``runner.measure_draft_cost``; 0 for n-gram drafts, whose
+host lookup is not counted). A node then costs ``row_cost + node_cost`` and the bar becomes
+``g * (1 + R * row_cost + D * node_cost) > E * (row_cost + node_cost)`` for ``D`` nodes planned:
+a drafter nearly as slow as the target (SmolLM2's 29 of 30 layers) drafts only nodes accepted
+more than ~2/3 of the time on a CPU, where it halved the speed when it drafted whatever the
+rows allowed (issue 32). The batch's draft forwards are charged per node, not per depth: an
+over-estimate for batches, which draft little on CPU anyway.
+
 **The acceptance estimate** (:func:`acceptance`) is the posterior mean of a uniform prior (0.5)
 updated with the request's verified drafts: ``hits`` nodes accepted with their parent accepted,
 ``misses`` chains cut short (``Request.draft_hits`` / ``draft_misses``). The counts age twice:
@@ -76,37 +86,41 @@ def verified_counts(hits: float, misses: float, accepted: int, cut: bool) -> tup
 
 
 def plan_draft_lengths(
-    alphas: Sequence[float], rooms: Sequence[int], rows: int, tokens: float, row_cost: float, budget: int
+    alphas: Sequence[float], rooms: Sequence[int], rows: int, tokens: float, row_cost: float, budget: int,
+    node_cost: float = 0.0,
 ) -> list[int]:
     """Draft lengths ``n[i] <= rooms[i]`` (sum at most ``budget``) for requests whose nodes are
     accepted with per-node probability ``alphas[i]``, in a step of ``rows`` query rows already
-    expected to emit ``tokens`` tokens, rows costing ``row_cost`` times the step's fixed part.
+    expected to emit ``tokens`` tokens, rows costing ``row_cost`` times the step's fixed part and
+    each drafted node ``node_cost`` more (the drafter's forward).
 
-    ``row_cost == 0``: every request its whole room, in order, while ``budget`` lasts. Otherwise
-    nodes are added best expected gain first (``alpha ** depth``; ties to the earlier request)
-    while the gain beats the step's current tokens per unit time (module docstring).
+    ``row_cost == node_cost == 0``: every request its whole room, in order, while ``budget``
+    lasts. Otherwise nodes are added best expected gain first (``alpha ** depth``; ties to the
+    earlier request) while the gain beats the step's current tokens per unit time (module docstring).
     """
     if len(alphas) != len(rooms):
         raise ValueError(f"alphas ({len(alphas)}) and rooms ({len(rooms)}) differ in length")
-    if row_cost < 0 or rows < 0 or tokens < 0 or budget < 0:
-        raise ValueError(f"row_cost, rows, tokens and budget must be >= 0, got {row_cost}, {rows}, {tokens}, {budget}")
+    if row_cost < 0 or node_cost < 0 or rows < 0 or tokens < 0 or budget < 0:
+        raise ValueError("row_cost, node_cost, rows, tokens and budget must be >= 0, got "
+                         f"{row_cost}, {node_cost}, {rows}, {tokens}, {budget}")
     if any(not 0.0 <= a <= 1.0 for a in alphas):
         raise ValueError(f"alphas must lie in [0, 1], got {list(alphas)}")
     lengths = [0] * len(rooms)
-    if row_cost == 0:
+    if row_cost == 0 and node_cost == 0:
         for i, room in enumerate(rooms):
             lengths[i] = max(0, min(room, budget))
             budget -= lengths[i]
         return lengths
     heap = [(-a, i, a) for i, (a, room) in enumerate(zip(alphas, rooms)) if room > 0 and a > 0]
     heapq.heapify(heap)
+    time = 1.0 + rows * row_cost  # the step's time in units of its fixed part
     while heap and budget > 0:
         neg_gain, i, a = heap[0]
         gain = -neg_gain
-        if gain * (1.0 + rows * row_cost) <= tokens * row_cost:
+        if gain * time <= tokens * (row_cost + node_cost):
             break  # the best remaining node does not pay, so none does
         lengths[i] += 1
-        rows += 1
+        time += row_cost + node_cost
         tokens += gain
         budget -= 1
         if lengths[i] < rooms[i]:

@@ -67,6 +67,8 @@ class SchedulerConfig:
     relative to a step's fixed part, measured (``treeserve.runner.step_cost``); with it, each
     step's draft lengths follow the goodput rule of :mod:`treeserve.scheduler.draft_plan` and each
     request's acceptance so far (0 = rows are free: every asking request gets its whole room).
+    ``speculative_draft_cost``: one draft node's drafter forward relative to the same fixed part
+    (measured for a drafter that runs a model, ``runner.measure_draft_cost``; 0 for n-gram drafts).
     ``speculative_path_rows``: step row counts at which the model's arithmetic changes path (a
     CPU projection serves up to ``PackedLinear.packed_max_rows`` rows from its codes, more by its
     large-batch path): drafts never carry a step across one, so every row of a verify step is
@@ -85,6 +87,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     speculative_max_batch: int = 0
     speculative_row_cost: float = 0.0
+    speculative_draft_cost: float = 0.0
     speculative_path_rows: tuple[int, ...] = ()
     lpm_window: int = 128
     min_shared_prefix: int = 32
@@ -96,7 +99,7 @@ class SchedulerConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name in ("lpm_window", "min_shared_prefix", "num_speculative_tokens", "speculative_max_batch",
-                     "jump_forward_tokens", "speculative_row_cost"):  # fmt: skip
+                     "jump_forward_tokens", "speculative_row_cost", "speculative_draft_cost"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         rows = self.speculative_path_rows
@@ -364,7 +367,8 @@ class Scheduler:
         n_forced = sum(forced)  # accepted with probability 1 but at a tokenization boundary
         rows = sum(it.num_scheduled_tokens for it in items) + n_forced
         tokens = sum(it.sample for it in items) + n_forced
-        lengths = plan_draft_lengths(alphas, rooms, rows, tokens, cfg.speculative_row_cost, budget)
+        lengths = plan_draft_lengths(alphas, rooms, rows, tokens, cfg.speculative_row_cost, budget,
+                                     cfg.speculative_draft_cost)
         for j, f, n in zip(asking, forced, lengths):
             it = items[j]
             if f + n > 0 and self.ledger.try_reserve(it.req, it.req.seq_len + f + n):
