@@ -567,6 +567,46 @@ def use_q8_head(head: CodesHead) -> None:
     head.q8_min_rows = None if env >= _ALL_ROWS else env + 1
 
 
+_INT8_WINS, _CODES_WIN = 1, 2  # ``_large_paths``'s verdict bits
+
+
+def _codes_candidate(group: Sequence[PackedLinear]) -> bool:
+    """Whether the codes of ``group`` with int8 activations are timed as its large-batch path: GGUF
+    codes on the operator, its vector kernel built (``q8_lanes``), ``TREESERVE_INT8`` unset."""
+    return (bool(group) and os.environ.get("TREESERVE_INT8") is None and q8_lanes()
+            and all(m.qtype is not None and m.use_op for m in group))
+
+
+def _large_paths(group: Sequence[PackedLinear], rows: int, built: list[Int8Weight]) -> int:
+    """The large-batch verdict of ``group`` (one input width, run one after another as a step reads
+    them) at ``rows`` rows, as bits: ``_INT8_WINS`` when the int8 GEMM on ``Int8Weight`` copies
+    (where its operator and the width allow) beats ``F.linear`` on the dense weights; ``_CODES_WIN``
+    when the codes read with int8 activations (``gguf_linear_q8``, where ``_codes_candidate``) are
+    at least as fast as both. One measurement of all candidates, once per host per set of shapes
+    and thread count (kept on disk: ``treeserve._tuning``), over the group's ``_measured_part``;
+    the int8 copies it builds are appended to ``built`` (none when the verdict was cached)."""
+    timed = _measured_part(group)
+    k = group[0].in_features
+    with_int8 = k % INT8_BLOCK == 0 and int8_available()
+    codes = _codes_candidate(group)
+
+    def measure() -> int:
+        dense = [m.dequantized() for m in timed]
+        if with_int8:
+            built.extend(_int8_of(m, lambda w=w: w) for m, w in zip(timed, dense))
+        with torch.inference_mode():
+            x = torch.randn(rows, k, dtype=group[0].weight_dtype)
+            xf = x.float()
+            dense_s = _best_seconds(lambda: [F.linear(x, w) for w in dense])
+            int8_s = _best_seconds(lambda: [int8_linear(xf, w) for w in built]) if built else math.inf
+            codes_s = (_best_seconds(lambda: [torch.ops.treeserve.gguf_linear_q8(xf, m.raw, m.qtype, k) for m in timed])
+                       if codes else math.inf)
+        return (_INT8_WINS if int8_s < dense_s else 0) | (_CODES_WIN if codes_s <= min(dense_s, int8_s) else 0)
+
+    key = (tuple((m.out_features, m.in_features, m.qtype, m.weight_dtype) for m in timed), rows, with_int8, codes)
+    return measured("large-paths", key, int, measure)
+
+
 def use_codes_large(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
     """Whether the GGUF codes of ``layers`` (one input width, run one after another as a step reads
     them), read with int8 activations (``gguf_linear_q8``), serve ``rows``-row batches at least as
@@ -574,30 +614,11 @@ def use_codes_large(layers: Sequence[PackedLinear], rows: int = 64) -> bool:
     (``use_int8``'s GEMM, where its operator and the width allow) and the dense float32 weights
     (``F.linear``). Then no such weights are made: the codes serve every batch, their exact weights
     and no extra memory, with ``use_q8_large`` choosing int16 or int8 activations per row count.
-    Measured once per host per set of shapes and thread count (kept on disk: ``treeserve._tuning``)
-    where the operator runs its vector kernel (``gguf_op.q8_lanes``); ``TREESERVE_INT8`` set (``1``:
-    the int8 copies, ``0``: the dense weights) keeps its choice without timing."""
+    Measured with ``use_int8``'s choice in one measurement (``_large_paths``), where the operator
+    runs its vector kernel (``gguf_op.q8_lanes``); ``TREESERVE_INT8`` set (``1``: the int8 copies,
+    ``0``: the dense weights) keeps its choice without timing."""
     group = list(layers)
-    if (not group or os.environ.get("TREESERVE_INT8") is not None or not q8_lanes()
-            or any(m.qtype is None or not m.use_op for m in group)):
-        return False
-    timed = _measured_part(group)
-    k = group[0].in_features
-    with_int8 = k % INT8_BLOCK == 0 and int8_available()
-
-    def measure() -> bool:
-        dense = [m.dequantized() for m in timed]
-        copies = [_int8_of(m, lambda w=w: w) for m, w in zip(timed, dense)] if with_int8 else []
-        with torch.inference_mode():
-            x = torch.randn(rows, k, dtype=group[0].weight_dtype)
-            xf = x.float()
-            codes_s = _best_seconds(lambda: [torch.ops.treeserve.gguf_linear_q8(xf, m.raw, m.qtype, k) for m in timed])
-            if copies and _best_seconds(lambda: [int8_linear(xf, w) for w in copies]) < codes_s:
-                return False
-            return codes_s <= _best_seconds(lambda: [F.linear(x, w) for w in dense])
-
-    key = (tuple((m.out_features, m.in_features, m.qtype, m.weight_dtype) for m in timed), rows, with_int8)
-    return measured("codes-large", key, bool, measure)
+    return _codes_candidate(group) and bool(_large_paths(group, rows, []) & _CODES_WIN)
 
 
 def use_int8(layers: Sequence[PackedLinear], rows: int = 64, defer: bool = False) -> bool:
@@ -605,11 +626,11 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64, defer: bool = False
     them) an int8 copy of its weight (``Int8Weight``: rotated, per-channel 8-bit codes, row-wise
     7-bit activations, ``int8_op``; K a multiple of 64) for its batches above ``packed_max_rows``,
     when the int8 GEMM is available and, at ``rows`` rows, faster than ``F.linear`` on the dense
-    weights on this machine (measured once per host per set of shapes and thread count, kept on disk:
-    ``treeserve._tuning``). ``TREESERVE_INT8`` = ``0`` /
-    ``1`` overrides the measurement (``1`` still needs the operator). Returns whether it did.
-    ``defer``: when the choice was known without timing (the cache, the override), the copies are
-    built at the layers' first large batch (``PackedLinear.prepare_large``) instead of now."""
+    weights on this machine (measured once per host per set of shapes and thread count, kept on
+    disk, in the same measurement as ``use_codes_large``'s: ``_large_paths``). ``TREESERVE_INT8``
+    = ``0`` / ``1`` overrides the measurement (``1`` still needs the operator). Returns whether it
+    did. ``defer``: when the choice was known without timing (the cache, the override), the copies
+    are built at the layers' first large batch (``PackedLinear.prepare_large``) instead of now."""
     group = list(layers)
     env = os.environ.get("TREESERVE_INT8")
     if env not in (None, "0", "1"):
@@ -618,20 +639,8 @@ def use_int8(layers: Sequence[PackedLinear], rows: int = 64, defer: bool = False
         return False
     if len({m.in_features for m in group}) != 1:
         raise ValueError(f"layers must share one in_features, got {[m.in_features for m in group]}")
-    timed = _measured_part(group)
     built: list[Int8Weight] = []  # the measurement's weights, kept for their layers
-
-    def measure() -> bool:
-        dense = [m.dequantized() for m in timed]
-        built.extend(_int8_of(m, lambda w=w: w) for m, w in zip(timed, dense))
-        with torch.inference_mode():
-            x = torch.randn(rows, group[0].in_features, dtype=group[0].weight_dtype)
-            dense_s = _best_seconds(lambda: [F.linear(x, w) for w in dense])
-            xf = x.float()
-            return _best_seconds(lambda: [int8_linear(xf, w) for w in built]) < dense_s
-
-    key = (tuple((m.out_features, m.in_features, m.weight_dtype) for m in timed), rows)
-    if env is None and not measured("int8", key, bool, measure):
+    if env is None and not _large_paths(group, rows, built) & _INT8_WINS:
         return False
     if defer and not built:
         _LargeWeights(group, int8=True)
