@@ -22,9 +22,9 @@ one of its forwards per draft node of a chain; ``node_cost`` is that forward's t
 target step's fixed part (measured, ``runner.measure_draft_cost``; 0 for n-gram drafts, whose
 host lookup is not counted). A node then costs ``row_cost + node_cost`` and the bar becomes
 ``g * (1 + R * row_cost + D * node_cost) > E * (row_cost + node_cost)`` for ``D`` nodes planned:
-a drafter nearly as slow as the target (SmolLM2's 29 of 30 layers) drafts only nodes accepted
-more than ~2/3 of the time on a CPU, where it halved the speed when it drafted whatever the
-rows allowed (issue 32). The batch's draft forwards are charged per node, not per depth: an
+a drafter nearly as slow as the target drafts nothing, since a node then costs more than the
+one-row step it could save (SmolLM2's 29 of 30 layers on the Zen 3 EPYC: a node 1.65 of the
+fixed part at row cost 0.68; drafting whatever the rows allowed halved the speed, issue 32). The batch's draft forwards are charged per node, not per depth: an
 over-estimate for batches, which draft little on CPU anyway.
 
 **The acceptance estimate** (:func:`acceptance`) is the posterior mean of a uniform prior (0.5)
