@@ -60,7 +60,13 @@ def test_the_most_influential_layers_are_kept_in_order() -> None:
 def test_without_a_calibration_text_the_first_layers_are_kept() -> None:
     model = _model()
     assert self_draft_layers(model, 3, None) == [0, 1, 2]
+    assert self_draft_layers(model, 3, IDS[:1]) == [0, 1, 2]  # one token: nothing to compare
     torch.testing.assert_close(_logits(layer_subset(model, [0, 1, 2])), _logits(truncated_copy(model, 3)), rtol=0, atol=0)
+
+
+def test_a_calibration_text_longer_than_the_model_is_cut_to_its_positions() -> None:
+    short = random_model(tiny_config("llama", num_layers=LAYERS, max_position_embeddings=8), seed=11, init_std=0.1)
+    assert self_draft_layers(short, 3, IDS * 4) == self_draft_layers(short, 3, IDS[:8])
 
 
 @pytest.mark.parametrize("n", [0, LAYERS + 1, -1, True, 2.0, "3"])

@@ -61,14 +61,16 @@ def layer_influence(model: LlamaForCausalLM, token_ids: Sequence[int]) -> list[f
 
 def self_draft_layers(model: LlamaForCausalLM, num_layers: int, token_ids: Sequence[int] | None) -> list[int]:
     """The ``num_layers`` layers (increasing indices) a self-speculative drafter of ``model`` runs:
-    those of highest ``layer_influence`` over ``token_ids`` (ties to the lower index), or the first
-    ``num_layers`` when ``token_ids`` is None (an engine without a tokenizer has no calibration
+    those of highest ``layer_influence`` over ``token_ids`` (at most the model's
+    ``max_position_embeddings`` first ones; ties to the lower index), or the first ``num_layers``
+    when ``token_ids`` is None or shorter than 2 (an engine without a tokenizer has no calibration
     text). ``ValueError`` unless ``1 <= num_layers <= model.config.num_layers``."""
     total = model.config.num_layers
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
         raise ValueError(f"draft:self:N needs N an int in [1, {total}], got {num_layers!r}")
-    if token_ids is None or num_layers == total:
+    ids = [] if token_ids is None else list(token_ids)[: model.config.max_position_embeddings]
+    if len(ids) < 2 or num_layers == total:
         return list(range(num_layers))
-    influence = layer_influence(model, token_ids)
+    influence = layer_influence(model, ids)
     ranked = sorted(range(total), key=lambda i: (-influence[i], i))
     return sorted(ranked[:num_layers])
