@@ -23,7 +23,8 @@ import pytest
 
 from treeserve import LLM, SamplingParams
 from treeserve.bench import rewrite_prompts as _prompts
-from treeserve.engine import CPU_SPECULATIVE_MAX_BATCH
+from treeserve.engine import CPU_SPECULATIVE_MAX_BATCH, row_cost_rows
+from treeserve.models.quant import path_rows
 from treeserve.runner import measure_row_cost
 
 CHAT = [
@@ -53,7 +54,8 @@ def _spec(base: LLM, **kw: object) -> LLM:
 
 def _default(base: LLM) -> LLM:
     """What ``LLM()`` picks on this machine (``speculative="auto"`` for a model loaded by name)."""
-    row_cost = measure_row_cost(base.model, base.kv, 1 + base.config.num_speculative_tokens)
+    rows = row_cost_rows(base.config.num_speculative_tokens, path_rows(base.model))
+    row_cost = measure_row_cost(base.model, base.kv, rows)
     return _spec(base, speculative="ngram", speculative_max_batch=CPU_SPECULATIVE_MAX_BATCH, speculative_row_cost=row_cost)
 
 

@@ -83,6 +83,15 @@ measured 1.03x at batch 16 on the 2-core EPYC; ``benches/bench_speculative.py`` 
 crossover, not yet re-measured with verify steps on the fused path: ``benches/RESULTS.md``)."""
 
 
+def row_cost_rows(num_speculative_tokens: int, path: Sequence[int]) -> int:
+    """The rows at which ``LLM`` measures the row cost: the most a lone request's verify step
+    reaches, ``1 + num_speculative_tokens``, or fewer where a projection changes path (``path``:
+    the scheduler's ``speculative_path_rows``, which drafts never cross), so that the cost is
+    that of the path verify steps take (SmolLM2 on the Zen 3 EPYC, one quiet measurement: 0.38
+    at 4 rows, 0.49 at 5, where the down projections take their int8 path); at least 2."""
+    return max(2, min([1 + num_speculative_tokens] + [t for t in path if t >= 2]))
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine-wide settings (validated; every field named in errors).
@@ -497,7 +506,9 @@ class LLM:
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids or [])
         self.drafter = self._make_drafter(max_len, eos)  # run by the engine; the scheduler only asks
         drafter = self.drafter
-        row_cost = self._row_cost(loaded=isinstance(model, str))
+        # tensor parallel: rank 0's shard (the ranks hold equal shards, measured alike)
+        path = path_rows(getattr(self.model, "local", self.model))
+        row_cost = self._row_cost(loaded=isinstance(model, str), path=path)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_batched_tokens=cfg.max_batched_tokens,
@@ -508,8 +519,7 @@ class LLM:
                 jump_forward_tokens=cfg.jump_forward_tokens,
                 speculative_row_cost=row_cost,
                 speculative_draft_cost=self._draft_cost(loaded=isinstance(model, str), row_cost=row_cost),
-                # tensor parallel: rank 0's shard (the ranks hold equal shards, measured alike)
-                speculative_path_rows=path_rows(getattr(self.model, "local", self.model)),
+                speculative_path_rows=path,
             ),
             self.kv.allocator,
             self.radix,
@@ -863,12 +873,13 @@ class LLM:
                 self.scheduler.abort(req)
 
     # ------------------------------------------------------------------ internals
-    def _row_cost(self, loaded: bool) -> float:
+    def _row_cost(self, loaded: bool, path: tuple[int, ...]) -> float:
         """The scheduler's ``speculative_row_cost``: the config's, else measured for a model
         loaded by name on CPU in one process (``runner.step_cost``; after the usual 128 cached
         tokens, or as many as a smaller KV pool can lend: its requests are no longer; a pool
         that cannot lend one gives ``MAX_ROW_COST``, drafting only near-certain nodes), else 0
-        (every asking request drafts its whole room, as measured on no machine: a given module, CUDA)."""
+        (every asking request drafts its whole room, as measured on no machine: a given module, CUDA).
+        Measured at ``row_cost_rows`` rows (``path``: the scheduler's ``speculative_path_rows``)."""
         cfg = self.config
         if not cfg.speculative:
             return 0.0
@@ -876,7 +887,7 @@ class LLM:
             return float(cfg.speculative_row_cost)
         if not cfg.measured_setting(loaded):
             return 0.0
-        rows = 1 + cfg.num_speculative_tokens
+        rows = row_cost_rows(cfg.num_speculative_tokens, path)
         context = min(ROW_COST_CONTEXT, self.kv.allocator.num_free * self.kv.page_size - rows)
         return measure_row_cost(self.model, self.kv, rows, context) if context >= 1 else MAX_ROW_COST
 

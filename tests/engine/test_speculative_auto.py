@@ -87,7 +87,17 @@ def test_a_small_kv_pool_measures_a_shorter_context(tmp_path, monkeypatch: pytes
     n = len(seen)
     tiny = LLM((model, None), kv_cache_tokens=4, max_model_len=4, speculative="ngram", num_speculative_tokens=4)
     assert len(seen) == n and tiny.scheduler.config.speculative_row_cost == MAX_ROW_COST
+    # a projection that changes path at 3 rows: measured at the 3 rows a verify step stays within
+    monkeypatch.setattr(engine_module, "path_rows", lambda m: (1, 3, 8))
+    capped = LLM((model, None), kv_cache_tokens=1024, max_model_len=128, speculative="ngram")
+    assert seen[-1][1] == 3 and capped.scheduler.config.speculative_path_rows == (1, 3, 8)
     clear_memo()
+
+
+@pytest.mark.parametrize(("k", "path", "rows"), [(4, (), 5), (4, (4, 8), 4), (4, (1, 16), 5), (1, (), 2), (4, (2,), 2),
+                                                 (2, (8,), 3)])
+def test_row_cost_rows_stay_within_the_verify_path(k: int, path: tuple[int, ...], rows: int) -> None:
+    assert engine_module.row_cost_rows(k, path) == rows
 
 
 def test_row_cost_bad_input() -> None:
