@@ -117,6 +117,7 @@ def test_draft_cost_is_measured_for_a_draft_model_once(tmp_path, monkeypatch: py
     monkeypatch.setenv("TREESERVE_CACHE_DIR", str(tmp_path))
     clear_memo()
     model = random_model(tiny_config("llama", num_layers=4, eos_token_ids=(2,)), seed=0)
+    c = model.config
     monkeypatch.setattr(EngineConfig, "measured_setting", lambda self, loaded: True)  # as for a model loaded by name
     seen = []
     real = engine_module.measure_draft_cost
@@ -143,4 +144,7 @@ def test_draft_cost_is_measured_for_a_draft_model_once(tmp_path, monkeypatch: py
         measure_draft_cost(model, llm.kv, llm.drafter.model, llm.drafter.kv, -1.0)
     with pytest.raises(ValueError, match="context must be an int >= 1"):
         measure_draft_cost(model, llm.kv, llm.drafter.model, llm.drafter.kv, 0.5, 0)
+    small = KVPool(2, 8, 1, c.num_kv_heads, c.head_dim, torch.float32)  # 7 free pages; the entry is kept
+    with pytest.raises(ValueError, match="measuring the draft cost needs 129 free KV pages, the pool has 7"):
+        measure_draft_cost(model, llm.kv, llm.drafter.model, small, 0.5, seen[0][5])
     clear_memo()

@@ -520,6 +520,11 @@ def _int16_rows(kind: str, key: tuple[object, ...], k: int, int16: Callable[[tor
     return _ALL_ROWS if rows >= _CROSSOVER_ROWS[-1] else max(rows, 1)
 
 
+def _codes_on_op(group: Sequence[PackedLinear]) -> bool:
+    """Whether ``group`` is non-empty and every layer's GGUF codes run on the operator."""
+    return bool(group) and all(m.qtype is not None and m.use_op for m in group)
+
+
 def use_q8_large(layers: Sequence[PackedLinear]) -> int:
     """For a group of GGUF-code layers (one input width) whose codes serve every batch (no room for
     other large-batch weights): give them the int8-activation path of their codes
@@ -533,7 +538,7 @@ def use_q8_large(layers: Sequence[PackedLinear]) -> int:
     measured, nor taken); ``TREESERVE_PACKED_MAX_ROWS`` (an int) overrides both."""
     group = list(layers)
     env = _env_rows("TREESERVE_PACKED_MAX_ROWS")
-    if not group or any(m.qtype is None or not m.use_op for m in group) or (env is None and not q8_lanes()):
+    if not _codes_on_op(group) or (env is None and not q8_lanes()):
         return _ALL_ROWS
     if env is None:
         timed = _measured_part(group)
@@ -573,8 +578,7 @@ _INT8_WINS, _CODES_WIN = 1, 2  # ``_large_paths``'s verdict bits
 def _codes_candidate(group: Sequence[PackedLinear]) -> bool:
     """Whether the codes of ``group`` with int8 activations are timed as its large-batch path: GGUF
     codes on the operator, its vector kernel built (``q8_lanes``), ``TREESERVE_INT8`` unset."""
-    return (bool(group) and os.environ.get("TREESERVE_INT8") is None and q8_lanes()
-            and all(m.qtype is not None and m.use_op for m in group))
+    return _codes_on_op(group) and os.environ.get("TREESERVE_INT8") is None and q8_lanes()
 
 
 def _large_paths(group: Sequence[PackedLinear], rows: int, built: list[Int8Weight]) -> int:

@@ -74,13 +74,18 @@ def _median_ratio(num: Callable[[], object], den: Callable[[], object]) -> float
     return statistics.median(ratios)
 
 
-def _borrowed(kv: KVPool, tokens: int) -> torch.Tensor:
-    """Pages of ``kv`` for ``tokens`` tokens (give them back with ``kv.allocator.free``);
-    ``ValueError`` when the pool has too few free."""
+def _check_free(kv: KVPool, tokens: int, what: str) -> None:
+    """``ValueError`` unless ``kv`` has free pages for ``tokens`` tokens (checked before the cache is
+    read, so a pool too small fails whether or not the measurement is kept)."""
     need = -(-tokens // kv.page_size)
     if kv.allocator.num_free < need:
-        raise ValueError(f"measuring a step's cost needs {need} free KV pages, the pool has {kv.allocator.num_free}")
-    return kv.allocator.alloc(need)
+        raise ValueError(f"measuring {what} needs {need} free KV pages, the pool has {kv.allocator.num_free}")
+
+
+def _borrowed(kv: KVPool, tokens: int) -> torch.Tensor:
+    """Pages of ``kv`` for ``tokens`` tokens (``_check_free`` first; give them back with
+    ``kv.allocator.free``)."""
+    return kv.allocator.alloc(-(-tokens // kv.page_size))
 
 
 @torch.inference_mode()
@@ -103,9 +108,7 @@ def measure_row_cost(model: CausalLM, kv: KVPool, rows: int, context: int = ROW_
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 2:
         raise ValueError(f"rows must be an int >= 2, got {rows!r}")
     _check_context(context)
-    need = -(-(context + rows) // kv.page_size)
-    if kv.allocator.num_free < need:
-        raise ValueError(f"measuring the row cost needs {need} free KV pages, the pool has {kv.allocator.num_free}")
+    _check_free(kv, context + rows, "the row cost")
 
     def measure() -> int:
         # T(r) / T(1) = c = (1 + r rho) / (1 + rho), so rho = (c - 1) / (r - c)
@@ -125,6 +128,8 @@ def measure_draft_cost(model: CausalLM, kv: KVPool, draft: CausalLM, draft_kv: K
     _check_context(context)
     if not 0 <= row_cost < float("inf"):
         raise ValueError(f"row_cost must be a finite number >= 0, got {row_cost!r}")
+    _check_free(kv, context + 1, "the draft cost")
+    _check_free(draft_kv, context + 1, "the draft cost")
 
     @torch.inference_mode()
     def measure() -> int:

@@ -24,8 +24,9 @@ host lookup is not counted). A node then costs ``row_cost + node_cost`` and the 
 ``g * (1 + R * row_cost + D * node_cost) > E * (row_cost + node_cost)`` for ``D`` nodes planned:
 a drafter nearly as slow as the target drafts nothing, since a node then costs more than the
 one-row step it could save (SmolLM2's 29 of 30 layers on the Zen 3 EPYC: a node 1.65 of the
-fixed part at row cost 0.68; drafting whatever the rows allowed halved the speed, issue 32). The batch's draft forwards are charged per node, not per depth: an
-over-estimate for batches, which draft little on CPU anyway.
+fixed part at row cost 0.68; drafting whatever the rows allowed halved the speed, issue 32).
+The batch's draft forwards are charged per node, not per depth: an over-estimate for batches,
+which draft little on CPU anyway.
 
 **The acceptance estimate** (:func:`acceptance`) is the posterior mean of a uniform prior (0.5)
 updated with the request's verified drafts: ``hits`` nodes accepted with their parent accepted,
