@@ -10,10 +10,15 @@ keeps its result in one JSON file per entry under ``cache_dir()``:
 - key: ``kind``, the caller's ``key`` (shapes, dtypes, ...) and this host: CPU model and flags,
   torch version and capability, intra-op thread count, and a hash of the C++ operators' sources
   (a kernel change is a new key);
-- an entry is a JSON object ``{"version", "kind", "key", "value"}`` written through a temporary
-  file and ``os.replace`` (readers never see half a file); one that cannot be parsed, has another
-  ``version`` or ``key`` (a hash collision) or a value of the wrong type is measured again and
-  rewritten;
+- an entry is a JSON object ``{"version", "kind", "key", "value", "interference", "tries"}``
+  written through a temporary file and ``os.replace`` (readers never see half a file); one that
+  cannot be parsed, has another ``version`` or ``key`` (a hash collision), a value of the wrong
+  type or a bad ``interference`` / ``tries`` is measured again and rewritten;
+- a measurement taken while other work used more than ``INTERFERENCE_LIMIT`` of this process's
+  CPUs (``treeserve._cpu_load.interference``: other processes, steal time) is provisional: each
+  later start measures it again, up to ``MAX_TRIES`` measurements in all, until one is taken below
+  the limit, and the entry keeps the value of the least disturbed measurement so far (a timing
+  taken while the cores were shared would otherwise steer that choice for good);
 - a directory that cannot be written costs the measurement at every start, never an error
   (logged once).
 
@@ -29,18 +34,26 @@ import tempfile
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO, NamedTuple, TypeVar
 
 import torch
 
 from treeserve._cpp import cpu_flags
 from treeserve._cpu import cpu_features
+from treeserve._cpu_load import interference
 from treeserve._utils import log_once
 
-__all__ = ["CACHE_VERSION", "cache_dir", "clear_memo", "entry_path", "host_key", "measured", "write_entry"]
+__all__ = ["CACHE_VERSION", "INTERFERENCE_LIMIT", "MAX_TRIES", "cache_dir", "clear_memo", "entry_path", "host_key",
+           "measured", "write_entry"]
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Format version of an entry; entries of another version are measured again."""
+
+INTERFERENCE_LIMIT = 0.25
+"""Share of this process's CPUs that other work may use during a measurement that is kept for good."""
+
+MAX_TRIES = 3
+"""Measurements of one entry at most, while each is taken above ``INTERFERENCE_LIMIT``."""
 
 _V = TypeVar("_V", int, bool)
 _memo: dict[str, int | bool] = {}
@@ -81,17 +94,25 @@ def entry_path(kind: str, key: list[str]) -> Path:
     return cache_dir() / "measurements" / f"{kind}-{digest}.json"
 
 
-def _read(path: Path, kind: str, key: list[str], value_type: type) -> int | bool | None:
+class _Entry(NamedTuple):
+    value: int | bool
+    interference: float
+    tries: int
+
+
+def _read(path: Path, kind: str, key: list[str], value_type: type) -> _Entry | None:
     try:
         entry = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(entry, dict) or entry.get("version") != CACHE_VERSION or entry.get("kind") != kind:
         return None
-    value = entry.get("value")
+    value, share, tries = entry.get("value"), entry.get("interference"), entry.get("tries")
     if entry.get("key") != key or type(value) is not value_type:  # bool is not int here, nor int bool
         return None
-    return value
+    if type(share) not in (int, float) or not 0 <= share <= 1 or type(tries) is not int or tries < 1:
+        return None
+    return _Entry(value, float(share), tries)
 
 
 def write_entry(path: Path, write: Callable[[IO[bytes]], object], what: str) -> None:
@@ -108,14 +129,31 @@ def write_entry(path: Path, write: Callable[[IO[bytes]], object], what: str) -> 
         log_once(f"treeserve: {what} ({path.parent} not writable: {exc})")
 
 
-def _write(path: Path, kind: str, key: list[str], value: int | bool) -> None:
-    entry = {"version": CACHE_VERSION, "kind": kind, "key": key, "value": value}
-    write_entry(path, lambda f: f.write(json.dumps(entry).encode()), "measurement cache: measuring at every start")
+def _write(path: Path, kind: str, key: list[str], entry: _Entry) -> None:
+    data = {"version": CACHE_VERSION, "kind": kind, "key": key, **entry._asdict()}
+    write_entry(path, lambda f: f.write(json.dumps(data).encode()), "measurement cache: measuring at every start")
+
+
+def _measure(kind: str, measure: Callable[[], _V], value_type: type, before: _Entry | None) -> _Entry:
+    """A new measurement, or ``before`` where that was the less disturbed one; ``tries`` counted."""
+    value, share = interference(measure)
+    if type(value) is not value_type:
+        raise TypeError(f"measurement {kind!r} must return {value_type.__name__}, got {type(value).__name__}")
+    tries = 1 if before is None else before.tries + 1
+    if share > INTERFERENCE_LIMIT:
+        then = (f"measured again at the next start ({MAX_TRIES - tries} more at most)" if tries < MAX_TRIES
+                else f"keeping the least disturbed of {MAX_TRIES}")
+        log_once(f"treeserve: measurement {kind!r} taken while other work used {share:.0%} of this process's CPUs; "
+                 f"{then}")
+    if before is not None and before.interference < share:
+        return before._replace(tries=tries)
+    return _Entry(value, share, tries)
 
 
 def measured(kind: str, key: tuple[object, ...], value_type: type[_V], measure: Callable[[], _V]) -> _V:
     """``measure()``'s result for ``kind`` and ``key`` on this host: from the process memo, else
-    from the disk cache, else measured now and stored (see the module docstring).
+    from the disk cache, else measured now and stored; an entry measured while the CPUs were
+    shared is measured again (see the module docstring).
 
     ``kind`` is a short name (letters, digits, ``-``); ``key`` any values whose ``str`` is stable
     (ints, strings, dtypes, tuples of them); ``value_type`` ``int`` or ``bool``, what ``measure``
@@ -129,14 +167,12 @@ def measured(kind: str, key: tuple[object, ...], value_type: type[_V], measure: 
     if memo_key in _memo:
         return _memo[memo_key]  # type: ignore[return-value]
     path = entry_path(kind, full)
-    value = _read(path, kind, full, value_type)
-    if value is None:
-        value = measure()
-        if type(value) is not value_type:
-            raise TypeError(f"measurement {kind!r} must return {value_type.__name__}, got {type(value).__name__}")
-        _write(path, kind, full, value)
-    _memo[memo_key] = value
-    return value  # type: ignore[return-value]
+    entry = _read(path, kind, full, value_type)
+    if entry is None or (entry.interference > INTERFERENCE_LIMIT and entry.tries < MAX_TRIES):
+        entry = _measure(kind, measure, value_type, entry)
+        _write(path, kind, full, entry)
+    _memo[memo_key] = entry.value
+    return entry.value  # type: ignore[return-value]
 
 
 def clear_memo() -> None:
