@@ -137,6 +137,7 @@ def test_a_measurement_taken_while_the_cpus_were_shared_is_taken_again(shares: l
     MAX_TRIES in all; each start returns the value of the least disturbed measurement so far."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TREESERVE_CACHE_DIR", tempfile.mkdtemp(dir=_tuning.cache_dir()))
+        mp.delenv("TREESERVE_REMEASURE_SHARE")  # the default limit (the suite keeps every measurement)
         scripted = iter(shares)
         mp.setattr(_tuning, "interference", lambda fn: (fn(), next(scripted)))
         measurements: list[tuple[int | bool, float]] = []
@@ -160,6 +161,7 @@ def test_a_measurement_taken_while_the_cpus_were_shared_is_taken_again(shares: l
 
 def test_a_measurement_is_timed_with_the_cpus_load(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The share that other work took is stored with the value; a disturbed entry is re-measured."""
+    monkeypatch.delenv("TREESERVE_REMEASURE_SHARE")
     monkeypatch.setattr(_tuning, "interference", lambda fn: (fn(), 0.6))
     measured("probe", (1,), int, Counter(40))
     path = entry_path("probe", ["1", *host_key()])
@@ -172,6 +174,23 @@ def test_a_measurement_is_timed_with_the_cpus_load(cache: Path, monkeypatch: pyt
     assert (entry["value"], entry["interference"], entry["tries"]) == (30, 0.1, 2)
     clear_memo()
     assert measured("probe", (1,), int, quiet) == 30 and quiet.calls == 1  # quiet now: kept for good
+
+
+@pytest.mark.parametrize("share, remeasured", [("0.7", False), ("0.5", True), ("1", False), ("0", True)])
+def test_the_limit_can_be_set(cache: Path, monkeypatch: pytest.MonkeyPatch, share: str, remeasured: bool) -> None:
+    monkeypatch.setenv("TREESERVE_REMEASURE_SHARE", share)
+    monkeypatch.setattr(_tuning, "interference", lambda fn: (fn(), 0.6))
+    measured("probe", (1,), int, Counter(1))
+    clear_memo()
+    again = Counter(2)
+    assert measured("probe", (1,), int, again) == (2 if remeasured else 1) and again.calls == remeasured
+
+
+@pytest.mark.parametrize("bad", ["x", "-0.1", "1.5", "nan", ""])
+def test_a_bad_limit_names_the_variable(cache: Path, monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    monkeypatch.setenv("TREESERVE_REMEASURE_SHARE", bad)
+    with pytest.raises(ValueError, match=r"TREESERVE_REMEASURE_SHARE must be a number in \[0, 1\]"):
+        measured("probe", (1,), int, Counter(1))
 
 
 def test_a_cache_that_cannot_be_written_still_measures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ keeps its result in one JSON file per entry under ``cache_dir()``:
   written through a temporary file and ``os.replace`` (readers never see half a file); one that
   cannot be parsed, has another ``version`` or ``key`` (a hash collision), a value of the wrong
   type or a bad ``interference`` / ``tries`` is measured again and rewritten;
-- a measurement taken while other work used more than ``INTERFERENCE_LIMIT`` of this process's
+- a measurement taken while other work used more than ``interference_limit()`` of this process's
   CPUs (``treeserve._cpu_load.interference``: other processes, steal time) is provisional: each
   later start measures it again, up to ``MAX_TRIES`` measurements in all, until one is taken below
   the limit, and the entry keeps the value of the least disturbed measurement so far (a timing
@@ -44,13 +44,14 @@ from treeserve._cpu_load import interference
 from treeserve._utils import log_once
 
 __all__ = ["CACHE_VERSION", "INTERFERENCE_LIMIT", "MAX_TRIES", "cache_dir", "clear_memo", "entry_path", "host_key",
-           "measured", "write_entry"]
+           "interference_limit", "measured", "write_entry"]
 
 CACHE_VERSION = 2
 """Format version of an entry; entries of another version are measured again."""
 
 INTERFERENCE_LIMIT = 0.25
-"""Share of this process's CPUs that other work may use during a measurement that is kept for good."""
+"""Share of this process's CPUs that other work may use during a measurement that is kept for good
+(the default of ``interference_limit``)."""
 
 MAX_TRIES = 3
 """Measurements of one entry at most, while each is taken above ``INTERFERENCE_LIMIT``."""
@@ -67,6 +68,22 @@ def cache_dir() -> Path:
         return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "treeserve"
+
+
+def interference_limit() -> float:
+    """``TREESERVE_REMEASURE_SHARE`` where set (a number in ``[0, 1]``; 1 keeps every measurement,
+    as on a host that is never quiet), else ``INTERFERENCE_LIMIT``. ``ValueError`` names the
+    variable otherwise."""
+    text = os.environ.get("TREESERVE_REMEASURE_SHARE")
+    if text is None:
+        return INTERFERENCE_LIMIT
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0 <= share <= 1:
+        raise ValueError(f"TREESERVE_REMEASURE_SHARE must be a number in [0, 1], got {text!r}")
+    return share
 
 
 @lru_cache(maxsize=1)
@@ -140,7 +157,7 @@ def _measure(kind: str, measure: Callable[[], _V], value_type: type, before: _En
     if type(value) is not value_type:
         raise TypeError(f"measurement {kind!r} must return {value_type.__name__}, got {type(value).__name__}")
     tries = 1 if before is None else before.tries + 1
-    if share > INTERFERENCE_LIMIT:
+    if share > interference_limit():
         then = (f"measured again at the next start ({MAX_TRIES - tries} more at most)" if tries < MAX_TRIES
                 else f"keeping the least disturbed of {MAX_TRIES}")
         log_once(f"treeserve: measurement {kind!r} taken while other work used {share:.0%} of this process's CPUs; "
@@ -168,7 +185,7 @@ def measured(kind: str, key: tuple[object, ...], value_type: type[_V], measure: 
         return _memo[memo_key]  # type: ignore[return-value]
     path = entry_path(kind, full)
     entry = _read(path, kind, full, value_type)
-    if entry is None or (entry.interference > INTERFERENCE_LIMIT and entry.tries < MAX_TRIES):
+    if entry is None or (entry.interference > interference_limit() and entry.tries < MAX_TRIES):
         entry = _measure(kind, measure, value_type, entry)
         _write(path, kind, full, entry)
     _memo[memo_key] = entry.value
