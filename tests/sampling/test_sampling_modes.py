@@ -16,19 +16,56 @@ from .test_sampling_sample import EOS, batch_case, bounds, candidate_bound
 
 @given(case=batch_case(dtype=torch.float32), k=bounds, positions=st.lists(st.integers(0, 10**6), min_size=5, max_size=5))
 def test_grouped_sampler_matches_the_together_reference(case, k: int, positions) -> None:
-    """Mixed greedy/stochastic batches with every stage: the same tokens as every row through
-    one op sequence; greedy rows' logprobs bitwise equal (batch-invariant normalizer)."""
+    """Mixed greedy/stochastic batches with every stage: the same tokens and top ids as every row
+    through one op sequence; greedy rows' logprobs bitwise equal (batch-invariant normalizer)."""
     params, _, _, logits, batch = case
     pos = torch.tensor(positions[: len(params)])
     with candidate_bound(k):
         got = sample(logits, batch, pos, backend="torch")
         want = sample_together(scale_logits(logits, batch), batch, pos, "torch")
     assert torch.equal(got.tokens, want.tokens)
-    assert torch.equal(got.top_ids, want.top_ids) or batch.num_logprobs == 0 or not batch.any_greedy
+    # top ids in the same order, ties by id, whether or not a row's group filtered (stable sort) or not (operator)
+    assert torch.equal(got.top_ids, want.top_ids)
     greedy = batch.greedy
     assert torch.equal(got.logprobs[greedy].nan_to_num(7.0), want.logprobs[greedy].nan_to_num(7.0))
     torch.testing.assert_close(got.logprobs, want.logprobs, equal_nan=True, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got.top_logprobs, want.top_logprobs, equal_nan=True, rtol=1e-6, atol=1e-6)
+
+
+@given(case=batch_case(dtype=torch.float32), k=bounds, positions=st.lists(st.integers(0, 10**6), min_size=5, max_size=5))
+def test_top_ids_order_ties_by_id(case, k: int, positions) -> None:
+    """The reported top ids run by processed logit, descending, equal logits by id (lower first), on
+    every row whichever path its group took: the candidate operator, or the stable full sort where a
+    filter needs most of the row (an unstable sort put ties in an order that changed with the batch)."""
+    params, _, _, logits, batch = case
+    if batch.num_logprobs == 0:
+        return
+    with candidate_bound(k):
+        got = sample(logits, batch, torch.tensor(positions[: len(params)]), backend="torch")
+    scaled = scale_logits(logits, batch)
+    for r in range(len(params)):
+        if got.tokens[r] < 0:  # an invalid row reports nothing
+            continue
+        values, ids = scaled[r, got.top_ids[r]].tolist(), got.top_ids[r].tolist()
+        for j in range(len(ids) - 1):
+            assert values[j] > values[j + 1] or (values[j] == values[j + 1] and ids[j] < ids[j + 1]), (r, ids, values)
+
+
+def test_tied_top_ids_do_not_depend_on_the_batch() -> None:
+    """Found by the long hypothesis profile: a stochastic row of many equal logits reported other top
+    ids when another row of its batch had a filter (min-p), which sent every row through the sort."""
+    halves = [-1, 0, -1, 0, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, -1, 1, -1, 1, -1, 1,
+              0, 0, 0, -1, 1, 1, 0, 2, 0, 2, 0, 1, 0, 1, 0, 1, 0, -1, 1, 1]
+    tied = torch.tensor(halves, dtype=torch.float32) / 2
+    logits = torch.stack([torch.zeros(40), torch.zeros(40), tied])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, min_p=0.05, logprobs=3),
+              SamplingParams(temperature=0.5)]
+    batch = SamplingBatch.build(params, [0, 1, 2], [[], [], []], 40, eos_token_ids=[EOS])
+    pos = torch.zeros(3, dtype=torch.int64)
+    got = sample(logits, batch, pos, backend="torch")
+    want = sample_together(scale_logits(logits, batch), batch, pos, "torch")
+    assert got.top_ids[2].tolist() == want.top_ids[2].tolist() == [27, 29, 4]  # the two 1.0s, then the first 0.5
+    assert got.top_ids[0].tolist() == want.top_ids[0].tolist() == [0, 1, 2]  # all equal: by id
 
 
 @given(

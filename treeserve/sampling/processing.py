@@ -159,9 +159,11 @@ def thresholds(
 
 
 def _top_candidates(scaled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest values (descending) and their ids; a full sort when k is most of the row."""
+    """The k largest values (descending) and their ids, ties by id (lower first) as the CPU
+    operator orders them (``topk_rows``); a full stable sort when k is most of the row. So the
+    reported top ids of a row do not depend on which path its batch took."""
     if 2 * k > scaled.shape[1]:
-        return torch.sort(scaled, dim=1, descending=True)
+        return torch.sort(scaled, dim=1, descending=True, stable=True)
     return topk_rows(scaled, k)
 
 
