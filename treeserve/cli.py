@@ -9,6 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from treeserve import bench as workloads
+from treeserve._cpu import cpu_features
+from treeserve._cpu_load import interference
+from treeserve._tuning import INTERFERENCE_LIMIT
 from treeserve.cluster.policy import RoutingThresholds
 from treeserve.engine import LLM
 from treeserve.sampling import SamplingParams
@@ -137,19 +140,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         n_req, n_new, groups, per_group, prefix, single = 64, 128, 8, 8, 512, 128
     llm = _make_llm(args)
-    rows = [workloads.throughput(llm, n_req, n_new)]
+
+    def run() -> list[workloads.WorkloadResult]:
+        rows = [workloads.throughput(llm, n_req, n_new)]
+        cached = workloads.shared_prefix(llm, groups, per_group, prefix)
+        llm_nocache = _same_model(llm, args, enable_prefix_cache=False)
+        uncached = workloads.shared_prefix(llm_nocache, groups, per_group, prefix)
+        del llm_nocache
+        cached.extra["speedup_vs_no_cache"] = uncached.seconds / cached.seconds
+        rows += [cached, uncached, workloads.single_decode(llm, single)]
+        if llm.config.speculative:  # what speculation gives one input-grounded request, vs the same model without
+            rows.append(workloads.grounded_decode(llm, _same_model(llm, args), single))
+        rows.append(workloads.single_stream_breakdown(llm, single))
+        return rows
+
+    rows, shared = interference(run)  # the figures mean little where other work shared the cores
     sample = rows[0].sample_text
-    cached = workloads.shared_prefix(llm, groups, per_group, prefix)
-    llm_nocache = _same_model(llm, args, enable_prefix_cache=False)
-    uncached = workloads.shared_prefix(llm_nocache, groups, per_group, prefix)
-    del llm_nocache
-    cached.extra["speedup_vs_no_cache"] = uncached.seconds / cached.seconds
-    rows += [cached, uncached, workloads.single_decode(llm, single)]
-    if llm.config.speculative:  # what speculation gives one input-grounded request, vs the same model without
-        rows.append(workloads.grounded_decode(llm, _same_model(llm, args), single))
-    rows.append(workloads.single_stream_breakdown(llm, single))
     print(f"\nmodel={args.model} dtype={args.dtype} ({llm.model.dtype}) quantization={args.quantization} "
           f"threads={args.threads or 'default'}")
+    quiet = "" if shared <= INTERFERENCE_LIMIT else " (not quiet: ratios only, or run again)"
+    cpu = cpu_features()
+    print(f"CPU: {cpu.model_name} ({cpu.torch_capability}); other work took {shared:.0%} of this process's CPUs during "
+          f"the run{quiet}")
     print(f"sample output: {sample[:300]!r}\n")
     print(f"{'workload':<34}{'requests':>9}{'prompt tok':>11}{'gen tok':>9}{'seconds':>9}{'gen tok/s':>11}  notes")
     for r in rows:
