@@ -34,6 +34,16 @@ class CPUFeatures:
     onednn_bf16: bool = False
     """oneDNN's bf16 matmul primitives run here (AVX-512 BW+VL+DQ, or AVX-NE-CONVERT): what
     ``mkldnn._reorder_linear_weight`` needs for a bf16 weight; it raises on an AVX2-only CPU."""
+    family: int | None = None
+    """``cpu family`` of ``/proc/cpuinfo`` (None where absent): with ``model``, the CPU's generation
+    where a VM hides the model name (AMD family 25 model 1: Zen 3; model 17: Zen 4)."""
+    model: int | None = None
+    """``model`` of ``/proc/cpuinfo`` (None where absent)."""
+
+    def describe(self) -> str:
+        """``model name, family F model M, torch capability``: the CPU to write next to a figure."""
+        generation = f", family {self.family} model {self.model}" if self.family is not None else ""
+        return f"{self.model_name}{generation}, {self.torch_capability}"
 
     @property
     def fast_bf16(self) -> bool:
@@ -47,6 +57,7 @@ def parse_cpuinfo(text: str, torch_capability: str = "DEFAULT") -> CPUFeatures:
         raise TypeError(f"text must be str, got {type(text).__name__}")
     flags: set[str] = set()
     model = "unknown"
+    numbers: dict[str, int] = {}  # the first processor's "cpu family" and "model"
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
@@ -54,8 +65,12 @@ def parse_cpuinfo(text: str, torch_capability: str = "DEFAULT") -> CPUFeatures:
             flags = set(value.split())
         elif key == "model name" and model == "unknown":
             model = value.strip() or model
+        elif key in ("cpu family", "model") and key not in numbers and value.strip().isdigit():
+            numbers[key] = int(value)
     return CPUFeatures(
         model_name=model,
+        family=numbers.get("cpu family"),
+        model=numbers.get("model"),
         torch_capability=torch_capability,
         avx2="avx2" in flags,
         avx512="avx512f" in flags,

@@ -159,9 +159,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"\nmodel={args.model} dtype={args.dtype} ({llm.model.dtype}) quantization={args.quantization} "
           f"threads={args.threads or 'default'}")
     quiet = "" if shared <= INTERFERENCE_LIMIT else " (not quiet: ratios only, or run again)"
-    cpu = cpu_features()
-    print(f"CPU: {cpu.model_name} ({cpu.torch_capability}); other work took {shared:.0%} of this process's CPUs during "
-          f"the run{quiet}")
+    print(f"CPU: {cpu_features().describe()}; other work took {shared:.0%} of this process's CPUs during the run{quiet}")
     print(f"sample output: {sample[:300]!r}\n")
     print(f"{'workload':<34}{'requests':>9}{'prompt tok':>11}{'gen tok':>9}{'seconds':>9}{'gen tok/s':>11}  notes")
     for r in rows:
