@@ -172,11 +172,25 @@ def test_killed_replica_mid_load(cluster, oai) -> None:
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futs = [pool.submit(stream, i) for i in range(6)]
         wait_until(lambda: _metric(cluster[0], "vllm:num_requests_running") >= 4, 60, what="the streams to run")
-        wait_until(lambda: sum(st.get("num_running", 0) for st in replica_stats(DEPLOYMENT_NAME).values()) >= 4, 30,
-                   what="the replicas' routing stats to show the streams")  # fmt: skip
-        running = {rid: st.get("num_running", 0) for rid, st in replica_stats(DEPLOYMENT_NAME).items()}
-        assert len(running) == 2 and min(running.values()) >= 1, running  # the burst spread over both
-        busy = max(running, key=running.__getitem__)
+
+        def running() -> dict[str, int]:
+            return {rid: st.get("num_running", 0) for rid, st in replica_stats(DEPLOYMENT_NAME).items()}
+
+        last: dict[str, int] = {}
+
+        def spread() -> bool:  # the burst runs on both replicas
+            last.clear()
+            last.update(running())
+            return len(last) == 2 and min(last.values()) >= 1 and sum(last.values()) >= 4
+
+        # each replica reports its stats on its own 1 s period (later on a loaded host): one
+        # snapshot can hold one replica's new stats beside the other's from before the burst
+        try:
+            wait_until(spread, 30, what="the replicas' routing stats to show the burst on both")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last stats: {last}") from None
+        now = dict(last)
+        busy = max(now, key=now.__getitem__)
         victim = next(name for name in before if name.endswith(f"#{busy}"))
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         ok = oai.completions.create(model=NAME, prompt="Still there?", max_tokens=4, extra_body=NO_EOS)
