@@ -822,6 +822,7 @@ class LLM:
         dropped."""
         sched = self.scheduler
         live = [it.req.state is RequestState.RUNNING for it in batch.items]
+        before = [len(it.req.output_ids) for it in batch.items]
         try:
             finished = sched.update(batch, sampled)
         except Exception as exc:
@@ -831,9 +832,9 @@ class LLM:
         m = self.metrics
         m.steps += 1
         m.busy_seconds += now - t0
-        for item, s, was_live in zip(batch.items, sampled, live):
+        for item, s, was_live, n0 in zip(batch.items, sampled, live, before):
             if s is not None and was_live:
-                m.generated_tokens += 1 + len(s.accepted)
+                m.generated_tokens += len(item.req.output_ids) - n0  # a stop drops what follows it
                 if item.req.metrics.first_token is None:
                     item.req.metrics.first_token = now
         for req in finished:

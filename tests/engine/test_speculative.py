@@ -7,12 +7,15 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
 from treeserve import LLM, SamplingParams
 from treeserve.kvcache import AttentionMetadata, KVPool
 from treeserve.models import random_model, tiny_config
 from treeserve.runner import DraftRequest
+from treeserve.scheduler import DraftTree
 
 from .test_engine import assert_drained, make_llm
 
@@ -225,3 +228,49 @@ def test_draft_pool_is_sized_for_the_drafts(loopy) -> None:
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert llm.metrics.accepted_tokens > 0
     assert llm.drafter.kv.allocator.num_free == llm.drafter.kv.allocator.capacity
+
+
+class OracleDrafter:
+    """Drafts the next tokens of known continuations (every node is accepted), so a stop can land
+    on any draft node, not only on the bonus token n-gram drafts usually end with."""
+
+    stateless = True
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences = sequences
+
+    def propose_batch(self, requests: list[DraftRequest]) -> list[DraftTree | None]:
+        out = []
+        for r in requests:
+            n = len(r.tokens)
+            seq = next((s for s in self.sequences if s[:n] == list(r.tokens)), [])
+            nodes = seq[n : n + r.max_tokens]
+            out.append(DraftTree(nodes, list(range(-1, len(nodes) - 1))) if nodes else None)
+        return out
+
+    def release(self, key: int) -> None:
+        pass
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 50), at=st.integers(0, 15), page_size=st.sampled_from([1, 4]))
+def test_a_stop_on_a_draft_node_drops_the_nodes_after_it(loopy, seed: int, at: int, page_size: int) -> None:
+    """A stop token accepted inside a draft finishes the request there: the output is the plain
+    run's, and the accepted nodes after the stop (whose KV was computed) are not committed to
+    the radix tree (their tokens are not the request's) nor leaked."""
+    prompts = repetitive_prompts(seed, 4)
+    free = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    full = [p + o.outputs[0].token_ids for p, o in zip(prompts, make_llm(loopy).generate(prompts, free, use_tqdm=False))]
+    stop = full[0][len(prompts[0]) + at]
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True, stop_token_ids=[stop])
+    plain = make_llm(loopy, page_size=page_size).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(loopy, page_size=page_size, speculative="ngram", num_speculative_tokens=6)
+    llm.drafter = OracleDrafter(full)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.metrics.accepted_tokens > 0
+    assert llm.metrics.generated_tokens == sum(len(o.outputs[0].token_ids) for o in outs)
+    assert_drained(llm)
+    kept = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)]
+    for path in committed_paths(llm):
+        assert any(s[: len(path)] == path for s in kept), "a committed path is some request's tokens"

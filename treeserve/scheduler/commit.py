@@ -3,7 +3,9 @@
 Per item: the tokens the step computed become ``num_computed_tokens`` (for a drafted item, the
 pending token plus the accepted draft nodes); a sampled row's accepted draft tokens then its
 token are appended one at a time, each checked by the :class:`StopChecker` and against
-``max_model_len``; the first stop condition finishes the request (later tokens are dropped).
+``max_model_len``; the first stop condition finishes the request (later tokens are dropped, and
+``num_computed_tokens`` falls back to the tokens kept, so the KV of accepted nodes after a stop
+never reaches the radix tree).
 A grammar-constrained request's matcher (``Request.grammar``) takes each committed token that
 did not stop the request (refilling its next-token mask); the request finishes with "stop" once
 nothing but a stop token may follow (that stop token is not sampled), and with "error" if the
@@ -64,6 +66,10 @@ def commit_step(
         else:
             _record_draft(spec, req, draft, len(accepted))
             reason = _commit_drafted(ledger, check, max_model_len, req, out)
+            if reason is not None and req.num_computed_tokens > req.seq_len:
+                # stopped on a draft node: the nodes accepted after it have KV but are not the
+                # request's tokens; their slots are freed with its other unused ones
+                req.num_computed_tokens = req.seq_len
         if reason is not None:
             queues.finish(req, reason)
             finished.append(req)
