@@ -252,25 +252,35 @@ class OracleDrafter:
         pass
 
 
-@settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 50), at=st.integers(0, 15), page_size=st.sampled_from([1, 4]))
-def test_a_stop_on_a_draft_node_drops_the_nodes_after_it(loopy, seed: int, at: int, page_size: int) -> None:
-    """A stop token accepted inside a draft finishes the request there: the output is the plain
-    run's, and the accepted nodes after the stop (whose KV was computed) are not committed to
-    the radix tree (their tokens are not the request's) nor leaked."""
+@settings(max_examples=16, deadline=None)
+@given(seed=st.integers(0, 50), at=st.integers(0, 15), page_size=st.sampled_from([1, 4]),
+       by_eos=st.booleans(), n=st.sampled_from([1, 2]), small_pool=st.booleans())
+def test_a_stop_on_a_draft_node_drops_the_nodes_after_it(loopy, seed: int, at: int, page_size: int, by_eos: bool,
+                                                        n: int, small_pool: bool) -> None:
+    """A stop token (a stop id, or EOS) accepted inside a draft finishes the request there: the
+    output is the plain run's, the accepted nodes after the stop (whose KV was computed) are not
+    committed to the radix tree (their tokens are not the request's) nor leaked, and
+    ``generated_tokens`` counts the tokens kept; with ``n`` samples sharing the prompt and with a
+    pool small enough to pause requests."""
     prompts = repetitive_prompts(seed, 4)
     free = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     full = [p + o.outputs[0].token_ids for p, o in zip(prompts, make_llm(loopy).generate(prompts, free, use_tqdm=False))]
     stop = full[0][len(prompts[0]) + at]
-    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True, stop_token_ids=[stop])
-    plain = make_llm(loopy, page_size=page_size).generate(prompts, params, use_tqdm=False)
-    llm = make_llm(loopy, page_size=page_size, speculative="ngram", num_speculative_tokens=6)
+    model = loopy
+    if by_eos:  # the same weights, the stop token as the model's EOS
+        model = random_model(tiny_config("llama", vocab_size=32, eos_token_ids=(stop,)), seed=3, init_std=0.5)
+        params = SamplingParams(temperature=0.0, max_new_tokens=16, n=n)
+    else:
+        params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True, stop_token_ids=[stop], n=n)
+    kw = dict(page_size=page_size, **(dict(kv_cache_tokens=64, max_running=4) if small_pool else {}))
+    plain = make_llm(model, **kw).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(model, speculative="ngram", num_speculative_tokens=6, **kw)
     llm.drafter = OracleDrafter(full)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in plain]
     assert llm.metrics.accepted_tokens > 0
-    assert llm.metrics.generated_tokens == sum(len(o.outputs[0].token_ids) for o in outs)
+    assert llm.metrics.generated_tokens == sum(len(c.token_ids) for o in outs for c in o.outputs)
     assert_drained(llm)
-    kept = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)]
+    kept = [p + c.token_ids for p, o in zip(prompts, outs) for c in o.outputs]
     for path in committed_paths(llm):
         assert any(s[: len(path)] == path for s in kept), "a committed path is some request's tokens"
