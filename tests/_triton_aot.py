@@ -185,10 +185,9 @@ def _sampling_cases(rec: Recorder) -> None:
             m = 4
             tokens = torch.zeros(rows, m, dtype=torch.int64)
             parents = torch.full((rows, m), -1, dtype=torch.int64)
-            for draft in (None, torch.empty(rows, m, vocab, dtype=work)):
-                rec.case = f"verify V={vocab} {str(work)[6:]} {'q' if draft is not None else 'point-mass'}"
-                walk_tree_triton(torch.empty(rows, m + 1, vocab, dtype=work), draft, tokens, parents,
-                                 torch.full((rows,), m, dtype=torch.int64), torch.empty(rows, m, dtype=work))
+            rec.case = f"verify V={vocab} {str(work)[6:]} q"
+            walk_tree_triton(torch.empty(rows, m + 1, vocab, dtype=work), torch.empty(rows, m, vocab, dtype=work),
+                             tokens, parents, torch.full((rows,), m, dtype=torch.int64), torch.empty(rows, m, dtype=work))
 
 
 # (name, hidden, query heads, KV heads, head dim, intermediate, vocab) for the fused layer and the head.

@@ -284,3 +284,22 @@ def test_a_stop_on_a_draft_node_drops_the_nodes_after_it(loopy, seed: int, at: i
     kept = [p + c.token_ids for p, o in zip(prompts, outs) for c in o.outputs]
     for path in committed_paths(llm):
         assert any(s[: len(path)] == path for s in kept), "a committed path is some request's tokens"
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(speculative_row_cost=0.05), dict(speculative_tree_width=3, num_speculative_tokens=6)],
+                         ids=["whole-room", "goodput", "tree"])  # fmt: skip
+def test_point_mass_drafts_never_change_a_seeded_sampled_request(loopy, kw) -> None:
+    """n-gram drafts are point masses, verified by the token ``sample`` draws at each position: a
+    seeded sampled request emits the tokens it emits alone without speculation, in a batch and
+    however the goodput rule sizes its drafts there (batch-invariant logits, so only the drafts
+    differ between the runs)."""
+    prompts = repetitive_prompts(7, 8)
+    params = [SamplingParams(temperature=0.8, top_k=8, top_p=0.95, repetition_penalty=1.1, seed=s,
+                             max_new_tokens=8 + 3 * s, ignore_eos=True) for s in range(8)]  # fmt: skip
+    alone = [make_llm(loopy, batch_invariant=True).generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+             for p, sp in zip(prompts, params)]  # fmt: skip
+    llm = make_llm(loopy, batch_invariant=True, speculative="ngram", **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert llm.metrics.accepted_tokens > 0
+    assert_drained(llm)

@@ -25,7 +25,7 @@ import torch
 
 from tests.sampling._sampling_ref import process_row, softmax
 from treeserve.sampling import GrammarCompiler, SamplingBatch, SamplingParams, StructuredOutput, unpack_bitmask
-from treeserve.sampling.tree_walk import walk_tree
+from treeserve.sampling.tree_walk import one_hot, walk_tree
 from treeserve.sampling.verify import prepare_tree
 
 Law = Callable[[tuple[int, ...]], list[float]]
@@ -164,8 +164,11 @@ def emitted_law(case: Case) -> dict[tuple[int, ...], float]:
     batch = SamplingBatch.build(
         [case.params] * r, [0] * r, [case.history] * r, v, eos_token_ids=[0], num_generated=[0] * r
     )
-    draft_probs = torch.tensor(probs, dtype=torch.float64).reshape(r * m, v) if case.stochastic else None
-    if case.misreport_draft and draft_probs is not None:
+    if case.stochastic:
+        draft_probs = torch.tensor(probs, dtype=torch.float64).reshape(r * m, v)
+    else:  # one-hot rows: the walk ``verify`` takes for deterministic nodes among sampled ones
+        draft_probs = one_hot(tokens.reshape(-1), v, torch.float64)
+    if case.misreport_draft and case.stochastic:
         draft_probs = torch.ones_like(draft_probs)
     prep = prepare_tree(torch.stack(logits), batch, tokens, parents, num_draft, draft_probs, draft_bitmask=bitmask)
     assert prep.valid.all()
@@ -175,8 +178,7 @@ def emitted_law(case: Case) -> dict[tuple[int, ...], float]:
     w = torch.tensor(weights, dtype=torch.float64)
 
     def run(idx: torch.Tensor, u: torch.Tensor):
-        draft = None if prep.draft is None else prep.draft[idx]
-        return walk_tree(prep.target[idx], draft, tokens[idx], parents[idx], num_draft[idx], u)
+        return walk_tree(prep.target[idx], prep.draft[idx], tokens[idx], parents[idx], num_draft[idx], u)
 
     for k in range(m):
         a = run(idx, u).accept_probs[:, k]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tests.sampling._verify_law import random_parents
 from treeserve.sampling import SamplingBatch, SamplingParams, process_logits, sample, verify
 from treeserve.sampling.processing import thresholds
-from treeserve.sampling.tree_walk import walk_tree
+from treeserve.sampling.tree_walk import one_hot, walk_tree
 from treeserve.sampling.triton_kernels import thresholds_triton, walk_tree_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs under TRITON_INTERPRET=1
@@ -72,17 +72,18 @@ def walk_case(draw: st.DrawFn):
     tokens = torch.randint(0, vocab, (b, m), generator=gen)
     num_draft = torch.randint(0, m + 1, (b,), generator=gen)
     target = torch.softmax(torch.randn(b, m + 1, vocab, generator=gen, dtype=torch.float64) * 2, -1)
-    draft = None
     if draw(st.booleans()):
         draft = torch.softmax(torch.randn(b, m, vocab, generator=gen, dtype=torch.float64), -1)
         draft[..., 0] = 0.0  # a drafted token 0 has draft probability 0
         draft = draft / draft.sum(-1, keepdim=True)
+    else:  # one-hot rows: a greedy request's, or a deterministic node among sampled ones
+        draft = one_hot(tokens, vocab, torch.float64)
     u = torch.rand(b, m, generator=gen, dtype=torch.float64)
     return target, draft, tokens, parents, num_draft, u
 
 
 def on_device(case):
-    return tuple(None if t is None else t.to(DEVICE) for t in case)
+    return tuple(t.to(DEVICE) for t in case)
 
 
 @settings(max_examples=15)

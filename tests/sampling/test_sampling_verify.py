@@ -15,7 +15,7 @@ from scipy import stats
 from tests.sampling._sampling_ref import process_row, softmax
 from tests.sampling._verify_law import random_parents, table_logits
 from treeserve.sampling import SamplingBatch, SamplingParams, greedy_tokens, sample, verify
-from treeserve.sampling.tree_walk import walk_tree
+from treeserve.sampling.tree_walk import one_hot, walk_tree
 from treeserve.sampling.verify import assemble, final_tokens, greedy_paths, prepare_tree, verify_uniforms
 
 
@@ -91,8 +91,10 @@ def test_greedy_accepts_longest_argmax_path(trees, salt: int, penalty: float) ->
 
 
 def _general_verify(target, batch, tokens, parents, nd, pos):
-    """``verify`` through the general path (laws, ``walk_tree``, the residual's argmax)."""
-    prep = prepare_tree(target, batch, tokens, parents, nd)
+    """``verify`` through the general path (laws, ``walk_tree`` with one-hot draft rows, the
+    residual's argmax)."""
+    nodes = torch.cat([tokens[i, :n] for i, n in enumerate(nd.tolist())])
+    prep = prepare_tree(target, batch, tokens, parents, nd, one_hot(nodes, batch.vocab_size, torch.float32))
     walk = walk_tree(prep.target, prep.draft, tokens, parents, nd, verify_uniforms(batch, pos, prep.depth))
     return assemble(prep, walk, final_tokens(prep, walk, batch.greedy, torch.zeros(batch.num_rows)), batch.any_logprobs)
 
@@ -272,3 +274,39 @@ def test_monte_carlo_joint_law_through_real_rng() -> None:
     tv = 0.5 * (counts / n - expected).abs().sum()
     assert tv < 0.04, tv
     assert out.accept_len.double().mean() > 0.3  # the drafts are actually being accepted
+
+
+@settings(max_examples=40)
+@given(trees=st.lists(tree_st, min_size=1, max_size=4), salt=st.integers(0, 1000), seed=st.integers(0, 2**31 - 1),
+       pos=st.integers(0, 500), vocab=st.sampled_from([5, 600]), params=st.builds(
+           SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.3]), top_k=st.sampled_from([-1, 3]),
+           top_p=st.sampled_from([1.0, 0.8]), min_p=st.sampled_from([0.0, 0.1]),
+           repetition_penalty=st.sampled_from([1.0, 1.4]), min_new_tokens=st.sampled_from([0, 2]), logprobs=st.just(0)))
+def test_point_mass_drafts_emit_the_tokens_sample_draws(trees, salt: int, seed: int, pos: int, vocab: int,
+                                                        params) -> None:
+    """With point-mass drafts every emitted token is the one ``sample`` draws at its position, with
+    the history of its path (so the law is the target's, and the output is what the request emits
+    with no draft at all): the walk follows the first child whose token equals that draw. A
+    600-token vocabulary has rows whose kept set fits the candidates (top-k 3) and rows it does
+    not (top-p over a flat row)."""
+    tokens, parents, nd = pack(trees)
+    b = len(trees)
+    history = [1, 2]
+    batch = SamplingBatch.build([params] * b, [seed + i for i in range(b)], [history] * b, vocab,
+                                eos_token_ids=[0], num_generated=[0] * b)  # fmt: skip
+    positions = torch.arange(pos, pos + b, dtype=torch.int64)
+    out = verify(tree_logits(trees, vocab, salt), batch, tokens, parents, nd, positions)
+    for i, (toks, pars) in enumerate(trees):
+        emitted, cur, ctx = [], -1, []
+        while True:
+            one = SamplingBatch.build([params], [seed + i], [history + ctx], vocab, eos_token_ids=[0],
+                                      num_generated=[len(ctx)])  # fmt: skip
+            drawn = sample(table_logits(tuple(ctx), vocab, salt)[None], one, positions[i : i + 1] + len(ctx))
+            t = int(drawn.tokens[0])
+            emitted.append(t)
+            child = next((k for k in range(len(toks)) if pars[k] == cur and toks[k] == t), None)
+            if child is None:
+                break
+            cur, ctx = child, ctx + [t]
+        assert out.tokens[i, : out.num_tokens[i]].tolist() == emitted
+        assert int(out.accept_len[i]) == len(emitted) - 1

@@ -32,7 +32,9 @@ filters = st.builds(
     salt=st.integers(0, 10**6),
 )
 def test_point_mass_tree_law_is_exact(vocab: int, choices: list[int], tokens: list[int], params, salt: int) -> None:
-    """Deterministic drafts (any tokens, duplicate siblings included), trees up to 7 nodes."""
+    """Deterministic nodes told as one-hot laws (any tokens, duplicate siblings included), trees up
+    to 7 nodes: the walk a greedy request, or a deterministic node, takes in a batch of sampled
+    drafts (point-mass drafts alone take ``position_tokens``: test_sampling_verify)."""
     parents = random_parents(choices)
     case = Case(vocab, parents, params, [1, 2, 2], salt, stochastic=False, tokens=[t % vocab for t in tokens[: len(parents)]])
     assert max_deviation(case) < TOL
@@ -115,8 +117,8 @@ regexes = st.sampled_from(["(ab|ba)c*a?", "a(b|c)+", "(a|b)(c|ab)*", "abc?"])
     salt=st.integers(0, 10**6),
 )
 def test_grammar_point_mass_tree_law_is_exact(choices: list[int], tokens: list[int], regex: str, params, salt: int) -> None:
-    """n-gram-like deterministic drafts (any tokens, refused ones included: those are cut with
-    their subtrees), verified under each position's grammar mask."""
+    """Deterministic drafts told as one-hot laws (any tokens, refused ones included: those are cut
+    with their subtrees), walked under each position's grammar mask."""
     parents = random_parents(choices)
     case = Case(5, parents, params, [1, 2], salt, stochastic=False, tokens=tokens[: len(parents)], grammar=regex)
     assert max_deviation(case) < TOL

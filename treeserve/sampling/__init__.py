@@ -17,7 +17,7 @@ from treeserve.sampling.rng import Purpose, uniform
 from treeserve.sampling.rows import HostRows, SamplingRows
 from treeserve.sampling.sampler import SampleOutput, greedy_masked_tokens, greedy_tokens, sample
 from treeserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
-from treeserve.sampling.verify import VerifyOutput, VerifyUniforms, verify
+from treeserve.sampling.verify import VerifyOutput, verify
 
 __all__ = [
     "DraftDraw",
@@ -46,5 +46,4 @@ __all__ = [
     "unpack_bitmask",
     "verify",
     "VerifyOutput",
-    "VerifyUniforms",
 ]

@@ -73,7 +73,7 @@ def one_hot(idx: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Te
 
 def walk_tree(
     target: torch.Tensor,
-    draft: torch.Tensor | None,
+    draft: torch.Tensor,
     tokens: torch.Tensor,
     parents: torch.Tensor,
     num_draft: torch.Tensor,
@@ -81,8 +81,8 @@ def walk_tree(
 ) -> TreeWalk:
     """Walk the trees. ``target [B, M+1, V]``: row 0 the root's next-token law, row k+1 node k's.
 
-    ``draft [B, M, V]`` the (normalized) law each node's token was drafted from, or None for
-    point-mass drafts; ``tokens/parents [B, M]``; ``num_draft [B]``; ``u_accept [B, M]`` uniforms
+    ``draft [B, M, V]`` the (normalized) law each node's token was drafted from (point-mass
+    drafts are verified by ``verify.position_tokens``, not walked); ``tokens/parents [B, M]``; ``num_draft [B]``; ``u_accept [B, M]`` uniforms
     in [0, 1). Rows of a greedy request should be one-hot targets with ``draft`` one-hot at the
     token (the caller's job). No host sync; M iterations of batched work.
     """
@@ -95,10 +95,7 @@ def walk_tree(
         x = tokens[:, k].clamp(min=0)  # padding entries are never considered
         considered = acc.considered(k, parents, num_draft)
         px = r.gather(1, x[:, None])[:, 0]
-        if draft is None:
-            q_row = one_hot(x, r.shape[1], r.dtype)
-        else:
-            q_row = draft[:, k]
+        q_row = draft[:, k]
         qx = q_row.gather(1, x[:, None])[:, 0]
         a = torch.where(qx > 0, torch.clamp(px / qx.clamp(min=torch.finfo(r.dtype).tiny), max=1.0), 0.0)
         accept = considered & (u_accept[:, k] < a)

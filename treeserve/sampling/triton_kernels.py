@@ -173,7 +173,7 @@ def thresholds_triton(
 @triton.jit
 def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, num_draft_ptr, u_ptr, r_ptr,
                  accepted_ptr, path_ptr, accept_len_ptr, last_ptr, pristine_ptr, probs_ptr,
-                 M, V, HAS_DRAFT: tl.constexpr, BLOCK: tl.constexpr):
+                 M, V, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     t_base = target_ptr + b * (M + 1) * V
     r_base = r_ptr + b * V
@@ -190,9 +190,7 @@ def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, num_draft_ptr, 
         if (par == cur) & (k < nd):
             q_base = draft_ptr + (b * M + k) * V
             px = tl.load(r_base + x)
-            qx = 1.0
-            if HAS_DRAFT:
-                qx = tl.load(q_base + x)
+            qx = tl.load(q_base + x)
             a = tl.where(qx > 0, tl.minimum(px / tl.maximum(qx, 1e-300), 1.0), 0.0)
             tl.store(probs_ptr + b * M + k, a)
             if tl.load(u_ptr + b * M + k) < a:
@@ -210,20 +208,14 @@ def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, num_draft_ptr, 
                 for start in range(0, V, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
                     r = tl.load(r_base + offs, mask=offs < V, other=0.0).to(tl.float64)
-                    if HAS_DRAFT:
-                        q = tl.load(q_base + offs, mask=offs < V, other=0.0).to(tl.float64)
-                    else:
-                        q = (offs == x).to(tl.float64)
+                    q = tl.load(q_base + offs, mask=offs < V, other=0.0).to(tl.float64)
                     acc += tl.maximum(r - q, 0.0)
                 mass = tl.sum(acc, 0)
                 if mass > 0:
                     for start in range(0, V, BLOCK):
                         offs = start + tl.arange(0, BLOCK)
                         r = tl.load(r_base + offs, mask=offs < V, other=0.0).to(tl.float64)
-                        if HAS_DRAFT:
-                            q = tl.load(q_base + offs, mask=offs < V, other=0.0).to(tl.float64)
-                        else:
-                            q = (offs == x).to(tl.float64)
+                        q = tl.load(q_base + offs, mask=offs < V, other=0.0).to(tl.float64)
                         tl.store(r_base + offs, (tl.maximum(r - q, 0.0) / mass).to(r_ptr.dtype.element_ty),
                                  mask=offs < V)
                     pristine = 0
@@ -234,7 +226,7 @@ def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, num_draft_ptr, 
 
 def walk_tree_triton(
     target: torch.Tensor,
-    draft: torch.Tensor | None,
+    draft: torch.Tensor,
     tokens: torch.Tensor,
     parents: torch.Tensor,
     num_draft: torch.Tensor,
@@ -253,11 +245,10 @@ def walk_tree_triton(
     pristine = torch.empty(b, dtype=torch.int32, device=dev)
     probs = torch.full((b, m), float("nan"), dtype=target.dtype, device=dev)
     if b:
-        draft_arg = target if draft is None else draft.to(target.dtype).contiguous()
         _walk_kernel[(b,)](
-            target, draft_arg, tokens.contiguous(), parents.contiguous(), num_draft.contiguous(),
+            target, draft.to(target.dtype).contiguous(), tokens.contiguous(), parents.contiguous(), num_draft.contiguous(),
             u_accept.to(target.dtype).contiguous(), residual, accepted, path, accept_len, last, pristine, probs,
-            m, v, HAS_DRAFT=draft is not None, BLOCK=min(1024, triton.next_power_of_2(max(v, 1))),
+            m, v, BLOCK=min(1024, triton.next_power_of_2(max(v, 1))),
             num_warps=16,  # 4 and 8 warps spill a few bytes on sm_80 (tests/test_triton_aot.py)
         )
     return TreeWalk(accepted, path, accept_len, last, residual, pristine.bool(), probs)

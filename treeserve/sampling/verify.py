@@ -11,7 +11,7 @@ Inputs for B requests, request i with ``n_i = num_draft[i]`` draft nodes (0 allo
   -1 = root; a chain has ``parent[k] = k - 1``); entries past ``n_i`` are ignored;
 - ``draft_probs [N, V]`` or None, N = sum(n_i) rows in the same order: the law node k's token was
   drawn from (siblings are independent draws; rows need not be normalized). None means
-  deterministic drafts (n-gram, top-k children): the point-mass form is used;
+  deterministic drafts (n-gram, argmax children, jump-forward tokens): the point-mass form;
 - ``positions [B]``: absolute position of the token the root row predicts;
 - ``draft_bitmask [B, M+1, W]`` int32 or None: grammar masks per tree position (row 0 the
   root's, row k+1 node k's; ``sampling.bitmask`` layout, all ``-1`` for an unconstrained
@@ -20,14 +20,24 @@ Inputs for B requests, request i with ``n_i = num_draft[i]`` draft nodes (0 allo
 
 Every target row is processed exactly as ``sample`` would process it (``process_logits`` on a
 batch expanded to one row per tree position, whose history includes the draft tokens on the path
-to that position). Greedy requests accept the longest path whose tokens equal the processed
-argmax and emit the argmax after it. Other requests use the walk in ``tree_walk`` (Leviathan/Chen
-on chains, SpecInfer's recursive rejection on trees) followed by one token from the final
-residual: the output law equals the processed target's. Random numbers are keyed by
-(seed, position, purpose): node k's coin by (seed, position of node k, ACCEPT, k), the final
-token by (seed, its position, SAMPLE) -- so a request with no drafts emits exactly ``sample``'s
-token. No host sync on the way (shape checks only; value checks run when inputs are on CPU),
-except the torch top-p refine fallback documented in ``processing``.
+to that position).
+
+**Point-mass drafts** (``draft_probs`` None): each tree position's token is the one ``sample``
+gives there (:func:`position_tokens`: the argmax of a greedy request; otherwise the draw keyed by
+(seed, the position, SAMPLE)), and the request accepts the longest path whose nodes equal those
+tokens, then emits the token after it. Node x is accepted with probability p(x) (siblings: the
+sum of their p), as rejection sampling with a one-hot q would, and the emitted tokens are exactly
+the ones the request would emit without any draft: a seeded request's output does not depend on
+what was drafted, or on whether anything was.
+
+**Sampled drafts** (``draft_probs`` given): the walk in ``tree_walk`` (Leviathan/Chen on chains,
+SpecInfer's recursive rejection on trees) followed by one token from the final residual: the
+output law equals the processed target's (the tokens follow the draft). Node k's coin is keyed by
+(seed, position of node k, ACCEPT, k), the final token by (seed, its position, SAMPLE), so a
+request with no drafts emits exactly ``sample``'s token.
+
+No host sync on the way (shape checks only; value checks run when inputs are on CPU), except
+the torch top-p refine fallback documented in ``processing``.
 """
 
 from __future__ import annotations
@@ -40,17 +50,10 @@ import torch
 
 from treeserve.sampling.backend import resolve_backend
 from treeserve.sampling.batch import SamplingBatch
-from treeserve.sampling.processing import process_logits
+from treeserve.sampling.processing import CANDIDATES, Filtered, process_logits
 from treeserve.sampling.rng import Purpose, uniform
-from treeserve.sampling.sampler import inverse_cdf, inverse_cdf_weights
+from treeserve.sampling.sampler import draw, inverse_cdf, inverse_cdf_weights
 from treeserve.sampling.tree_walk import AcceptedPath, TreeWalk, one_hot, walk_tree
-
-
-class VerifyUniforms(NamedTuple):
-    """Injected random numbers (tests): ``accept [B, M]`` node coins, ``final [B]`` the last draw."""
-
-    accept: torch.Tensor
-    final: torch.Tensor
 
 
 class VerifyOutput(NamedTuple):
@@ -78,7 +81,8 @@ class VerifyOutput(NamedTuple):
 
 class PreparedTree(NamedTuple):
     """Padded per-position laws: ``processed [B, M+1, V]`` logits, ``target`` their probabilities
-    (one-hot argmax on greedy requests), ``draft [B, M, V]`` normalized (None = point mass),
+    (one-hot argmax on greedy requests), ``draft [B, M, V]`` normalized (None for point-mass
+    drafts, which have no laws to walk),
     ``depth [B, M]`` (root children have depth 1), ``valid [B]``."""
 
     processed: torch.Tensor
@@ -260,12 +264,13 @@ def prepare_tree(
     draft_tokens: torch.Tensor,
     draft_parents: torch.Tensor,
     num_draft: torch.Tensor,
-    draft_probs: torch.Tensor | None = None,
+    draft_probs: torch.Tensor,
     backend: str = "torch",
     draft_bitmask: torch.Tensor | None = None,
 ) -> PreparedTree:
     """Pad and process the target rows (under ``draft_bitmask`` when given), normalize the
-    draft rows, flag invalid requests.
+    draft rows ``draft_probs [N, V]`` (sampled drafts; point-mass ones take ``position_tokens``),
+    flag invalid requests.
 
     Rows of invalid requests are left as they are (NaN included): the walk runs on them without
     failing and ``assemble`` masks their outputs."""
@@ -283,24 +288,21 @@ def prepare_tree(
         onehot = one_hot(processed.argmax(-1), v, target.dtype)
         target = torch.where(greedy, onehot, target)
 
-    draft = None
-    if draft_probs is not None:
-        real = j[:m] < num_draft[:, None]
-        node_start = row_start - torch.arange(b, device=dev)
-        nsrc = torch.where(real, node_start[:, None] + j[:m], 0).clamp(max=max(draft_probs.shape[0] - 1, 0))
-        if draft_probs.shape[0] == b * m:
-            q = draft_probs.to(target.dtype).reshape(b, m, v)
-        elif draft_probs.shape[0]:
-            q = draft_probs.to(target.dtype)[nsrc]
-        else:
-            q = target.new_ones(b, m, v)
-        mass = q.sum(-1, keepdim=True)
-        ok = torch.isfinite(mass[..., 0]) & (mass[..., 0] > 0) & (q.amin(-1) >= 0)
-        valid = valid & (ok | ~real).all(1)
-        q = q / mass
-        if batch.any_greedy:
-            q = torch.where(greedy, one_hot(draft_tokens.clamp(min=0), v, q.dtype), q)
-        draft = q
+    real = j[:m] < num_draft[:, None]
+    node_start = row_start - torch.arange(b, device=dev)
+    nsrc = torch.where(real, node_start[:, None] + j[:m], 0).clamp(max=max(draft_probs.shape[0] - 1, 0))
+    if draft_probs.shape[0] == b * m:
+        q = draft_probs.to(target.dtype).reshape(b, m, v)
+    elif draft_probs.shape[0]:
+        q = draft_probs.to(target.dtype)[nsrc]
+    else:
+        q = target.new_ones(b, m, v)
+    mass = q.sum(-1, keepdim=True)
+    ok = torch.isfinite(mass[..., 0]) & (mass[..., 0] > 0) & (q.amin(-1) >= 0)
+    valid = valid & (ok | ~real).all(1)
+    draft = q / mass
+    if batch.any_greedy:
+        draft = torch.where(greedy, one_hot(draft_tokens.clamp(min=0), v, draft.dtype), draft)
     return PreparedTree(processed, target, draft, depth, valid)
 
 
@@ -309,12 +311,45 @@ def final_tokens(prep: PreparedTree, walk: TreeWalk, greedy: torch.Tensor, u_fin
     taken from the processed logits (exactly as ``sample``) while the residual is pristine."""
     b = walk.last_node.shape[0]
     rows = torch.arange(b, device=u_final.device)
-    logits = prep.processed[rows, walk.last_node + 1]
-    row_max = logits.amax(1).nan_to_num(0.0, posinf=0.0, neginf=0.0)
-    from_logits = inverse_cdf(logits, torch.full_like(row_max, float("-inf")), row_max, u_final)[0]
+    from_logits = _draw(prep.processed[rows, walk.last_node + 1], u_final)
     from_residual = inverse_cdf_weights(walk.residual.to(torch.float64), u_final)
     token = torch.where(walk.pristine, from_logits, from_residual)
     return torch.where(greedy, walk.residual.argmax(1), token)
+
+
+def _draw(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``sample``'s token for processed ``logits [R, V]`` and uniforms ``u [R]``."""
+    row_max = logits.amax(1).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    return inverse_cdf(logits, torch.full_like(row_max, float("-inf")), row_max, u)[0]
+
+
+def _row_depth(depth: torch.Tensor) -> torch.Tensor:
+    """``[B, M+1]``: each tree position's depth (column 0 the root, depth 0; then the nodes')."""
+    return torch.nn.functional.pad(depth, (1, 0))
+
+
+def position_tokens(processed: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor,
+                    depth: torch.Tensor, backend: str = "torch") -> torch.Tensor:  # fmt: skip
+    """``[B, M+1]``: the token ``sample`` gives at each tree position of ``processed [B, M+1, V]``
+    (the argmax for a greedy request; else the draw keyed by (seed, the position's absolute
+    position, SAMPLE)). With point-mass drafts these decide the walk, so a request emits the
+    very tokens it would emit without drafts, whatever was drafted.
+
+    As ``sample``'s draw, over each row's ``CANDIDATES`` largest values when its kept (finite)
+    values are all among them, else over the whole row (one host sync; ``backend="triton"``
+    always takes whole rows, with none): the same token either way, as dropped tokens weigh 0."""
+    best = processed.argmax(-1)
+    if batch.all_greedy:
+        return best
+    b, rows, v = processed.shape
+    flat = processed.reshape(b * rows, v)
+    u = uniform(batch.seeds[:, None], positions[:, None] + _row_depth(depth), Purpose.SAMPLE)
+    values, ids = flat.topk(min(v, CANDIDATES), dim=1)
+    f = Filtered(flat, flat.new_full((b * rows,), float("-inf")), values, ids,
+                 fits=values[:, -1] == float("-inf") if v > CANDIDATES else torch.ones_like(values[:, 0], dtype=torch.bool),
+                 valid=torch.isfinite(values[:, 0]))  # fmt: skip
+    drawn = draw(f, u.reshape(-1), sync_free=backend == "triton")[0].reshape(b, rows)
+    return torch.where(batch.greedy[:, None], best, drawn)
 
 
 def verify_uniforms(batch: SamplingBatch, positions: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
@@ -331,14 +366,12 @@ def verify(
     num_draft: torch.Tensor,
     positions: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
-    uniforms: VerifyUniforms | None = None,
     backend: str = "auto",
     draft_bitmask: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """Verify ragged draft trees against the target (see the module docstring for the layout).
 
-    ``uniforms`` replaces the counter-based random numbers (tests integrate over them). Raises
-    ``ValueError``/``TypeError`` for inconsistent shapes/dtypes (and, on CPU, out-of-range
+    Raises ``ValueError``/``TypeError`` for inconsistent shapes/dtypes (and, on CPU, out-of-range
     tokens, parents or counts); NaN/inf rows are reported through ``valid``, never raised.
     ``backend``: ``torch`` (CPU default) or ``triton`` (CUDA default: threshold and walk kernels).
     Grammar masks come per tree position through ``draft_bitmask``; a batch with a
@@ -349,26 +382,22 @@ def verify(
     _check_inputs(target_logits, batch, draft_tokens, draft_parents, num_draft, positions, draft_probs)
     backend = resolve_backend(backend, target_logits.device)
     want_logprobs = batch.any_logprobs or batch.num_logprobs > 0
-    if batch.all_greedy and draft_probs is None:  # argmaxes only: no law is built
+    if draft_probs is None:  # point-mass drafts: the token `sample` draws at each position decides
         processed, depth, valid = _processed_rows(
             target_logits, batch, draft_tokens, draft_parents, num_draft, backend, draft_bitmask
         )
-        best = processed.argmax(-1)  # [B, M+1]
+        best = position_tokens(processed, batch, positions, depth, backend)
         walk = greedy_walk(best, draft_tokens, draft_parents, num_draft)
         final = best.gather(1, (walk.last_node + 1)[:, None])[:, 0]
         return assemble(PreparedTree(processed, processed, None, depth, valid), walk, final, want_logprobs)
     prep = prepare_tree(target_logits, batch, draft_tokens, draft_parents, num_draft, draft_probs, backend, draft_bitmask)
-    u_accept = verify_uniforms(batch, positions, prep.depth) if uniforms is None else uniforms.accept
     walk_fn = walk_tree
     if backend == "triton":
         from treeserve.sampling.triton_kernels import walk_tree_triton as walk_fn
-    walk = walk_fn(prep.target, prep.draft, draft_tokens, draft_parents, num_draft, u_accept)
-    if uniforms is None:
-        depth = torch.nn.functional.pad(prep.depth, (1, 0))  # column 0: the root, depth 0
-        last_depth = depth.gather(1, (walk.last_node + 1)[:, None])[:, 0]
-        u_final = uniform(batch.seeds, positions + last_depth, Purpose.SAMPLE)
-    else:
-        u_final = uniforms.final
+    walk = walk_fn(prep.target, prep.draft, draft_tokens, draft_parents, num_draft,
+                   verify_uniforms(batch, positions, prep.depth))  # fmt: skip
+    last_depth = _row_depth(prep.depth).gather(1, (walk.last_node + 1)[:, None])[:, 0]
+    u_final = uniform(batch.seeds, positions + last_depth, Purpose.SAMPLE)
     return assemble(prep, walk, final_tokens(prep, walk, batch.greedy, u_final), want_logprobs)
 
 
