@@ -82,9 +82,10 @@ def walk_tree(
     """Walk the trees. ``target [B, M+1, V]``: row 0 the root's next-token law, row k+1 node k's.
 
     ``draft [B, M, V]`` the (normalized) law each node's token was drafted from (point-mass
-    drafts are verified by ``verify.position_tokens``, not walked); ``tokens/parents [B, M]``; ``num_draft [B]``; ``u_accept [B, M]`` uniforms
-    in [0, 1). Rows of a greedy request should be one-hot targets with ``draft`` one-hot at the
-    token (the caller's job). No host sync; M iterations of batched work.
+    drafts are verified by ``verify.position_tokens``, not walked); ``tokens/parents [B, M]``;
+    ``num_draft [B]``; ``u_accept [B, M]`` uniforms in [0, 1). Rows of a greedy request should be
+    one-hot targets with ``draft`` one-hot at the token (the caller's job). No host sync; M
+    iterations of batched work.
     """
     b, m = tokens.shape
     acc = AcceptedPath(b, m, tokens.device)

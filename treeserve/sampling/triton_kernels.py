@@ -246,7 +246,8 @@ def walk_tree_triton(
     probs = torch.full((b, m), float("nan"), dtype=target.dtype, device=dev)
     if b:
         _walk_kernel[(b,)](
-            target, draft.to(target.dtype).contiguous(), tokens.contiguous(), parents.contiguous(), num_draft.contiguous(),
+            target, draft.to(target.dtype).contiguous(), tokens.contiguous(), parents.contiguous(),
+            num_draft.contiguous(),
             u_accept.to(target.dtype).contiguous(), residual, accepted, path, accept_len, last, pristine, probs,
             m, v, BLOCK=min(1024, triton.next_power_of_2(max(v, 1))),
             num_warps=16,  # 4 and 8 warps spill a few bytes on sm_80 (tests/test_triton_aot.py)

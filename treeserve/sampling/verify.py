@@ -311,16 +311,12 @@ def final_tokens(prep: PreparedTree, walk: TreeWalk, greedy: torch.Tensor, u_fin
     taken from the processed logits (exactly as ``sample``) while the residual is pristine."""
     b = walk.last_node.shape[0]
     rows = torch.arange(b, device=u_final.device)
-    from_logits = _draw(prep.processed[rows, walk.last_node + 1], u_final)
+    logits = prep.processed[rows, walk.last_node + 1]
+    row_max = logits.amax(1).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    from_logits = inverse_cdf(logits, torch.full_like(row_max, float("-inf")), row_max, u_final)[0]
     from_residual = inverse_cdf_weights(walk.residual.to(torch.float64), u_final)
     token = torch.where(walk.pristine, from_logits, from_residual)
     return torch.where(greedy, walk.residual.argmax(1), token)
-
-
-def _draw(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``sample``'s token for processed ``logits [R, V]`` and uniforms ``u [R]``."""
-    row_max = logits.amax(1).nan_to_num(0.0, posinf=0.0, neginf=0.0)
-    return inverse_cdf(logits, torch.full_like(row_max, float("-inf")), row_max, u)[0]
 
 
 def _row_depth(depth: torch.Tensor) -> torch.Tensor:
@@ -345,9 +341,8 @@ def position_tokens(processed: torch.Tensor, batch: SamplingBatch, positions: to
     flat = processed.reshape(b * rows, v)
     u = uniform(batch.seeds[:, None], positions[:, None] + _row_depth(depth), Purpose.SAMPLE)
     values, ids = flat.topk(min(v, CANDIDATES), dim=1)
-    f = Filtered(flat, flat.new_full((b * rows,), float("-inf")), values, ids,
-                 fits=values[:, -1] == float("-inf") if v > CANDIDATES else torch.ones_like(values[:, 0], dtype=torch.bool),
-                 valid=torch.isfinite(values[:, 0]))  # fmt: skip
+    fits = (values[:, -1] == float("-inf")) | (v <= CANDIDATES)  # every finite value is a candidate
+    f = Filtered(flat, flat.new_full((b * rows,), float("-inf")), values, ids, fits, torch.isfinite(values[:, 0]))
     drawn = draw(f, u.reshape(-1), sync_free=backend == "triton")[0].reshape(b, rows)
     return torch.where(batch.greedy[:, None], best, drawn)
 
@@ -390,7 +385,8 @@ def verify(
         walk = greedy_walk(best, draft_tokens, draft_parents, num_draft)
         final = best.gather(1, (walk.last_node + 1)[:, None])[:, 0]
         return assemble(PreparedTree(processed, processed, None, depth, valid), walk, final, want_logprobs)
-    prep = prepare_tree(target_logits, batch, draft_tokens, draft_parents, num_draft, draft_probs, backend, draft_bitmask)
+    prep = prepare_tree(target_logits, batch, draft_tokens, draft_parents, num_draft, draft_probs, backend,
+                        draft_bitmask)  # fmt: skip
     walk_fn = walk_tree
     if backend == "triton":
         from treeserve.sampling.triton_kernels import walk_tree_triton as walk_fn
