@@ -865,8 +865,7 @@ inline void in_register(V& v) {
 
 // D = sum c xq per lane for one block of one weight row: its codes ub (codes_u8_vec) against x's block (its
 // steps X, bias * sum(xq) xc). Two chains of four (exact, any order). With VNNI, int32 chains; Q4's second
-// runs on the high nibbles times 16. With AVX2 alone, Q4's chains in int16 (at most 16 * 15 * 127 per lane)
-// widened once; Q8_0's steps widened one by one.
+// runs on the high nibbles times 16. With AVX2 alone, Q8_0's alone (Q4's: q4_dots), its steps widened one by one.
 template <QType T, int L>
 inline typename Lanes<L>::I block_dot(const uint8_t* ub, const typename Lanes<L>::I* X, typename Lanes<L>::I xc) {
   using V = Lanes<L>;
@@ -891,30 +890,19 @@ inline typename Lanes<L>::I block_dot(const uint8_t* ub, const typename Lanes<L>
     return e + (od >> 4);
   }
 #else
-  if constexpr (T == QType::Q8_0) {  // |c| against x with c's sign
-    const auto signed_x = [&](int j) {
-      int32_t c;
-      std::memcpy(&c, ub + GROUP + 4 * j, 4);
-      return reinterpret_cast<I>(_mm256_sign_epi8(reinterpret_cast<__m256i>(X[j]), _mm256_set1_epi32(c)));
-    };
-    I e = V::widen(V::pairs(ub, signed_x(0)));
-    I od = V::widen(V::pairs(ub + 4, signed_x(1)));
-    for (int j = 2; j < 8; j += 2) {
-      e += V::widen(V::pairs(ub + 4 * j, signed_x(j)));
-      od += V::widen(V::pairs(ub + 4 * j + 4, signed_x(j + 1)));
-    }
-    return e + od;
-  } else {
-    __m256i e = V::pairs(ub, X[0]);
-    __m256i od = V::pairs(ub + 16, X[4]);
-    for (int j = 1; j < 4; ++j) {
-      e = _mm256_add_epi16(e, V::pairs(ub + 4 * j, X[j]));
-      od = _mm256_add_epi16(od, V::pairs(ub + 16 + 4 * j, X[j + 4]));
-    }
-    I d = V::widen(_mm256_add_epi16(e, od));
-    if constexpr (Q8_BIAS<T> != 0) d -= xc;
-    return d;
+  static_assert(T == QType::Q8_0, "with AVX2 alone, Q4's products are summed by q4_dots");
+  const auto signed_x = [&](int j) {  // |c| against x with c's sign
+    int32_t c;
+    std::memcpy(&c, ub + GROUP + 4 * j, 4);
+    return reinterpret_cast<I>(_mm256_sign_epi8(reinterpret_cast<__m256i>(X[j]), _mm256_set1_epi32(c)));
+  };
+  I e = V::widen(V::pairs(ub, signed_x(0)));
+  I od = V::widen(V::pairs(ub + 4, signed_x(1)));
+  for (int j = 2; j < 8; j += 2) {
+    e += V::widen(V::pairs(ub + 4 * j, signed_x(j)));
+    od += V::widen(V::pairs(ub + 4 * j + 4, signed_x(j + 1)));
   }
+  return e + od;
 #endif
 }
 
@@ -933,9 +921,38 @@ inline typename Lanes<L>::F offset_sum(typename Lanes<L>::F o, float m, const La
   return Lanes<L>::fma(F{} + m, Lanes<L>::template load<F>(lx.xsum.get() + gb * L), o);
 }
 
+#ifndef TREESERVE_Q8_VNNI
+// AVX2 alone, Q4: D per lane for one block of x (its steps at xt, bias * sum(xq) at xc) against NR weight rows'
+// codes, step by step: each of x's 8 steps is loaded once and multiplied with every row's codes, the rows' sums
+// kept in int16 (at most 16 * 15 * 127 per lane: exact, any order) and widened once. block_dot's form (x's 8
+// steps held across the rows, two chains per row) left too few of AVX2's 16 registers for the rows' float sums:
+// the compiler kept them in memory, and each block waited for the store of the one before (Zen 3, 8-64 rows:
+// this form 1.1-1.2x faster, the same values).
+template <QType T, int NR>
+__attribute__((always_inline)) inline void q4_dots(const uint8_t (*u)[UB<T>], const int8_t* xt, const int32_t* xc,
+                                                   typename Lanes<8>::I* D) {
+  using V = Lanes<8>;
+  using I = typename V::I;
+  __m256i e[NR];
+  for (int j = 0; j < 8; ++j) {
+    I X = V::template load<I>(xt + j * 4 * 8);
+    in_register(X);  // one load a step: as a memory operand, the compiler would read it once per row
+    for (int r = 0; r < NR; ++r) {
+      const __m256i p = V::pairs(u[r] + 4 * j, X);
+      e[r] = j == 0 ? p : _mm256_add_epi16(e[r], p);
+      in_register(e[r]);  // in this order: scheduled freely, the products of all steps were kept in memory
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    D[r] = V::widen(e[r]);
+    if constexpr (Q8_BIAS<T> != 0) D[r] -= V::template load<I>(xc);
+  }
+}
+#endif
+
 // Block gb of x (group g, block b: gb = g nb + b) against NR weight rows' codes u[r] (codes_u8_vec), scales
 // d[r][k] and Q4_1's offsets mo[r][k]: a[r] + D d dx (o[r] + m sum(x_b)) per lane. x's 8 steps, scales and
-// bias sums held in registers across the rows.
+// bias sums held in registers across the rows (with AVX2 alone, Q4's D by q4_dots).
 template <QType T, int L, int NR>
 __attribute__((always_inline)) inline void block_rows(const LaneX& lx, int64_t gb, const uint8_t (*u)[UB<T>],
                                                       const float (*d)[Q8_CHUNK], const float (*mo)[Q8_CHUNK],
@@ -943,18 +960,31 @@ __attribute__((always_inline)) inline void block_rows(const LaneX& lx, int64_t g
   using V = Lanes<L>;
   using I = typename V::I;
   using F = typename V::F;
-  I X[8];
-  for (int j = 0; j < 8; ++j) {
-    X[j] = V::template load<I>(lx.xt.get() + (gb * 8 + j) * 4 * L);
-    in_register(X[j]);
-  }
-  F dx = V::template load<F>(lx.xs.get() + gb * L);
-  I xc = V::template load<I>(lx.xc.get() + gb * L);
-  in_register(dx);
-  in_register(xc);
-  for (int r = 0; r < NR; ++r) {
-    a[r] = scaled_sum<L>(a[r], block_dot<T, L>(u[r], X, xc), dx, d[r][k]);
-    if constexpr (T == QType::Q4_1) o[r] = offset_sum<L>(o[r], mo[r][k], lx, gb);
+#ifndef TREESERVE_Q8_VNNI
+  if constexpr (T != QType::Q8_0) {
+    I D[NR];
+    q4_dots<T, NR>(u, lx.xt.get() + gb * 8 * 4 * L, lx.xc.get() + gb * L, D);
+    const F dx = V::template load<F>(lx.xs.get() + gb * L);
+    for (int r = 0; r < NR; ++r) {
+      a[r] = scaled_sum<L>(a[r], D[r], dx, d[r][k]);
+      if constexpr (T == QType::Q4_1) o[r] = offset_sum<L>(o[r], mo[r][k], lx, gb);
+    }
+  } else
+#endif
+  {
+    I X[8];
+    for (int j = 0; j < 8; ++j) {
+      X[j] = V::template load<I>(lx.xt.get() + (gb * 8 + j) * 4 * L);
+      in_register(X[j]);
+    }
+    F dx = V::template load<F>(lx.xs.get() + gb * L);
+    I xc = V::template load<I>(lx.xc.get() + gb * L);
+    in_register(dx);
+    in_register(xc);
+    for (int r = 0; r < NR; ++r) {
+      a[r] = scaled_sum<L>(a[r], block_dot<T, L>(u[r], X, xc), dx, d[r][k]);
+      if constexpr (T == QType::Q4_1) o[r] = offset_sum<L>(o[r], mo[r][k], lx, gb);
+    }
   }
 }
 
