@@ -4,8 +4,8 @@ This project's 2-core VMs drift by up to 2x within minutes (benches/RESULTS.md),
 in turn, or two runs of one benchmark, cannot resolve a kernel change of 10-20%. This harness compiles
 the kernels of a git revision (A, ``--base``, default ``HEAD``) and of the working tree (B) into one
 binary (each in its own namespace), and times them in alternating pairs on the same data, one thread:
-each pair sees the same machine, and the median of the pairs' ratios B/A resolves ~2-3% here (an A/A
-run gives 0.98-1.02). It also says whether the two outputs are bitwise equal.
+each pair sees the same machine, and the median of the pairs' ratios B/A resolves ~3-5% here (an A/A
+run: medians 0.97-1.04 with 31 pairs). It also says whether the two outputs are bitwise equal.
 
 - ``q8``: ``rows_q8`` (``treeserve::gguf_linear_q8``'s tiles: int8 activations in lanes), Q4_0 / Q4_1 /
   Q8_0 at 8 / 16 / 64 rows on Llama-3-8B's widths, cycles per 32-block and 8 rows of x;
