@@ -175,7 +175,8 @@ def main() -> None:
         raise ValueError(f"--kernels must name q8 and/or int16, got {args.kernels!r}")
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    from treeserve._cpp import _CFLAGS, INCLUDE, cpu_flags
+    from treeserve._cpp import _CFLAGS, INCLUDE
+    from treeserve._cpu import cpu_features
 
     base = subprocess.run(["git", "show", f"{args.base}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout
@@ -189,9 +190,8 @@ def main() -> None:
                *(f"-I{p}" for p in [*include_paths(), str(INCLUDE)]), str(d / "ab.cpp"), "-o", str(d / "ab"),
                *(f"-L{p}" for p in libs), "-ltorch", "-ltorch_cpu", "-lc10", *(f"-Wl,-rpath,{p}" for p in libs)]
         subprocess.run(cmd, check=True)
-        model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-        avx = "AVX-512" if "avx512f" in cpu_flags().split() else "AVX2"
-        print(f"A = {args.base}, B = the working tree; {model} ({avx}), one thread, {args.pairs} pairs each\n")
+        cpu = cpu_features().describe()
+        print(f"A = {args.base}, B = the working tree; {cpu}, one thread, {args.pairs} pairs each\n")
         subprocess.run([str(d / "ab")], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
