@@ -33,10 +33,10 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 class Counter:
     """A measurement that returns ``value`` and counts its calls."""
 
-    def __init__(self, value: int | bool) -> None:
+    def __init__(self, value: int | bool | tuple) -> None:
         self.value, self.calls = value, 0
 
-    def __call__(self) -> int | bool:
+    def __call__(self) -> int | bool | tuple:
         self.calls += 1
         return self.value
 
@@ -212,6 +212,23 @@ def test_bad_arguments_name_the_field(cache: Path) -> None:
         measured("probe", (), float, Counter(1))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="'probe' must return int"):
         measured("probe", (), int, Counter(True))
+    with pytest.raises(TypeError, match="'probe' must return a tuple of ints"):
+        measured("probe", (), tuple, Counter((1, 2.5)))
+
+
+def test_a_tuple_of_ints_is_kept_and_read_back(cache: Path) -> None:
+    """A ``tuple`` measurement is stored as a JSON list and read back as the same tuple; an entry
+    whose list holds something other than ints is measured again."""
+    count = Counter((1000, 1250, 1700))
+    assert measured("table", (2,), tuple, count) == (1000, 1250, 1700)
+    clear_memo()
+    assert measured("table", (2,), tuple, count) == (1000, 1250, 1700) and count.calls == 1
+    (path,) = (cache / "measurements").glob("table-*.json")
+    entry = json.loads(path.read_text())
+    path.write_text(json.dumps({**entry, "value": [1000, "x"]}))
+    clear_memo()
+    assert measured("table", (2,), tuple, count) == (1000, 1250, 1700) and count.calls == 2
+    clear_memo()
 
 
 def _layer(seed: int) -> PackedLinear:

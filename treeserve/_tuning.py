@@ -56,8 +56,9 @@ INTERFERENCE_LIMIT = 0.25
 MAX_TRIES = 3
 """Measurements of one entry at most, while each is taken above ``INTERFERENCE_LIMIT``."""
 
-_V = TypeVar("_V", int, bool)
-_memo: dict[str, int | bool] = {}
+_V = TypeVar("_V", int, bool, tuple)
+_Value = int | bool | tuple[int, ...]
+_memo: dict[str, _Value] = {}
 _SOURCES = (Path(__file__).with_name("csrc"), Path(__file__).parent / "models" / "csrc")
 
 
@@ -112,9 +113,17 @@ def entry_path(kind: str, key: list[str]) -> Path:
 
 
 class _Entry(NamedTuple):
-    value: int | bool
+    value: _Value
     interference: float
     tries: int
+
+
+def _is_value(value: object, value_type: type) -> bool:
+    """Whether ``value`` is of ``value_type`` exactly (bool is not int here, nor int bool; a tuple
+    holds ints alone)."""
+    if value_type is tuple:
+        return type(value) is tuple and all(type(v) is int for v in value)
+    return type(value) is value_type
 
 
 def _read(path: Path, kind: str, key: list[str], value_type: type) -> _Entry | None:
@@ -125,7 +134,9 @@ def _read(path: Path, kind: str, key: list[str], value_type: type) -> _Entry | N
     if not isinstance(entry, dict) or entry.get("version") != CACHE_VERSION or entry.get("kind") != kind:
         return None
     value, share, tries = entry.get("value"), entry.get("interference"), entry.get("tries")
-    if entry.get("key") != key or type(value) is not value_type:  # bool is not int here, nor int bool
+    if value_type is tuple and type(value) is list:  # JSON's form of a tuple
+        value = tuple(value)
+    if entry.get("key") != key or not _is_value(value, value_type):
         return None
     if type(share) not in (int, float) or not 0 <= share <= 1 or type(tries) is not int or tries < 1:
         return None
@@ -154,8 +165,9 @@ def _write(path: Path, kind: str, key: list[str], entry: _Entry) -> None:
 def _measure(kind: str, measure: Callable[[], _V], value_type: type, before: _Entry | None) -> _Entry:
     """A new measurement, or ``before`` where that was the less disturbed one; ``tries`` counted."""
     value, share = interference(measure)
-    if type(value) is not value_type:
-        raise TypeError(f"measurement {kind!r} must return {value_type.__name__}, got {type(value).__name__}")
+    if not _is_value(value, value_type):
+        what = "a tuple of ints" if value_type is tuple else value_type.__name__
+        raise TypeError(f"measurement {kind!r} must return {what}, got {value!r}")
     tries = 1 if before is None else before.tries + 1
     if share > interference_limit():
         then = (f"measured again at the next start ({MAX_TRIES - tries} more at most)" if tries < MAX_TRIES
@@ -173,12 +185,12 @@ def measured(kind: str, key: tuple[object, ...], value_type: type[_V], measure: 
     shared is measured again (see the module docstring).
 
     ``kind`` is a short name (letters, digits, ``-``); ``key`` any values whose ``str`` is stable
-    (ints, strings, dtypes, tuples of them); ``value_type`` ``int`` or ``bool``, what ``measure``
-    returns (``TypeError`` naming the measurement otherwise)."""
+    (ints, strings, dtypes, tuples of them); ``value_type`` ``int``, ``bool`` or ``tuple`` (of
+    ints), what ``measure`` returns (``TypeError`` naming the measurement otherwise)."""
     if not kind or not kind.replace("-", "").isalnum():
         raise ValueError(f"kind must be a non-empty name of letters, digits and '-', got {kind!r}")
-    if value_type not in (int, bool):
-        raise TypeError(f"value_type must be int or bool, got {value_type!r}")
+    if value_type not in (int, bool, tuple):
+        raise TypeError(f"value_type must be int, bool or tuple, got {value_type!r}")
     full = [str(k) for k in key] + host_key()
     memo_key = json.dumps([kind, full])
     if memo_key in _memo:

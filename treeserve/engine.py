@@ -41,7 +41,7 @@ from treeserve.kvcache import (
     module_fingerprint,
 )
 from treeserve.models.invariant import make_batch_invariant
-from treeserve.models.quant import check_quantization, path_rows, prepare_large_weights
+from treeserve.models.quant import check_quantization, prepare_large_weights
 from treeserve.output import SampleDelta, TrackedRequest
 from treeserve.runner import (
     CALIBRATION_TEXT,
@@ -58,7 +58,8 @@ from treeserve.runner import (
     draft_pool_tokens,
     fill_drafts,
     measure_draft_cost,
-    measure_row_cost,
+    measure_step_costs,
+    row_cost_of,
     self_draft_layers,
 )
 from treeserve.sampling import GrammarCompiler, SamplingParams
@@ -83,13 +84,11 @@ measured 1.03x at batch 16 on the 2-core EPYC; ``benches/bench_speculative.py`` 
 crossover, not yet re-measured with verify steps on the fused path: ``benches/RESULTS.md``)."""
 
 
-def row_cost_rows(num_speculative_tokens: int, path: Sequence[int]) -> int:
+def row_cost_rows(num_speculative_tokens: int) -> int:
     """The rows at which ``LLM`` measures the row cost: the most a lone request's verify step
-    reaches, ``1 + num_speculative_tokens``, or fewer where a projection changes path (``path``:
-    the scheduler's ``speculative_path_rows``, which drafts never cross), so that the cost is
-    that of the path verify steps take (SmolLM2 on the Zen 3 EPYC, one quiet measurement: 0.38
-    at 4 rows, 0.49 at 5, where the down projections take their int8 path); at least 2."""
-    return max(2, min([1 + num_speculative_tokens] + [t for t in path if t >= 2]))
+    reaches, ``1 + num_speculative_tokens`` (its draft rows on the plain row's path, as the runner
+    computes them: ``quant.plain_rows``); at least 2."""
+    return max(2, 1 + num_speculative_tokens)
 
 
 @dataclass(slots=True)
@@ -131,8 +130,9 @@ class EngineConfig:
     ``speculative_row_cost`` / ``speculative_draft_cost``: what one more query row / one draft
     node's drafter forward costs relative to a step's fixed part, the goodput rule's inputs
     (``scheduler.draft_plan``); None = measured once per machine and model for a model loaded by
-    name on CPU (the draft cost only for a drafter that runs a model), else 0 (both 0: every
-    asking request drafts its whole room).
+    name on CPU (the draft cost only for a drafter that runs a model; the row cost as a table of a
+    verify step's cost per row count, ``runner.measure_step_costs``, and a given row cost as the
+    line it stands for), else 0 (both 0: every asking request drafts its whole room).
     ``jump_forward_tokens``: a structured-output request whose grammar forces its next tokens
     (``{"name": "`` in a schema) proposes up to this many of them as a draft each step, verified
     like any draft (a forced token is accepted with probability 1, so the output law is
@@ -506,9 +506,7 @@ class LLM:
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or mc.eos_token_ids or [])
         self.drafter = self._make_drafter(max_len, eos)  # run by the engine; the scheduler only asks
         drafter = self.drafter
-        # tensor parallel: rank 0's shard (the ranks hold equal shards, measured alike)
-        path = path_rows(getattr(self.model, "local", self.model))
-        row_cost = self._row_cost(loaded=isinstance(model, str), path=path)
+        row_cost, step_costs = self._step_costs(loaded=isinstance(model, str))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_batched_tokens=cfg.max_batched_tokens,
@@ -519,7 +517,7 @@ class LLM:
                 jump_forward_tokens=cfg.jump_forward_tokens,
                 speculative_row_cost=row_cost,
                 speculative_draft_cost=self._draft_cost(loaded=isinstance(model, str), row_cost=row_cost),
-                speculative_path_rows=path,
+                speculative_step_costs=step_costs,
             ),
             self.kv.allocator,
             self.radix,
@@ -874,28 +872,32 @@ class LLM:
                 self.scheduler.abort(req)
 
     # ------------------------------------------------------------------ internals
-    def _row_cost(self, loaded: bool, path: tuple[int, ...]) -> float:
-        """The scheduler's ``speculative_row_cost``: the config's, else measured for a model
-        loaded by name on CPU in one process (``runner.step_cost``; after the usual 128 cached
-        tokens, or as many as a smaller KV pool can lend: its requests are no longer; a pool
-        that cannot lend one gives ``MAX_ROW_COST``, drafting only near-certain nodes), else 0
-        (every asking request drafts its whole room, as measured on no machine: a given module, CUDA).
-        Measured at ``row_cost_rows`` rows (``path``: the scheduler's ``speculative_path_rows``)."""
+    def _step_costs(self, loaded: bool) -> tuple[float, tuple[float, ...]]:
+        """The scheduler's ``speculative_row_cost`` and ``speculative_step_costs``: the config's row
+        cost and no table, else measured for a model loaded by name on CPU in one process
+        (``runner.measure_step_costs`` up to ``row_cost_rows`` rows and the line through its last
+        entry, ``row_cost_of``; after the usual 128 cached tokens, or as many as a smaller KV pool
+        can lend: its requests are no longer; a pool that cannot lend one gives ``MAX_ROW_COST``,
+        drafting only near-certain nodes), else 0 and no table (every asking request drafts its
+        whole room, as measured on no machine: a given module, CUDA)."""
         cfg = self.config
         if not cfg.speculative:
-            return 0.0
+            return 0.0, ()
         if cfg.speculative_row_cost is not None:
-            return float(cfg.speculative_row_cost)
+            return float(cfg.speculative_row_cost), ()
         if not cfg.measured_setting(loaded):
-            return 0.0
-        rows = row_cost_rows(cfg.num_speculative_tokens, path)
+            return 0.0, ()
+        rows = row_cost_rows(cfg.num_speculative_tokens)
         context = min(ROW_COST_CONTEXT, self.kv.allocator.num_free * self.kv.page_size - rows)
-        return measure_row_cost(self.model, self.kv, rows, context) if context >= 1 else MAX_ROW_COST
+        if context < 1:
+            return MAX_ROW_COST, ()
+        costs = measure_step_costs(self.model, self.kv, rows, context)
+        return row_cost_of(costs), costs
 
     def _draft_cost(self, loaded: bool, row_cost: float) -> float:
         """The scheduler's ``speculative_draft_cost``: the config's, else measured for a drafter that
         runs a model when the row cost is measured (``runner.measure_draft_cost``, after as many
-        cached tokens as ``_row_cost``'s; pools that cannot lend one give ``MAX_ROW_COST``), else 0."""
+        cached tokens as ``_step_costs``'; pools that cannot lend one give ``MAX_ROW_COST``), else 0."""
         cfg, drafter = self.config, self.drafter
         if cfg.speculative_draft_cost is not None:
             return float(cfg.speculative_draft_cost)

@@ -98,23 +98,3 @@ def test_draft_model_speculation_matches_single_rank(model: LlamaForCausalLM, tm
         assert llm.metrics.accepted_tokens > 0
     finally:
         llm.close()
-
-
-def test_speculation_is_capped_by_rank_0s_path_rows(model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The drafting cap of a tensor-parallel engine comes from rank 0's shard (``quant.path_rows`` of
-    ``model.local``), not from the proxy, which has no layers to read."""
-    import treeserve.engine as engine
-
-    seen: list[object] = []
-
-    def spy(m: object) -> tuple[int, ...]:
-        seen.append(m)
-        return (3,)
-
-    monkeypatch.setattr(engine, "path_rows", spy)
-    llm = LLM((model, None), tensor_parallel_size=2, **FEATURES)
-    try:
-        assert seen == [llm.model.local] and isinstance(seen[0], LlamaForCausalLM)
-        assert llm.scheduler.config.speculative_path_rows == (3,)
-    finally:
-        llm.close()

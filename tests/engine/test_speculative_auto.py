@@ -11,7 +11,7 @@ from treeserve._tuning import clear_memo
 from treeserve.engine import EngineConfig
 from treeserve.kvcache import KVPool
 from treeserve.models import random_model, tiny_config
-from treeserve.runner import measure_draft_cost, measure_row_cost
+from treeserve.runner import measure_draft_cost, measure_row_cost, measure_step_costs, row_cost_of
 from treeserve.runner.step_cost import MAX_ROW_COST, ROW_COST_CONTEXT
 
 
@@ -53,14 +53,25 @@ def test_row_cost_is_measured_once_and_gives_the_pages_back(tmp_path, monkeypatc
     real = model.forward
     monkeypatch.setattr(model, "forward", lambda *a: calls.append(a[0].numel()) or real(*a))
     free = kv.allocator.num_free
+    costs = measure_step_costs(model, kv, 5)
+    assert len(costs) == 5 and costs[0] == 1.0 and list(costs) == sorted(costs)
+    assert all(1.0 <= c <= r * MAX_ROW_COST for r, c in enumerate(costs, 1))
     cost = measure_row_cost(model, kv, 5)
-    assert 0.0 <= cost <= MAX_ROW_COST
+    assert cost == row_cost_of(costs) and 0.0 <= cost <= MAX_ROW_COST
     assert kv.allocator.num_free == free
-    assert set(calls) == {1, 5}, "one-row and five-row forwards, nothing else"
+    assert set(calls) == {1, 2, 3, 4, 5}, "forwards of one to five rows, nothing else"
     n = len(calls)
     clear_memo()  # from the disk entry now
-    assert measure_row_cost(model, kv, 5) == cost and len(calls) == n
+    assert measure_step_costs(model, kv, 5) == costs and measure_row_cost(model, kv, 5) == cost and len(calls) == n
     clear_memo()
+
+
+@pytest.mark.parametrize(("costs", "rho"), [((1.0, 1.5), 1.0), ((1.0, 1.2, 1.5, 1.7, 2.5), 0.6), ((1.0, 2.0), 20.0),
+                                            ((1.0, 1.0, 1.0), 0.0)])
+def test_the_line_through_a_table(costs: tuple[float, ...], rho: float) -> None:
+    """``row_cost_of``: ``T(r) / T(1) = (1 + r rho) / (1 + rho)`` at the table's last entry; a step
+    of r rows costing r one-row steps (nothing fixed) is ``MAX_ROW_COST``."""
+    assert row_cost_of(costs) == pytest.approx(min(rho, MAX_ROW_COST))
 
 
 def test_a_small_kv_pool_measures_a_shorter_context(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,30 +85,28 @@ def test_a_small_kv_pool_measures_a_shorter_context(tmp_path, monkeypatch: pytes
 
     def spy(m, kv, rows, context=ROW_COST_CONTEXT):  # noqa: ANN001, ANN202
         seen.append((kv.allocator.num_free * kv.page_size, rows, context))
-        return measure_row_cost(m, kv, rows, context)
+        return measure_step_costs(m, kv, rows, context)
 
-    monkeypatch.setattr(engine_module, "measure_row_cost", spy)
+    monkeypatch.setattr(engine_module, "measure_step_costs", spy)
     monkeypatch.setattr(EngineConfig, "measured_setting", lambda self, loaded: True)  # as for a model loaded by name
     small = LLM((model, None), kv_cache_tokens=64, max_model_len=48, speculative="ngram")
     free, rows, context = seen[-1]
     assert rows == 1 + small.config.num_speculative_tokens and context == free - rows < ROW_COST_CONTEXT
-    assert 0.0 <= small.scheduler.config.speculative_row_cost <= MAX_ROW_COST
+    sc = small.scheduler.config
+    assert 0.0 <= sc.speculative_row_cost <= MAX_ROW_COST and len(sc.speculative_step_costs) == rows
+    assert sc.speculative_row_cost == row_cost_of(sc.speculative_step_costs)
     large = LLM((model, None), kv_cache_tokens=1024, max_model_len=128, speculative="ngram")
     assert seen[-1][2] == ROW_COST_CONTEXT and large.scheduler.config.speculative_row_cost <= MAX_ROW_COST
     n = len(seen)
     tiny = LLM((model, None), kv_cache_tokens=4, max_model_len=4, speculative="ngram", num_speculative_tokens=4)
     assert len(seen) == n and tiny.scheduler.config.speculative_row_cost == MAX_ROW_COST
-    # a projection that changes path at 3 rows: measured at the 3 rows a verify step stays within
-    monkeypatch.setattr(engine_module, "path_rows", lambda m: (1, 3, 8))
-    capped = LLM((model, None), kv_cache_tokens=1024, max_model_len=128, speculative="ngram")
-    assert seen[-1][1] == 3 and capped.scheduler.config.speculative_path_rows == (1, 3, 8)
+    assert tiny.scheduler.config.speculative_step_costs == ()
     clear_memo()
 
 
-@pytest.mark.parametrize(("k", "path", "rows"), [(4, (), 5), (4, (4, 8), 4), (4, (1, 16), 5), (1, (), 2), (4, (2,), 2),
-                                                 (2, (8,), 3)])
-def test_row_cost_rows_stay_within_the_verify_path(k: int, path: tuple[int, ...], rows: int) -> None:
-    assert engine_module.row_cost_rows(k, path) == rows
+@pytest.mark.parametrize(("k", "rows"), [(4, 5), (1, 2), (7, 8)])
+def test_row_cost_rows_are_a_lone_requests_verify_step(k: int, rows: int) -> None:
+    assert engine_module.row_cost_rows(k) == rows
 
 
 def test_row_cost_bad_input() -> None:

@@ -438,8 +438,8 @@ def test_vnni_build_is_bitwise_the_avx2_one(tmp_path) -> None:
 def test_int16_rows_of_every_call_are_the_rows_alone(qtype: str) -> None:
     """In a call of any row count every row is bit for bit the row alone, on every host (two
     accumulator chains per row in every register block: blocks of 4 rows with AVX2's 16 vector
-    registers, 8 with AVX-512's 32): the scheduler's drafts and batches rely on it
-    (``quant.path_rows``). Counts past one register block and a remainder included."""
+    registers, 8 with AVX-512's 32): verify steps rely on it (``quant.plain_rows``: draft
+    rows on the int16 path of a lone request's row). Counts past one register block and a remainder included."""
     n, k = 37, 32 * 70
     w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, 4), (n, k))
     x = block_scaled(19, k, 4, 3.0)

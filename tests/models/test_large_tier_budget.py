@@ -125,14 +125,14 @@ def test_a_group_whose_dense_weights_do_not_fit_what_is_left_keeps_its_codes(
     assert all(m.packed_max_rows <= 128 for m in down)
 
 
-@pytest.mark.parametrize(("rows", "expect"), [("8", (8,)), ("all", ()), ("2", (2,)), ("0", (0,))])
-def test_path_rows_name_every_row_count_where_a_row_is_computed_otherwise(
-        gguf: Path, monkeypatch: pytest.MonkeyPatch, rows: str, expect: tuple[int, ...]) -> None:
-    """``quant.path_rows``: each projection's ``packed_max_rows`` below every batch, nothing for the
-    GGUF operator's int16 path itself (every row of every call is the row alone, on every host)."""
+@pytest.mark.parametrize(("rows", "expect"), [("8", {8}), ("all", {quant._ALL_ROWS}), ("2", {2}), ("0", {0})])
+def test_the_packed_rows_override_reaches_every_projection(
+        gguf: Path, monkeypatch: pytest.MonkeyPatch, rows: str, expect: set[int]) -> None:
+    """``TREESERVE_PACKED_MAX_ROWS``: every projection's ``packed_max_rows`` (``all``: the codes
+    serve every batch)."""
     monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", rows)
     model, _ = load(gguf, quantization="auto")
-    assert quant.path_rows(model) == expect
+    assert {m.packed_max_rows for m in _packed(model)} == expect
 
 
 def test_codes_that_serve_large_batches_as_fast_keep_no_large_weights(gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:

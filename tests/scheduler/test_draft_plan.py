@@ -14,17 +14,30 @@ from hypothesis import strategies as st
 from treeserve.kvcache import RadixCache, ReqToTokenTable
 from treeserve.sampling import SamplingParams
 from treeserve.scheduler import DraftTree, SampledToken, Scheduler, SchedulerConfig, StopChecker
-from treeserve.scheduler.draft_plan import ACCEPT_DECAY, RETRY_DECAY, acceptance, plan_draft_lengths, verified_counts
+from treeserve.runner import row_cost_of
+from treeserve.scheduler.draft_plan import (
+    ACCEPT_DECAY,
+    RETRY_DECAY,
+    acceptance,
+    plan_draft_lengths,
+    step_time,
+    verified_counts,
+)
 
 from .fake_runner import make_pool
 from .test_scheduler import EOS, VOCAB
 
 
-def step_rate(lengths, alphas, rows: int, tokens: float, row_cost: float, node_cost: float = 0.0) -> float:
+def step_rate(lengths, alphas, rows: int, tokens: float, row_cost: float, node_cost: float = 0.0,
+              costs: tuple[float, ...] = ()) -> float:
     """Expected tokens per unit time of a step (fixed part = 1) with chain drafts of ``lengths``,
-    each node costing its row and a drafter forward of ``node_cost``."""
+    each node costing its row (on the line ``row_cost``, or the table ``costs``: ``step_time``) and
+    a drafter forward of ``node_cost``."""
     gain = sum(a ** j for n, a in zip(lengths, alphas) for j in range(1, n + 1))
-    return (tokens + gain) / (1 + (rows + sum(lengths)) * row_cost + sum(lengths) * node_cost)
+    d = sum(lengths)
+    if not costs:
+        return (tokens + gain) / (1 + (rows + d) * row_cost + d * node_cost)
+    return (tokens + gain) / (step_time(rows + d, row_cost, costs) + d * node_cost)
 
 
 cases = st.tuples(
@@ -50,6 +63,58 @@ def test_plan_is_as_good_as_any_allocation(case, node_cost: float) -> None:
         if sum(ls) <= budget
     )
     assert step_rate(got, alphas, rows, tokens, row_cost, node_cost) >= best * (1 - 1e-9)
+
+
+# measured tables: 1 at one row, then steps of 0 to 1.5 one-row steps a row (flat runs and jumps)
+tables = st.lists(st.sampled_from([0.0, 0.05, 0.2, 0.3, 0.8, 1.5]), min_size=1, max_size=7).map(
+    lambda rises: tuple(itertools.accumulate([1.0, *rises])))
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases, st.sampled_from([0.0, 0.0, 0.3]), tables)
+def test_plan_on_a_measured_table_is_as_good_as_any_allocation(case, node_cost: float, costs) -> None:
+    """With a table that rises in steps (a kernel's register blocks), the expected tokens per unit
+    time of the plan are those of the best allocation found by exhaustive search, past the table's
+    end on the line through its last entry."""
+    reqs, extra_rows, _, budget = case
+    alphas, rooms = [a for a, _ in reqs], [r for _, r in reqs]
+    rows, tokens = len(reqs) + extra_rows, float(len(reqs))
+    rho = row_cost_of(costs)
+    got = plan_draft_lengths(alphas, rooms, rows, tokens, rho, budget, node_cost, costs)
+    assert all(0 <= n <= r for n, r in zip(got, rooms)) and sum(got) <= budget
+    best = max(
+        step_rate(ls, alphas, rows, tokens, rho, node_cost, costs)
+        for ls in itertools.product(*(range(r + 1) for r in rooms))
+        if sum(ls) <= budget
+    )
+    assert step_rate(got, alphas, rows, tokens, rho, node_cost, costs) >= best * (1 - 1e-9)
+
+
+@given(tables, st.integers(0, 20))
+def test_step_time_is_the_table_then_its_line(costs, rows: int) -> None:
+    """``step_time``: the table times ``1 + row_cost`` within it (1 + rho at one row), the line
+    through its last entry beyond, so the two meet there and the time never falls."""
+    rho = row_cost_of(costs)
+    if costs[-1] >= len(costs):
+        return  # nothing fixed in the step: the line is capped (MAX_ROW_COST), not through the entry
+    assert step_time(1, rho, costs) == pytest.approx(1 + rho)
+    assert step_time(len(costs), rho, costs) == pytest.approx(1 + len(costs) * rho)
+    assert step_time(rows + 1, rho, costs) >= step_time(rows, rho, costs) - 1e-12
+    if rows > len(costs):
+        assert step_time(rows, rho, costs) == pytest.approx(1 + rows * rho)
+
+
+def test_the_zen3_table() -> None:
+    """SmolLM2 on the Zen 3 EPYC (2026-12-07, its verify steps on the int16 kernel's 4-row blocks):
+    a 5-row step costs a 4-row step plus most of a one-row pass. A rewrite accepted at 85% drafts 3
+    nodes (4 rows), as does one accepted at 99%, which the line through 5 rows sends to 5 rows; at
+    the prior (0.5), one node."""
+    costs = (1.0, 1.19, 1.53, 1.67, 2.46)
+    rho = row_cost_of(costs)
+    assert plan_draft_lengths([0.85], [4], 1, 1.0, rho, 64, 0.0, costs) == [3]
+    assert plan_draft_lengths([0.99], [4], 1, 1.0, rho, 64, 0.0, costs) == [3]
+    assert plan_draft_lengths([0.5], [4], 1, 1.0, rho, 64, 0.0, costs) == [1]
+    assert plan_draft_lengths([0.99], [4], 1, 1.0, rho, 64) == [4]  # the line alone: 5 rows, 1.27 vs 1.50
 
 
 @settings(max_examples=200, deadline=None)
@@ -119,11 +184,21 @@ def test_acceptance_estimate() -> None:
         (([0.5], [1], 1, 1.0, 0.5, 4, -0.1), "node_cost"),
         (([0.5], [1], 1, 1.0, 0.5, -1), "budget"),
         (([1.5], [1], 1, 1.0, 0.5, 4), "alphas"),
+        (([0.5], [1], 1, 1.0, 0.5, 4, 0.0, (1.2, 1.5)), "step_costs"),
+        (([0.5], [1], 1, 1.0, 0.5, 4, 0.0, (1.0, 1.5, 1.4)), "step_costs"),
+        (([0.5], [1], 1, 1.0, 0.5, 4, 0.0, (1.0, float("nan"))), "step_costs"),
+        (([0.5], [1], 1, 1.0, 0.5, 4, 0.0, "1"), "step_costs"),
     ],
 )
 def test_bad_input(args, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         plan_draft_lengths(*args)
+
+
+@pytest.mark.parametrize("bad", [(2.0,), (1.0, 0.9), [1.0, "x"], (1.0, float("inf")), 1.0])
+def test_the_scheduler_refuses_a_bad_table(bad: object) -> None:
+    with pytest.raises(ValueError, match="speculative_step_costs must be finite numbers starting at 1"):
+        SchedulerConfig(speculative_step_costs=bad)  # type: ignore[arg-type]
 
 
 def _scheduler(row_cost: float) -> Scheduler:

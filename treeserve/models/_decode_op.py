@@ -14,7 +14,8 @@ verify step whose draft trees ``kvcache.query_view`` lists per query row (the pe
 draft nodes at positions prefix_len + depth, each seeing the prefix, its ancestors and itself:
 the same page lists the ``cpu`` attention backend gives the Python path) -- served by the
 ``cpu`` attention backend, each projection
-taking the path ``PackedLinear.forward`` would (GGUF blocks up to ``packed_max_rows`` rows; above,
+taking the path ``PackedLinear.forward`` would (GGUF blocks up to ``packed_max_rows`` rows, counted
+as ``quant.routed_rows`` counts them: a verify step's plain rows within ``quant.plain_rows``; above,
 the same blocks with int8 activations where ``large_q8`` is set, else the int8 GEMM or ``F.linear``
 on the dense weight; int4-plane codes only above), and Dynamo is not tracing
 (the operator has a fake implementation and passes ``opcheck``, but compiled steps keep the layer
@@ -39,7 +40,7 @@ from treeserve.kvcache.backends import select_backend
 from treeserve.models._norm_op import load_norm_op
 from treeserve.models.gguf_op import load_gguf_linear_op
 from treeserve.models.int8_op import Int8Weight
-from treeserve.models.quant import PackedLinear
+from treeserve.models.quant import PackedLinear, routed_rows
 
 __all__ = ["DecodePlan", "SOURCE", "decode_plan", "load_decode_op", "run_decode_layers"]
 
@@ -215,7 +216,7 @@ def run_decode_layers(
         or kv.k_caches[0].shape[1] != meta.page_size
     ):
         return None
-    operands = _operands(plan, n)
+    operands = _operands(plan, routed_rows(n))
     if operands is None or (torch.is_grad_enabled() and _needs_grad(plan, h, operands[0])):
         return None  # the operator has no autograd formula: differentiable calls stay in Python
     kernel = meta.attention_backend or select_backend("paged_attention", "auto", h.device, kv.k_caches[0].dtype)

@@ -36,8 +36,10 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import NamedTuple
 
@@ -67,12 +69,13 @@ __all__ = [
     "large_tier_budget",
     "measure_crossover",
     "pack_model",
-    "path_rows",
     "planes_from_gguf",
+    "plain_rows",
     "prepare_large_weights",
     "quantize_int4",
     "quantize_int8",
     "restore_dense",
+    "routed_rows",
     "use_codes_large",
     "use_int8",
     "use_q8_head",
@@ -207,6 +210,35 @@ def _pack(planes: Int4Planes, act_dtype: torch.dtype) -> tuple[torch.Tensor, tor
     return packed, sz
 
 
+_PLAIN_ROWS: ContextVar[int | None] = ContextVar("treeserve_plain_rows", default=None)
+
+
+@contextmanager
+def plain_rows(rows: int) -> Iterator[None]:
+    """Within it, every ``PackedLinear`` (and the fused decode layers) takes the path it would take
+    for a step of ``rows`` rows, whatever its input's row count: a verify step's plain rows (its
+    pending tokens and prefill chunks), so that its draft nodes ride the path plain decoding takes.
+    Below ``packed_max_rows`` that is the int16 GGUF kernel, which sums every row of a call as the
+    row alone on every host: a verify step of one request computes each of its rows as a one-row
+    decode step does, however long its draft (greedy speculation keeps plain decoding's output),
+    instead of crossing to the large-batch path, which computes rows another way.
+    ``ValueError`` unless ``rows`` is an int >= 1."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+    token = _PLAIN_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _PLAIN_ROWS.reset(token)
+
+
+def routed_rows(rows: int) -> int:
+    """The row count a projection given ``rows`` rows chooses its path by: ``plain_rows``' within
+    one, else ``rows``."""
+    plain = _PLAIN_ROWS.get()
+    return rows if plain is None else plain
+
+
 class PackedLinear(nn.Module):
     """``x @ W.T (+ bias)`` with ``W`` held as shipped codes (decode) and dense (prefill).
 
@@ -214,7 +246,8 @@ class PackedLinear(nn.Module):
     ``treeserve::gguf_linear``: activations rounded to int16 per 32-block,
     error about 2^-16 of each block's largest activation, see ``gguf_op``; float32 accumulation) or ``Int4Planes`` (torch's int4 kernel, activations and
     scales in ``act_dtype``: bfloat16 is its fast path, float32 exact but slow on AVX2). Batches of
-    at most ``packed_max_rows`` rows take the packed path, larger ones ``large_forward``: the int8
+    at most ``packed_max_rows`` rows (within ``plain_rows``, a verify step's plain rows, drafts
+    aside) take the packed path, larger ones ``large_forward``: the int8
     GEMM where ``use_int8`` gave the layer an ``Int8Weight``, the same GGUF codes with activations
     rounded to int8 per 32-block (``treeserve::gguf_linear_q8``, no other copy of the weight) where
     ``large_q8`` is set (``use_q8_large``), else ``F.linear`` on ``weight`` (the codes dequantized
@@ -300,7 +333,7 @@ class PackedLinear(nn.Module):
         """This layer applied to ``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[M, 2 K]``: in one
         operator (``int8_swiglu_linear``) where ``large_forward`` would take the int8 GEMM, else
         ``F.silu`` and a multiply before ``forward``."""
-        large = gate_up.dim() == 2 and gate_up.shape[0] > self.packed_max_rows
+        large = gate_up.dim() == 2 and routed_rows(gate_up.shape[0]) > self.packed_max_rows
         if large:
             self.prepare_large()
         if large and self.int8 is not None and not _tracing():
@@ -364,24 +397,9 @@ class PackedLinear(nn.Module):
         """``x [..., K] -> [..., N]``, routed by its number of rows (leading dimensions flattened)."""
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
-        if x.shape[0] <= self.packed_max_rows:
+        if routed_rows(x.shape[0]) <= self.packed_max_rows:
             return self.packed_forward(x)
         return self.large_forward(x)
-
-
-def path_rows(model: object) -> tuple[int, ...]:
-    """The row counts at which a projection of ``model`` changes how it computes a row (sorted,
-    distinct): the ``packed_max_rows`` of its ``PackedLinear`` layers that have a large-batch path
-    (below it, the GGUF operator's int16 path sums every row of a call as the row alone, on every
-    host). A step that stays at or below the first
-    threshold at or above its row count computes each row as a one-row step would (the scheduler's
-    ``speculative_path_rows``: greedy speculation keeps plain decoding's output). ``()`` for a
-    model that is not an ``nn.Module`` (a tensor-parallel engine passes rank 0's shard: the other
-    ranks' equal shards read the same measurements)."""
-    if not isinstance(model, nn.Module):
-        return ()
-    return tuple(sorted({m.packed_max_rows for m in model.modules()
-                         if isinstance(m, PackedLinear) and m.packed_max_rows < _ALL_ROWS}))
 
 
 def prepare_large_weights(model: nn.Module) -> int:

@@ -12,12 +12,12 @@
 - ``self_draft``: :func:`self_draft_layers`, which of the target's layers a self-speculative
   drafter runs (``draft:self:N``: the most influential over a calibration text).
 - ``sequence``: :class:`PagedSequence`, one sequence through a model (tests, benchmarks).
-- ``step_cost``: :func:`measure_row_cost`, what one more query row costs a step, and
-  :func:`measure_draft_cost`, what a draft model's forward costs (the draft planner's inputs,
-  measured once per machine and model).
+- ``step_cost``: :func:`measure_step_costs`, what a step of more query rows costs (and
+  :func:`measure_row_cost`, the line through it), and :func:`measure_draft_cost`, what a draft
+  model's forward costs (the draft planner's inputs, measured once per machine and model).
 
-Imports point down only: ``kvcache``, ``sampling``, ``scheduler`` (its batch/request types) and,
-for the draft model, ``models``.
+Imports point down only: ``kvcache``, ``sampling``, ``scheduler`` (its batch/request types) and
+``models`` (the draft model; ``quant.plain_rows``, the path a verify step's draft rows take).
 """
 
 from __future__ import annotations
@@ -31,7 +31,14 @@ from treeserve.runner.inputs import StepInputs, build_step_inputs
 from treeserve.runner.ngram import NgramDrafter
 from treeserve.runner.self_draft import CALIBRATION_TEXT, layer_influence, self_draft_layers
 from treeserve.runner.sequence import PagedSequence
-from treeserve.runner.step_cost import MAX_ROW_COST, ROW_COST_CONTEXT, measure_draft_cost, measure_row_cost
+from treeserve.runner.step_cost import (
+    MAX_ROW_COST,
+    ROW_COST_CONTEXT,
+    measure_draft_cost,
+    measure_row_cost,
+    measure_step_costs,
+    row_cost_of,
+)
 
 __all__ = [
     "CALIBRATION_TEXT",
@@ -56,5 +63,7 @@ __all__ = [
     "layer_influence",
     "measure_draft_cost",
     "measure_row_cost",
+    "measure_step_costs",
+    "row_cost_of",
     "self_draft_layers",
 ]

@@ -8,12 +8,14 @@ batch item. It synchronizes with the host once per step, when the sampled tokens
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from itertools import accumulate
 
 import numpy as np
 import torch
 
 from treeserve.kvcache import KVPool, ReqToTokenTable, compact_tree_path, rollback_slots, select_backend
+from treeserve.models.quant import plain_rows
 from treeserve.runner.graph import DecodeGraphRunner
 from treeserve.runner.inputs import (
     CausalLM,
@@ -86,7 +88,10 @@ class ModelRunner:
         rows = np.fromiter([r.row for r in reqs], np.int64, n)  # converted once for the builder and sampling
         drafted = [] if drafts.count(None) == n else [i for i, d in enumerate(drafts) if d is not None]
         step, logit_rows = self._inputs(items, reqs, rows, starts, qo, samples, drafted)
-        logits = self.model(step.input_ids, step.positions, self.kv, step.out_slots, step.meta, step.logits_indices)
+        # draft nodes ride the path of the step's plain rows (``quant.plain_rows``: plain decoding's arithmetic)
+        route = plain_rows(sum(qo) - sum(len(drafts[i]) for i in drafted)) if drafted else nullcontext()
+        with route:
+            logits = self.model(step.input_ids, step.positions, self.kv, step.out_slots, step.meta, step.logits_indices)
         if not drafted and samples.count(True) == n:  # every item samples its last row: the common decode step
             return self._sample(logits, reqs, rows, starts, qo)  # one logits row per item, in order
         results: list[SampledToken | None] = [None] * n

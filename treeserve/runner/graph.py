@@ -52,6 +52,7 @@ from treeserve.kvcache import (
     select_backend,
     padded_path_moves,
 )
+from treeserve.models.quant import plain_rows
 from treeserve.runner.inputs import CausalLM, admit_requests, draft_arrays, step_index
 from treeserve.runner.staging import StepStaging, layout_bytes
 from treeserve.runner.outputs import to_sampled_tokens, verified_tokens
@@ -407,7 +408,9 @@ class DecodeGraphRunner:
         if not k:  # pending tokens still on the device: the previous decode step's
             prev = buf["prev_row"]
             ids = torch.where(prev >= 0, self.last_tokens[prev.clamp(min=0)], ids)
-        logits = self.forward(ids, buf["positions"], self.kv, buf["out_slots"], self._meta(size, k), self.logits_indices[:t])
+        with plain_rows(size):  # a verify key's draft nodes take its pending tokens' path (``quant.plain_rows``)
+            logits = self.forward(ids, buf["positions"], self.kv, buf["out_slots"], self._meta(size, k),
+                                  self.logits_indices[:t])
         if not k:
             out = sample(logits, sbatch, buf["gen_positions"])
             self.last_tokens[:size].copy_(out.tokens)

@@ -1,28 +1,33 @@
-"""What one more query row costs in a step of this model on this machine: the draft planner's input.
+"""What more query rows cost a step of this model on this machine: the draft planner's input.
 
-:func:`measure_row_cost` times the model's own forward (the path a decode or verify step takes:
+:func:`measure_step_costs` times the model's own forward (the path a decode or verify step takes:
 fused decode layers, the head's row-count choices) over a short cached context, for one query row
-and for ``rows`` rows of one request (a chain draft's tree mask), and fits
-``T(r) = T_fixed + r * T_row``: it returns ``T_row / T_fixed`` (``scheduler.draft_plan``). Measured
-once per machine, model shape and thread count and kept on disk (``treeserve._tuning``); the
-context's KV is written to pages borrowed from the pool and given back. :func:`measure_draft_cost`
-times a drafter's one-token forward against the target's the same way: what a draft node costs
-a drafter that runs a model.
+and for ``r = 2 .. rows`` rows of one request (a chain draft's tree mask, its draft rows on the one
+plain row's path as in a verify step: ``quant.plain_rows``), and returns the table
+``T(r) / T(1)``; :func:`measure_row_cost` fits ``T(r) = T_fixed + r * T_row`` to its last entry and
+returns ``T_row / T_fixed`` (``scheduler.draft_plan`` takes both: the table where it reaches, the
+line beyond). Measured once per machine, model shape and thread count and kept on disk
+(``treeserve._tuning``); the context's KV is written to pages borrowed from the pool and given
+back. :func:`measure_draft_cost` times a drafter's one-token forward against the target's the
+same way: what a draft node costs a drafter that runs a model.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from treeserve._tuning import measured
 from treeserve.kvcache import AttentionMetadata, KVPool, pages_to_slots
+from treeserve.models.quant import plain_rows
 from treeserve.runner.inputs import CausalLM
 
-__all__ = ["MAX_ROW_COST", "ROW_COST_CONTEXT", "measure_draft_cost", "measure_row_cost"]
+__all__ = ["MAX_ROW_COST", "ROW_COST_CONTEXT", "measure_draft_cost", "measure_row_cost", "measure_step_costs",
+           "row_cost_of"]
 
 MAX_ROW_COST = 20.0
 """Cap of the ratio (a step whose fixed part measured under 1/20 of a one-row step: rows are all
@@ -57,7 +62,12 @@ def _forward(model: CausalLM, kv: KVPool, pages: torch.Tensor, total: int, n: in
     parents = None if n == 1 else [list(range(-1, n - 1))]
     meta = AttentionMetadata.build([n], [total], [pages.tolist()], ps, tree_parents=parents, device=dev)
     out_slots, logits_rows = slots[total - n :].to(dev), torch.arange(n, device=dev)
-    return lambda: model(ids, positions, kv, out_slots, meta, logits_rows)
+
+    def call() -> object:
+        with plain_rows(1):  # the path a verify step's rows take (``quant.plain_rows``)
+            return model(ids, positions, kv, out_slots, meta, logits_rows)
+
+    return call
 
 
 def _median_ratio(num: Callable[[], object], den: Callable[[], object]) -> float:
@@ -89,33 +99,60 @@ def _borrowed(kv: KVPool, tokens: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _step_ratio(model: CausalLM, kv: KVPool, rows: int, context: int) -> float:
-    """Median ratio of (time of ``rows`` new tokens) / (time of one new token), of one request
-    after ``context`` cached ones."""
-    total = context + rows
-    pages = _borrowed(kv, total)
+def _step_ratios(model: CausalLM, kv: KVPool, rows: int, context: int) -> list[float]:
+    """``T(r) / T(1)`` for ``r = 2 .. rows``, one request after ``context`` cached tokens: medians
+    over rounds that time one row, then each ``r`` in turn (after one warm-up round), so each
+    ratio's two timings see about the same machine load; at least 3 rounds, more while the time
+    spent stays under ``_BUDGET_S``, at most ``_PAIRS``."""
+    pages = _borrowed(kv, context + rows)
     try:
-        return _median_ratio(_forward(model, kv, pages, total, rows), _forward(model, kv, pages, total, 1))
+        calls = [_forward(model, kv, pages, context + r, r) for r in range(1, rows + 1)]
+        for call in calls:
+            call()
+        ratios: list[list[float]] = [[] for _ in calls[1:]]
+        spent = 0.0
+        while len(ratios[0]) < _PAIRS and (len(ratios[0]) < 3 or spent < _BUDGET_S):
+            times = [_timed(call) for call in calls]
+            for r, t in zip(ratios, times[1:]):
+                r.append(t / times[0])
+            spent += sum(times)
+        return [statistics.median(r) for r in ratios]
     finally:
         kv.allocator.free(pages)
 
 
-def measure_row_cost(model: CausalLM, kv: KVPool, rows: int, context: int = ROW_COST_CONTEXT) -> float:
-    """``T_row / T_fixed`` of ``model``'s steps on this machine, from one-row and ``rows``-row
-    forwards (``rows >= 2``: a decode plus ``rows - 1`` draft nodes) after ``context`` cached tokens
-    (``>= 1``), in ``[0, MAX_ROW_COST]``; measured once per host and key (``treeserve._tuning.measured``,
+def measure_step_costs(model: CausalLM, kv: KVPool, rows: int, context: int = ROW_COST_CONTEXT) -> tuple[float, ...]:
+    """``T(r) / T(1)`` of ``model``'s steps on this machine for ``r = 1 .. rows`` query rows of one
+    request (``rows >= 2``: a decode plus ``r - 1`` draft nodes, on the plain row's path) after
+    ``context`` cached tokens (``>= 1``): the draft planner's table (``scheduler.draft_plan``). The
+    first is 1; each at least the one before (a dip is noise: more rows never cost less), at most
+    ``MAX_ROW_COST`` times the row count; measured once per host and key (``treeserve._tuning.measured``,
     kept as thousandths). ``ValueError`` when the pool has too few free pages for them."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 2:
         raise ValueError(f"rows must be an int >= 2, got {rows!r}")
     _check_context(context)
     _check_free(kv, context + rows, "the row cost")
 
-    def measure() -> int:
-        # T(r) / T(1) = c = (1 + r rho) / (1 + rho), so rho = (c - 1) / (r - c)
-        c = max(1.0, _step_ratio(model, kv, rows, context))
-        return round(1000 * (MAX_ROW_COST if c >= rows else min(MAX_ROW_COST, (c - 1) / (rows - c))))
+    def measure() -> tuple[int, ...]:
+        ratios = _step_ratios(model, kv, rows, context)
+        return (1000, *(round(1000 * min(r * MAX_ROW_COST, max(1.0, c))) for r, c in enumerate(ratios, 2)))
 
-    return measured("row-cost", (*_model_key(model, kv), rows, context), int, measure) / 1000
+    kept = measured("step-costs", (*_model_key(model, kv), rows, context), tuple, measure)
+    return tuple(c / 1000 for c in itertools.accumulate(kept, max))
+
+
+def row_cost_of(step_costs: Sequence[float]) -> float:
+    """``T_row / T_fixed`` of the line through a one-row step and the table's last entry
+    (``measure_step_costs``), in ``[0, MAX_ROW_COST]``: ``T(r) / T(1) = (1 + r rho) / (1 + rho)``
+    gives ``rho = (c - 1) / (r - c)``."""
+    rows, c = len(step_costs), step_costs[-1]
+    return MAX_ROW_COST if c >= rows else min(MAX_ROW_COST, (c - 1) / (rows - c))
+
+
+def measure_row_cost(model: CausalLM, kv: KVPool, rows: int, context: int = ROW_COST_CONTEXT) -> float:
+    """``T_row / T_fixed`` of ``model``'s steps on this machine: :func:`row_cost_of` the table
+    :func:`measure_step_costs` gives for ``rows`` rows (the same arguments and errors)."""
+    return row_cost_of(measure_step_costs(model, kv, rows, context))
 
 
 def measure_draft_cost(model: CausalLM, kv: KVPool, draft: CausalLM, draft_kv: KVPool, row_cost: float,

@@ -2,7 +2,12 @@
 
 **Cost per step.** A step's time is modelled as ``T = T_fixed + R * T_row`` for ``R`` query rows
 (every weight read once, then per-row arithmetic); ``row_cost = T_row / T_fixed`` is measured per
-machine and model (``treeserve.runner.step_cost``).
+machine and model (``treeserve.runner.step_cost``). Where the measured table ``step_costs``
+(``T(r) / T(1)`` for a lone request's verify steps of ``r`` rows) is given, it replaces the line
+within its range (:func:`step_time`): on CPU the cost rises in steps, not in a line. The int16 GGUF
+kernel multiplies rows in register blocks (4 with AVX2), each block one pass over the weights, so
+SmolLM2 on the Zen 3 EPYC costs 1.2 / 1.5 / 1.7 / 2.5 one-row steps at 2 / 3 / 4 / 5 rows: a line
+fitted at 5 rows over-charges 4 rows and a line fitted at 4 under-charges 5.
 
 **Tokens per step.** A chain draft's node ``j`` (1-based) is accepted with probability
 ``alpha ** j`` when each node, its parent accepted, is accepted with probability ``alpha`` (the
@@ -10,12 +15,13 @@ request's estimate, below). The step emits ``E`` tokens in expectation (one per 
 the expected accepted nodes).
 
 **The rule.** Adding a node of expected gain ``g`` raises tokens per unit time exactly when
-``g * (1 + R * row_cost) > E * row_cost``; :func:`plan_draft_lengths` adds nodes greedily, best
-gain first, while that holds. A lone request (``R = E = 1``) drafts its first node only when
-``alpha > row_cost / (1 + row_cost)``: 0.29 at the row cost 0.40 measured on Zen 4. So drafting
-stops by itself where rows are expensive (a CPU batch: ``E`` and ``R`` grow together, the bar
-tends to 1) or acceptance is low (chat that does not quote its input), and where rows are free
-(``row_cost == 0``: a memory-bound GPU step) every request gets its whole room.
+``g * (1 + R * row_cost) > E * row_cost``; :func:`plan_draft_lengths` ranks nodes best gain first
+and takes as many as maximize tokens per unit time (with the line: while that holds). A lone
+request (``R = E = 1``) drafts its first node only when ``alpha > row_cost / (1 + row_cost)``:
+0.29 at the row cost 0.40 measured on Zen 4. So drafting stops by itself where rows are expensive
+(a CPU batch: ``E`` and ``R`` grow together, the bar tends to 1) or acceptance is low (chat that
+does not quote its input), and where rows are free (``row_cost == 0``: a memory-bound GPU step)
+every request gets its whole room.
 
 **The drafter's cost.** A drafter that runs a model (``draft:<model>``, ``draft:self:N``) spends
 one of its forwards per draft node of a chain; ``node_cost`` is that forward's time over the
@@ -54,9 +60,11 @@ time (benches/RESULTS.md, issue 32).
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
-__all__ = ["ACCEPT_DECAY", "RETRY_DECAY", "acceptance", "plan_draft_lengths", "verified_counts"]
+__all__ = ["ACCEPT_DECAY", "RETRY_DECAY", "acceptance", "check_step_costs", "plan_draft_lengths", "step_time",
+           "verified_counts"]
 
 ACCEPT_DECAY = 0.95
 """Per verified draft, a request's accepted / rejected counts are multiplied by this before the
@@ -86,18 +94,45 @@ def verified_counts(hits: float, misses: float, accepted: int, cut: bool) -> tup
     return hits * ACCEPT_DECAY + accepted, misses * ACCEPT_DECAY + cut
 
 
+def check_step_costs(step_costs: object, name: str = "step_costs") -> None:
+    """``ValueError`` (naming ``name``) unless ``step_costs`` is a tuple or list of finite numbers,
+    the first 1 (a one-row step), none below the one before (more rows never cost less)."""
+    ok = isinstance(step_costs, (tuple, list)) and all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in step_costs)
+    if ok and step_costs:
+        ok = step_costs[0] == 1 and all(b >= a for a, b in zip(step_costs, step_costs[1:]))
+    if not ok:
+        raise ValueError(f"{name} must be finite numbers starting at 1, non-decreasing, got {step_costs!r}")
+
+
+def step_time(rows: int, row_cost: float, step_costs: Sequence[float] = ()) -> float:
+    """A step's time in units of its fixed part for ``rows`` query rows: ``step_costs[rows - 1]``
+    (measured ``T(r) / T(1)``) times ``1 + row_cost`` within the table, ``1 + rows * row_cost``
+    (the linear model) without one, and past its end the last entry plus ``row_cost`` a row
+    (``row_cost`` being the slope fitted to that entry, the two agree there)."""
+    if rows < 1 or not step_costs:
+        return 1.0 + rows * row_cost
+    if rows <= len(step_costs):
+        return (1.0 + row_cost) * step_costs[rows - 1]
+    return (1.0 + row_cost) * step_costs[-1] + (rows - len(step_costs)) * row_cost
+
+
 def plan_draft_lengths(
     alphas: Sequence[float], rooms: Sequence[int], rows: int, tokens: float, row_cost: float, budget: int,
-    node_cost: float = 0.0,
+    node_cost: float = 0.0, step_costs: Sequence[float] = (),
 ) -> list[int]:
     """Draft lengths ``n[i] <= rooms[i]`` (sum at most ``budget``) for requests whose nodes are
     accepted with per-node probability ``alphas[i]``, in a step of ``rows`` query rows already
-    expected to emit ``tokens`` tokens, rows costing ``row_cost`` times the step's fixed part and
-    each drafted node ``node_cost`` more (the drafter's forward).
+    expected to emit ``tokens`` tokens, the step's time :func:`step_time` (``row_cost`` a row,
+    or the measured ``step_costs`` table) and each drafted node ``node_cost`` more (the drafter's
+    forward), all in units of the step's fixed part.
 
-    ``row_cost == node_cost == 0``: every request its whole room, in order, while ``budget``
-    lasts. Otherwise nodes are added best expected gain first (``alpha ** depth``; ties to the
-    earlier request) while the gain beats the step's current tokens per unit time (module docstring).
+    ``row_cost == node_cost == 0`` without a table: every request its whole room, in order, while
+    ``budget`` lasts. Otherwise the candidate nodes are ranked by expected gain (``alpha ** depth``;
+    ties to the earlier request) and the step takes the best ``d`` of them for the ``d`` that
+    maximizes expected tokens per unit time (the smallest such ``d``): with the linear model that is
+    where the next node's gain stops beating the step's rate (module docstring); a measured table
+    may rise in steps (a kernel's register block of rows), where a longer draft can pay again.
     """
     if len(alphas) != len(rooms):
         raise ValueError(f"alphas ({len(alphas)}) and rooms ({len(rooms)}) differ in length")
@@ -106,26 +141,31 @@ def plan_draft_lengths(
                          f"{row_cost}, {node_cost}, {rows}, {tokens}, {budget}")
     if any(not 0.0 <= a <= 1.0 for a in alphas):
         raise ValueError(f"alphas must lie in [0, 1], got {list(alphas)}")
+    check_step_costs(step_costs)
     lengths = [0] * len(rooms)
-    if row_cost == 0 and node_cost == 0:
+    if row_cost == 0 and node_cost == 0 and not step_costs:
         for i, room in enumerate(rooms):
             lengths[i] = max(0, min(room, budget))
             budget -= lengths[i]
         return lengths
     heap = [(-a, i, a) for i, (a, room) in enumerate(zip(alphas, rooms)) if room > 0 and a > 0]
     heapq.heapify(heap)
-    time = 1.0 + rows * row_cost  # the step's time in units of its fixed part
-    while heap and budget > 0:
+    ranked: list[int] = []  # request of each candidate node, best gain first
+    best_rate, best, gained = tokens / step_time(rows, row_cost, step_costs), 0, tokens
+    while heap and len(ranked) < budget:
         neg_gain, i, a = heap[0]
-        gain = -neg_gain
-        if gain * time <= tokens * (row_cost + node_cost):
-            break  # the best remaining node does not pay, so none does
+        ranked.append(i)
+        gained -= neg_gain
+        d = len(ranked)
+        rate = gained / (step_time(rows + d, row_cost, step_costs) + d * node_cost)
+        if rate > best_rate:
+            best_rate, best = rate, d
         lengths[i] += 1
-        time += row_cost + node_cost
-        tokens += gain
-        budget -= 1
         if lengths[i] < rooms[i]:
-            heapq.heapreplace(heap, (-gain * a, i, a))
+            heapq.heapreplace(heap, (neg_gain * a, i, a))
         else:
             heapq.heappop(heap)
+    lengths = [0] * len(rooms)
+    for i in ranked[:best]:
+        lengths[i] += 1
     return lengths

@@ -28,7 +28,7 @@ from treeserve.sampling import SamplingParams
 from treeserve.scheduler.admission import admit
 from treeserve.scheduler.batch import SampledToken, ScheduledBatch, ScheduledItem
 from treeserve.scheduler.commit import commit_step
-from treeserve.scheduler.draft_plan import RETRY_DECAY, acceptance, plan_draft_lengths
+from treeserve.scheduler.draft_plan import RETRY_DECAY, acceptance, check_step_costs, plan_draft_lengths
 from treeserve.scheduler.ledger import KVLedger
 from treeserve.scheduler.preemption import reserve_decode_slots, reserve_or_preempt
 from treeserve.scheduler.queues import RequestQueues
@@ -69,11 +69,9 @@ class SchedulerConfig:
     request's acceptance so far (0 = rows are free: every asking request gets its whole room).
     ``speculative_draft_cost``: one draft node's drafter forward relative to the same fixed part
     (measured for a drafter that runs a model, ``runner.measure_draft_cost``; 0 for n-gram drafts).
-    ``speculative_path_rows``: step row counts at which the model's arithmetic changes path (a
-    CPU projection serves up to ``PackedLinear.packed_max_rows`` rows from its codes, more by its
-    large-batch path): drafts never carry a step across one, so every row of a verify step is
-    computed as in the plain decode step it extends and greedy speculation keeps the output of
-    plain decoding (empty: one path).
+    ``speculative_step_costs``: a lone request's step time at ``r`` query rows over a one-row
+    step's, for ``r = 1, 2, ...`` (measured, ``runner.measure_step_costs``; the planner's cost
+    within its range, ``speculative_row_cost`` a row beyond; empty: the line alone).
     ``min_shared_prefix``: a waiting request whose first this-many tokens equal those of a prompt
     being prefilled (and not yet cached) waits for that prefill instead of duplicating it.
     ``jump_forward_tokens``: a decoding grammar-constrained request (``Request.grammar``) whose
@@ -88,7 +86,7 @@ class SchedulerConfig:
     speculative_max_batch: int = 0
     speculative_row_cost: float = 0.0
     speculative_draft_cost: float = 0.0
-    speculative_path_rows: tuple[int, ...] = ()
+    speculative_step_costs: tuple[float, ...] = ()
     lpm_window: int = 128
     min_shared_prefix: int = 32
     jump_forward_tokens: int = 0
@@ -102,9 +100,7 @@ class SchedulerConfig:
                      "jump_forward_tokens", "speculative_row_cost", "speculative_draft_cost"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        rows = self.speculative_path_rows
-        if not isinstance(rows, tuple) or not all(isinstance(r, int) and r >= 0 for r in rows):
-            raise ValueError(f"speculative_path_rows must be a tuple of ints >= 0, got {rows!r}")
+        check_step_costs(self.speculative_step_costs, "speculative_step_costs")
 
 
 @dataclass(slots=True, eq=False)
@@ -329,14 +325,13 @@ class Scheduler:
         draft slots without preempting or evicting for anyone else's need: a grammar-constrained
         item first the jump-forward tokens its grammar forces (oldest first), then draft nodes,
         at most ``num_speculative_tokens`` per item in all (none on a step over
-        ``speculative_max_batch``), as many as :func:`plan_draft_lengths` finds worth their rows,
-        and never so many that the step crosses one of ``speculative_path_rows``."""
+        ``speculative_max_batch``), as many as :func:`plan_draft_lengths` finds worth their rows
+        (the runner computes draft rows on the path of the step's plain rows, ``quant.plain_rows``:
+        any draft length keeps plain decoding's arithmetic)."""
         cfg = self.config
         k, jump = cfg.num_speculative_tokens, cfg.jump_forward_tokens
         max_len = cfg.max_model_len
         items = batch.items
-        plain = sum(it.num_scheduled_tokens for it in items)
-        budget = min([budget] + [t - plain for t in cfg.speculative_path_rows if t >= plain])
         decoding = [j for j, it in enumerate(items) if it.start == it.req.seq_len - 1]
         if cfg.speculative_max_batch and len(decoding) > cfg.speculative_max_batch:
             k = 0  # a batch-heavy step: plain decoding is faster (forced tokens are still drafted)
@@ -368,7 +363,7 @@ class Scheduler:
         rows = sum(it.num_scheduled_tokens for it in items) + n_forced
         tokens = sum(it.sample for it in items) + n_forced
         lengths = plan_draft_lengths(alphas, rooms, rows, tokens, cfg.speculative_row_cost, budget,
-                                     cfg.speculative_draft_cost)
+                                     cfg.speculative_draft_cost, cfg.speculative_step_costs)
         for j, f, n in zip(asking, forced, lengths):
             it = items[j]
             if f + n > 0 and self.ledger.try_reserve(it.req, it.req.seq_len + f + n):
