@@ -19,6 +19,7 @@ from treeserve.models.quant import plain_rows
 from treeserve.runner.graph import DecodeGraphRunner
 from treeserve.runner.inputs import (
     CausalLM,
+    DraftArrays,
     StepInputs,
     admit_requests,
     build_step_inputs,
@@ -195,31 +196,35 @@ class ModelRunner:
         compact their accepted KV, return their tokens."""
         dev = self.device
         reqs = [it.req for it in items]
-        drafts = draft_arrays(items, self.table.max_context_len, max(it.num_scheduled_tokens for it in items) - 1)
-        draft_slots = self.table.table.view(-1)[drafts.slot_index.to(dev)]
-        num_draft = drafts.num_draft.to(dev)
         admit_requests(self.sampling_rows, reqs)  # grammar masks go per tree position instead
         if self._plain_greedy_drafts(items):
-            return self._verify_greedy(logits, items, draft_slots, num_draft)
+            return self._verify_greedy(logits, items)
+        drafts = self._draft_arrays(items)
         positions = torch.tensor([r.seq_len for r in reqs], dtype=torch.long, device=dev)
         out = verify(
             logits,
             self.sampling_rows.batch([r.row for r in reqs], [r.output_ids for r in reqs]),
             drafts.tokens.to(dev),
             drafts.parents.to(dev),
-            num_draft,
+            drafts.num_draft.to(dev),
             positions,
             draft_laws([it.draft for it in items], self.vocab_size, dev),
             draft_bitmask=draft_bitmasks(items, drafts.tokens.shape[1], self.vocab_size, dev),
         )
-        self._keep_path(draft_slots, num_draft, out.path)
+        self._keep_path(drafts, out.path)
         return verified_tokens(out, len(items))  # host sync
 
-    def _keep_path(self, draft_slots: torch.Tensor, num_draft: torch.Tensor, path: torch.Tensor) -> None:
-        """Move the KV of each request's accepted nodes (``path [B, M]``, -1 padded) into the slots
-        that follow its committed tokens (``kvcache.rollback_slots``' plan), through the sharded
-        model's ``compact_kv`` where it has one."""
-        plan = rollback_slots(draft_slots, num_draft, path)
+    def _draft_arrays(self, items: Sequence[ScheduledItem]) -> DraftArrays:
+        """``draft_arrays`` of ``items``, as wide as their longest draft."""
+        return draft_arrays(items, self.table.max_context_len, max(it.num_scheduled_tokens for it in items) - 1)
+
+    def _keep_path(self, drafts: DraftArrays, path: torch.Tensor) -> None:
+        """Move the KV of each request's accepted nodes (``path [B, M]``, -1 padded; ``drafts``
+        their draft arrays) into the slots that follow its committed tokens
+        (``kvcache.rollback_slots``' plan), through the sharded model's ``compact_kv`` where it
+        has one."""
+        draft_slots = self.table.table.view(-1)[drafts.slot_index.to(self.device)]
+        plan = rollback_slots(draft_slots, drafts.num_draft.to(self.device), path)
         if plan.src_slots.numel() and self.compact_kv is not None:
             self.compact_kv(self.kv, plan.src_slots, plan.dst_slots)
         elif plan.src_slots.numel():
@@ -233,16 +238,18 @@ class ModelRunner:
         reqs = [it.req for it in items]
         return self.sampling_rows.all_plain_greedy([r.row for r in reqs], lambda: [len(r.output_ids) for r in reqs])
 
-    def _verify_greedy(self, logits: torch.Tensor, items: Sequence[ScheduledItem], draft_slots: torch.Tensor,
-                       num_draft: torch.Tensor) -> list[SampledToken]:
+    def _verify_greedy(self, logits: torch.Tensor, items: Sequence[ScheduledItem]) -> list[SampledToken]:
         """``_verify`` of a ``_plain_greedy_drafts`` step: the rows' first argmaxes (``greedy_tokens``,
         one host sync) walked on the host (``greedy_paths``: ``verify``'s tokens and path), then the
-        accepted nodes' KV compacted as ``_verify`` does."""
+        accepted nodes' KV compacted as ``_verify`` does, unless every path is already in place
+        (nodes ``0 .. n-1``, a chain's accepted prefix: their KV sits where it is kept)."""
         drafts = [((), ()) if it.draft is None else (it.draft.tokens, it.draft.parents) for it in items]
         paths = greedy_paths(greedy_tokens(logits).tolist(), [d[0] for d in drafts], [d[1] for d in drafts])
-        accepted = torch.full(draft_slots.shape, -1, dtype=torch.long)
-        for i, path in enumerate(paths):
-            accepted[i, : len(path.nodes)] = torch.tensor(path.nodes, dtype=torch.long)
-        self._keep_path(draft_slots, num_draft, accepted.to(self.device))
+        if any(p.nodes != tuple(range(len(p.nodes))) for p in paths):
+            arrays = self._draft_arrays(items)
+            accepted = torch.full(arrays.slot_index.shape, -1, dtype=torch.long)
+            for i, path in enumerate(paths):
+                accepted[i, : len(path.nodes)] = torch.tensor(path.nodes, dtype=torch.long)
+            self._keep_path(arrays, accepted.to(self.device))
         return [SampledToken(p.tokens[-1], _NAN, None, p.tokens[:-1], (_NAN,) * (len(p.tokens) - 1)) if p.tokens
                 else SampledToken(-1, _NAN, None) for p in paths]
