@@ -11,7 +11,7 @@ from treeserve._tuning import clear_memo
 from treeserve.engine import EngineConfig
 from treeserve.kvcache import KVPool
 from treeserve.models import random_model, tiny_config
-from treeserve.runner import measure_draft_cost, measure_row_cost, measure_step_costs, row_cost_of
+from treeserve.runner import measure_draft_cost, measure_step_costs, row_cost_of
 from treeserve.runner.step_cost import MAX_ROW_COST, ROW_COST_CONTEXT
 
 
@@ -56,13 +56,12 @@ def test_row_cost_is_measured_once_and_gives_the_pages_back(tmp_path, monkeypatc
     costs = measure_step_costs(model, kv, 5)
     assert len(costs) == 5 and costs[0] == 1.0 and list(costs) == sorted(costs)
     assert all(1.0 <= c <= r * MAX_ROW_COST for r, c in enumerate(costs, 1))
-    cost = measure_row_cost(model, kv, 5)
-    assert cost == row_cost_of(costs) and 0.0 <= cost <= MAX_ROW_COST
+    assert 0.0 <= row_cost_of(costs) <= MAX_ROW_COST
     assert kv.allocator.num_free == free
     assert set(calls) == {1, 2, 3, 4, 5}, "forwards of one to five rows, nothing else"
     n = len(calls)
     clear_memo()  # from the disk entry now
-    assert measure_step_costs(model, kv, 5) == costs and measure_row_cost(model, kv, 5) == cost and len(calls) == n
+    assert measure_step_costs(model, kv, 5) == costs and len(calls) == n
     clear_memo()
 
 
@@ -114,9 +113,9 @@ def test_row_cost_bad_input() -> None:
     c = model.config
     kv = KVPool(c.num_layers, 8, 4, c.num_kv_heads, c.head_dim, torch.float32)
     with pytest.raises(ValueError, match="rows must be an int >= 2"):
-        measure_row_cost(model, kv, 1)
+        measure_step_costs(model, kv, 1)
     with pytest.raises(ValueError, match="needs 34 free KV pages, the pool has 7"):
-        measure_row_cost(model, kv, 5)
+        measure_step_costs(model, kv, 5)
 
 
 def test_draft_cost_is_measured_for_a_draft_model_once(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@
   drafter runs (``draft:self:N``: the most influential over a calibration text).
 - ``sequence``: :class:`PagedSequence`, one sequence through a model (tests, benchmarks).
 - ``step_cost``: :func:`measure_step_costs`, what a step of more query rows costs (and
-  :func:`measure_row_cost`, the line through it), and :func:`measure_draft_cost`, what a draft
+  :func:`row_cost_of`, the line through it), and :func:`measure_draft_cost`, what a draft
   model's forward costs (the draft planner's inputs, measured once per machine and model).
 
 Imports point down only: ``kvcache``, ``sampling``, ``scheduler`` (its batch/request types) and
@@ -35,7 +35,6 @@ from treeserve.runner.step_cost import (
     MAX_ROW_COST,
     ROW_COST_CONTEXT,
     measure_draft_cost,
-    measure_row_cost,
     measure_step_costs,
     row_cost_of,
 )
@@ -62,7 +61,6 @@ __all__ = [
     "fill_drafts",
     "layer_influence",
     "measure_draft_cost",
-    "measure_row_cost",
     "measure_step_costs",
     "row_cost_of",
     "self_draft_layers",

@@ -4,7 +4,7 @@
 fused decode layers, the head's row-count choices) over a short cached context, for one query row
 and for ``r = 2 .. rows`` rows of one request (a chain draft's tree mask, its draft rows on the one
 plain row's path as in a verify step: ``quant.plain_rows``), and returns the table
-``T(r) / T(1)``; :func:`measure_row_cost` fits ``T(r) = T_fixed + r * T_row`` to its last entry and
+``T(r) / T(1)``; :func:`row_cost_of` fits ``T(r) = T_fixed + r * T_row`` to its last entry and
 returns ``T_row / T_fixed`` (``scheduler.draft_plan`` takes both: the table where it reaches, the
 line beyond). Measured once per machine, model shape and thread count and kept on disk
 (``treeserve._tuning``); the context's KV is written to pages borrowed from the pool and given
@@ -26,15 +26,14 @@ from treeserve.kvcache import AttentionMetadata, KVPool, pages_to_slots
 from treeserve.models.quant import plain_rows
 from treeserve.runner.inputs import CausalLM
 
-__all__ = ["MAX_ROW_COST", "ROW_COST_CONTEXT", "measure_draft_cost", "measure_row_cost", "measure_step_costs",
-           "row_cost_of"]
+__all__ = ["MAX_ROW_COST", "ROW_COST_CONTEXT", "measure_draft_cost", "measure_step_costs", "row_cost_of"]
 
 MAX_ROW_COST = 20.0
 """Cap of the ratio (a step whose fixed part measured under 1/20 of a one-row step: rows are all
 that costs, drafting pays only for near-certain nodes)."""
 
 ROW_COST_CONTEXT = 128
-"""KV tokens before the measured step's new rows (a short chat turn): ``measure_row_cost``'s default."""
+"""KV tokens before the measured step's new rows (a short chat turn): ``measure_step_costs``' default."""
 _BUDGET_S = 2.0  # time spent on pairs beyond the first three
 _PAIRS = 9
 
@@ -147,12 +146,6 @@ def row_cost_of(step_costs: Sequence[float]) -> float:
     gives ``rho = (c - 1) / (r - c)``."""
     rows, c = len(step_costs), step_costs[-1]
     return MAX_ROW_COST if c >= rows else min(MAX_ROW_COST, (c - 1) / (rows - c))
-
-
-def measure_row_cost(model: CausalLM, kv: KVPool, rows: int, context: int = ROW_COST_CONTEXT) -> float:
-    """``T_row / T_fixed`` of ``model``'s steps on this machine: :func:`row_cost_of` the table
-    :func:`measure_step_costs` gives for ``rows`` rows (the same arguments and errors)."""
-    return row_cost_of(measure_step_costs(model, kv, rows, context))
 
 
 def measure_draft_cost(model: CausalLM, kv: KVPool, draft: CausalLM, draft_kv: KVPool, row_cost: float,

@@ -51,10 +51,11 @@ some steps (a chat turn: about one in fifteen), and counts that faded by 0.95 a 
 proposals judged each proposal near the prior, above the bar. Chat at batch 1 then drafted at
 12% acceptance on Zen 4 and ran at 0.92x of no speculation (issue 32).
 
-Known gap: the row cost is the model forward's alone. On Zen 4 a whole batch-1 verify step (the
-host's tree inputs, verification and KV roll-back included) costs 1.6-1.8 decode steps for one
-node where the model predicts 1.3, so the bar is optimistic for requests accepted 30-60% of the
-time (benches/RESULTS.md, issue 32).
+Known gap: the costs are the model forward's alone. A verify step's host work (tree inputs,
+draft planning, verification, commit, the drafter) is not in them: on the Zen 3 EPYC about 1.2 ms
+more than a plain step's, 0.12 of SmolLM2's one-row step (on Zen 4 before the host walk, a one-node
+verify step cost 1.6-1.8 decode steps where the model predicted 1.3). So the rule is optimistic
+for short drafts, which pay that work for fewer tokens (benches/RESULTS.md, issue 32).
 """
 
 from __future__ import annotations
