@@ -34,8 +34,8 @@ that costs, drafting pays only for near-certain nodes)."""
 
 ROW_COST_CONTEXT = 128
 """KV tokens before the measured step's new rows (a short chat turn): ``measure_step_costs``' default."""
-_BUDGET_S = 2.0  # time spent on pairs beyond the first three
-_PAIRS = 9
+_BUDGET_S = 2.0  # time spent on pairs (rounds of the table) beyond the first three
+_PAIRS = 9  # pairs (rounds) at most
 
 
 def _timed(fn: Callable[[], object]) -> float:
