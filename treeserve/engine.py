@@ -46,6 +46,7 @@ from treeserve.output import SampleDelta, TrackedRequest
 from treeserve.runner import (
     CALIBRATION_TEXT,
     MAX_ROW_COST,
+    MAX_TABLE_ROWS,
     ROW_COST_CONTEXT,
     CausalLM,
     DecodeGraphRunner,
@@ -85,10 +86,10 @@ crossover, not yet re-measured with verify steps on the fused path: ``benches/RE
 
 
 def row_cost_rows(num_speculative_tokens: int) -> int:
-    """The rows at which ``LLM`` measures the row cost: the most a lone request's verify step
-    reaches, ``1 + num_speculative_tokens`` (its draft rows on the plain row's path, as the runner
-    computes them: ``quant.plain_rows``); at least 2."""
-    return max(2, 1 + num_speculative_tokens)
+    """The rows up to which ``LLM`` measures the step-cost table: the most a lone request's verify
+    step reaches, ``1 + num_speculative_tokens`` (its draft rows on the plain row's path, as the
+    runner computes them: ``quant.plain_rows``), at least 2 and at most ``MAX_TABLE_ROWS``."""
+    return max(2, min(1 + num_speculative_tokens, MAX_TABLE_ROWS))
 
 
 @dataclass(slots=True)

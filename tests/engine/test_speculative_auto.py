@@ -103,7 +103,7 @@ def test_a_small_kv_pool_measures_a_shorter_context(tmp_path, monkeypatch: pytes
     clear_memo()
 
 
-@pytest.mark.parametrize(("k", "rows"), [(4, 5), (1, 2), (7, 8)])
+@pytest.mark.parametrize(("k", "rows"), [(4, 5), (1, 2), (7, 8), (8, 9), (16, 9)])
 def test_row_cost_rows_are_a_lone_requests_verify_step(k: int, rows: int) -> None:
     assert engine_module.row_cost_rows(k) == rows
 

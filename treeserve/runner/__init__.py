@@ -33,6 +33,7 @@ from treeserve.runner.self_draft import CALIBRATION_TEXT, layer_influence, self_
 from treeserve.runner.sequence import PagedSequence
 from treeserve.runner.step_cost import (
     MAX_ROW_COST,
+    MAX_TABLE_ROWS,
     ROW_COST_CONTEXT,
     measure_draft_cost,
     measure_step_costs,
@@ -42,6 +43,7 @@ from treeserve.runner.step_cost import (
 __all__ = [
     "CALIBRATION_TEXT",
     "MAX_ROW_COST",
+    "MAX_TABLE_ROWS",
     "ROW_COST_CONTEXT",
     "CausalLM",
     "CompiledForward",

@@ -26,11 +26,18 @@ from treeserve.kvcache import AttentionMetadata, KVPool, pages_to_slots
 from treeserve.models.quant import plain_rows
 from treeserve.runner.inputs import CausalLM
 
-__all__ = ["MAX_ROW_COST", "ROW_COST_CONTEXT", "measure_draft_cost", "measure_step_costs", "row_cost_of"]
+__all__ = ["MAX_ROW_COST", "MAX_TABLE_ROWS", "ROW_COST_CONTEXT", "measure_draft_cost", "measure_step_costs",
+           "row_cost_of"]
 
 MAX_ROW_COST = 20.0
 """Cap of the ratio (a step whose fixed part measured under 1/20 of a one-row step: rows are all
 that costs, drafting pays only for near-certain nodes)."""
+
+MAX_TABLE_ROWS = 9
+"""The longest row count ``LLM`` measures the table at (``engine.row_cost_rows``): past two of
+the int16 GGUF kernel's 4-row register blocks (AVX2) and one of its 8-row blocks (AVX-512), where
+a step's cost jumps; the planner takes the line through the last entry beyond. Each round times
+every row count once, so a longer table costs a large model's first start seconds a row."""
 
 ROW_COST_CONTEXT = 128
 """KV tokens before the measured step's new rows (a short chat turn): ``measure_step_costs``' default."""
