@@ -75,6 +75,21 @@ def test_packed_gemm_equals_dequantized_gemm(qtype: str, rows: int) -> None:
     assert bool(((bf16.double() - exact).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("quantizer", [quantize_int4, quantize_int8])
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32])
+def test_int4_kernel_rows_of_every_call_are_the_rows_alone(quantizer, act_dtype: torch.dtype) -> None:
+    """torch's int4 kernel (``Int4Planes``' packed path) accumulates each row alone, in the same
+    order, whatever the call's row count (4-row blocks, any remainder): ``quant.plain_rows`` puts a
+    verify step's draft rows on it below ``packed_max_rows``, and greedy speculation over int4 / int8
+    quantized float checkpoints keeps plain decoding's output only while this holds."""
+    w = torch.randn(80, 96, generator=torch.Generator().manual_seed(4))
+    layer = PackedLinear(quantizer(w), w, None, act_dtype=act_dtype)
+    x = torch.randn(19, 96, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([layer.packed_forward(x[i : i + 1]) for i in range(19)])
+    for m in range(2, 20):
+        assert torch.equal(layer.packed_forward(x[:m]), alone[:m]), m
+
+
 def test_packed_linear_routes_by_rows_and_adds_bias() -> None:
     planes, ref = _gguf_planes("Q4_1", 32, 64, seed=1)
     w, bias = torch.from_numpy(ref), torch.randn(32)
@@ -83,6 +98,10 @@ def test_packed_linear_routes_by_rows_and_adds_bias() -> None:
     assert torch.equal(layer(x[:4]), layer.packed_forward(x[:4]))
     assert torch.equal(layer(x), F.linear(x, w, bias))
     torch.testing.assert_close(layer.packed_forward(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    with quant.plain_rows(1):  # a verify step of one request: every row on the packed path
+        assert torch.equal(layer(x), layer.packed_forward(x))
+    with quant.plain_rows(5):
+        assert torch.equal(layer(x[:2]), F.linear(x[:2], w, bias))
 
 
 @pytest.mark.parametrize("quantizer,levels", [(quantize_int4, 15), (quantize_int8, 254)])
