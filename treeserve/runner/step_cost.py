@@ -41,8 +41,8 @@ every row count once, so a longer table costs a large model's first start second
 
 ROW_COST_CONTEXT = 128
 """KV tokens before the measured step's new rows (a short chat turn): ``measure_step_costs``' default."""
-_BUDGET_S = 2.0  # time spent on pairs (rounds of the table) beyond the first three
-_PAIRS = 9  # pairs (rounds) at most
+_BUDGET_S = 2.0  # time spent on rounds beyond the first three (``_median_ratios``)
+_PAIRS = 9  # rounds at most
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -76,18 +76,23 @@ def _forward(model: CausalLM, kv: KVPool, pages: torch.Tensor, total: int, n: in
     return call
 
 
-def _median_ratio(num: Callable[[], object], den: Callable[[], object]) -> float:
-    """Median over interleaved pairs of time(``num``) / time(``den``) (after one warm-up call of
-    each): pairs taken back to back see the same machine load, so their ratio is steadier than a
-    ratio of two separate best times."""
-    num(), den()
-    ratios: list[float] = []
+def _median_ratios(nums: Sequence[Callable[[], object]], den: Callable[[], object]) -> list[float]:
+    """Per ``num`` of ``nums``, the median over interleaved rounds of time(``num``) / time(``den``)
+    (after one warm-up call of each): each round times ``den`` then every ``num`` in turn, so a
+    ratio's two timings see about the same machine load, steadier than a ratio of two separate
+    best times. At least 3 rounds, more while the time spent stays under ``_BUDGET_S``, at most
+    ``_PAIRS``."""
+    for call in (den, *nums):
+        call()
+    ratios: list[list[float]] = [[] for _ in nums]
     spent = 0.0
-    while len(ratios) < _PAIRS and (len(ratios) < 3 or spent < _BUDGET_S):
-        td, tn = _timed(den), _timed(num)
-        ratios.append(tn / td)
-        spent += td + tn
-    return statistics.median(ratios)
+    while len(ratios[0]) < _PAIRS and (len(ratios[0]) < 3 or spent < _BUDGET_S):
+        td = _timed(den)
+        times = [_timed(num) for num in nums]
+        for r, tn in zip(ratios, times):
+            r.append(tn / td)
+        spent += td + sum(times)
+    return [statistics.median(r) for r in ratios]
 
 
 def _check_free(kv: KVPool, tokens: int, what: str) -> None:
@@ -106,23 +111,12 @@ def _borrowed(kv: KVPool, tokens: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def _step_ratios(model: CausalLM, kv: KVPool, rows: int, context: int) -> list[float]:
-    """``T(r) / T(1)`` for ``r = 2 .. rows``, one request after ``context`` cached tokens: medians
-    over rounds that time one row, then each ``r`` in turn (after one warm-up round), so each
-    ratio's two timings see about the same machine load; at least 3 rounds, more while the time
-    spent stays under ``_BUDGET_S``, at most ``_PAIRS``."""
+    """``T(r) / T(1)`` for ``r = 2 .. rows``, one request after ``context`` cached tokens
+    (``_median_ratios``: every round times one row, then each ``r``)."""
     pages = _borrowed(kv, context + rows)
     try:
         calls = [_forward(model, kv, pages, context + r, r) for r in range(1, rows + 1)]
-        for call in calls:
-            call()
-        ratios: list[list[float]] = [[] for _ in calls[1:]]
-        spent = 0.0
-        while len(ratios[0]) < _PAIRS and (len(ratios[0]) < 3 or spent < _BUDGET_S):
-            times = [_timed(call) for call in calls]
-            for r, t in zip(ratios, times[1:]):
-                r.append(t / times[0])
-            spent += sum(times)
-        return [statistics.median(r) for r in ratios]
+        return _median_ratios(calls[1:], calls[0])
     finally:
         kv.allocator.free(pages)
 
@@ -175,7 +169,8 @@ def measure_draft_cost(model: CausalLM, kv: KVPool, draft: CausalLM, draft_kv: K
         try:
             draft_pages = _borrowed(draft_kv, total)
             try:
-                ratio = _median_ratio(_forward(draft, draft_kv, draft_pages, total, 1), _forward(model, kv, pages, total, 1))
+                (ratio,) = _median_ratios([_forward(draft, draft_kv, draft_pages, total, 1)],
+                                          _forward(model, kv, pages, total, 1))
             finally:
                 draft_kv.allocator.free(draft_pages)
         finally:

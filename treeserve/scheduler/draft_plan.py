@@ -152,6 +152,7 @@ def plan_draft_lengths(
     heap = [(-a, i, a) for i, (a, room) in enumerate(zip(alphas, rooms)) if room > 0 and a > 0]
     heapq.heapify(heap)
     ranked: list[int] = []  # request of each candidate node, best gain first
+    depth = [0] * len(rooms)  # candidate nodes ranked so far per request
     best_rate, best, gained = tokens / step_time(rows, row_cost, step_costs), 0, tokens
     while heap and len(ranked) < budget:
         neg_gain, i, a = heap[0]
@@ -161,12 +162,11 @@ def plan_draft_lengths(
         rate = gained / (step_time(rows + d, row_cost, step_costs) + d * node_cost)
         if rate > best_rate:
             best_rate, best = rate, d
-        lengths[i] += 1
-        if lengths[i] < rooms[i]:
+        depth[i] += 1
+        if depth[i] < rooms[i]:
             heapq.heapreplace(heap, (neg_gain * a, i, a))
         else:
             heapq.heappop(heap)
-    lengths = [0] * len(rooms)
     for i in ranked[:best]:
         lengths[i] += 1
     return lengths
