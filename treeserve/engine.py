@@ -124,7 +124,9 @@ class EngineConfig:
     state most over a calibration text, ``runner.self_draft``) or ``None``;
     ``num_speculative_tokens`` draft nodes per step at most; ``speculative_tree_width``: 1 for
     chain drafts, more for token trees (that many alternative continuations); ``ngram_min`` /
-    ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first);
+    ``ngram_max``: the n-gram sizes the prompt lookup tries (longest first); ``ngram_edits``: where
+    none matches, align the tail with an earlier occurrence up to one inserted, replaced or dropped
+    token (a rewrite's edits; :class:`~treeserve.runner.NgramDrafter`);
     ``speculative_max_batch``: steps with more decoding requests than this draft nothing (0 = no
     limit; None = the measured rule: :data:`CPU_SPECULATIVE_MAX_BATCH` for a model loaded by name
     on CPU, which is what it was measured on; no limit on CUDA or for a given module).
@@ -175,6 +177,7 @@ class EngineConfig:
     speculative_tree_width: int = 1
     ngram_min: int = 2
     ngram_max: int = 4
+    ngram_edits: bool = True
     speculative_max_batch: int | None = None
     speculative_row_cost: float | None = None
     speculative_draft_cost: float | None = None
@@ -196,8 +199,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.enable_prefix_cache, bool):
-            raise TypeError(f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}")
+        for name in ("enable_prefix_cache", "ngram_edits"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("max_model_len", "num_threads", "seed"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
@@ -915,7 +919,7 @@ class LLM:
         if cfg.speculative is None:
             return None
         if cfg.speculative == "ngram":
-            return NgramDrafter(cfg.ngram_max, cfg.ngram_min, cfg.speculative_tree_width)
+            return NgramDrafter(cfg.ngram_max, cfg.ngram_min, cfg.speculative_tree_width, cfg.ngram_edits)
         from treeserve.models import layer_subset, load
 
         name = cfg.speculative[len("draft:") :]

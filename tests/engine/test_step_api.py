@@ -118,6 +118,7 @@ def test_engine_config_field_types(tiny) -> None:
         (dict(seed="abc"), TypeError, "seed"),
         (dict(max_model_len=2.5), TypeError, "max_model_len"),
         (dict(enable_prefix_cache="no"), TypeError, "enable_prefix_cache"),
+        (dict(ngram_edits=1), TypeError, "ngram_edits must be a bool"),
         (dict(page_size=True), ValueError, "page_size"),
         (dict(num_threads=1.5), TypeError, "num_threads"),
         (dict(seed=-1), ValueError, "seed"),
