@@ -77,7 +77,8 @@ class NgramDrafter:
         return [self.propose(r.key, r.tokens, r.max_tokens) for r in requests]
 
     def propose(self, key: int, tokens: Sequence[int], max_tokens: int) -> DraftTree | None:
-        """At most ``max_tokens`` nodes continuing ``tokens`` (None: no n-gram matched)."""
+        """At most ``max_tokens`` nodes continuing ``tokens`` (None: no n-gram matched, nor, with
+        ``edits``, a one-edit alignment)."""
         if max_tokens <= 0 or len(tokens) < self.min_n + 1:
             return None
         arr = np.asarray(tokens, dtype=np.int64)
