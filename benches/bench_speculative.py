@@ -11,13 +11,15 @@ crossover the batch cap (``CPU_SPECULATIVE_MAX_BATCH``) is set from; the default
 ``scheduler.draft_plan``) must not be slower than no speculation at batch 16, nor on chat that
 does not quote its input (``CHAT``). Self-speculation (``draft:self:N``, the N most influential
 layers) at temperature 0.8, on the rewrite and on chat: sampled drafts verified with their laws vs
-point-mass drafts, mean accepted length and tok/s (target >= 1.3x accepted length).
+point-mass drafts, mean accepted length and tok/s (target >= 1.3x accepted length). The n-gram
+lookup's one-edit alignment (``ngram_edits``) vs exact lookup alone on the rewrite.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 
 import pytest
@@ -38,6 +40,7 @@ NEW = int(os.environ.get("TREESERVE_BENCH_SPEC_TOKENS", "128"))
 # 29 of SmolLM2's 30 layers: skipping more leaves too little of its law for sampled drafts to show
 # their gain (benches/RESULTS.md, "Issue 32 on Zen 3: self-speculation that skips layers").
 SELF_LAYERS = int(os.environ.get("TREESERVE_BENCH_SELF_LAYERS", "29"))
+EDIT_ROUNDS = int(os.environ.get("TREESERVE_BENCH_EDIT_ROUNDS", "12"))
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +120,34 @@ def test_ngram_speculation_vs_none(benchmark, base: LLM, workload: str, batch: i
         # Regression guards (targets in RESULTS.md): the default gains on its best case; whole-room drafting,
         # which ignores the row cost, does not lose beyond noise.
         assert default_ratio > 1.05 and ratio > 0.95
+
+
+def test_ngram_edits_vs_exact_lookup(benchmark, base: LLM) -> None:
+    """The default configuration on the rewrite, one request: the lookup's one-edit alignment
+    (``ngram_edits``, the default) vs exact lookup alone vs no speculation, in rotating order over
+    ``EDIT_ROUNDS`` rounds (this VM's drift moves single rounds +-20%); medians per engine and of
+    the per-round ratios, and the (deterministic) tokens per verify step."""
+    edits, exact = _default(base), _default(base)
+    exact.drafter.edits = False
+    engines = {"none": base, "edits": edits, "exact": exact}
+    prompts = _prompts(base, 1)
+    outs = {name: _run(llm, prompts)[1] for name, llm in engines.items()}  # warm-up
+    assert outs["edits"] == outs["exact"] == outs["none"], "speculation must not change greedy output"
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    counts = {name: _spec_counts(llm) for name, llm in engines.items() if name != "none"}
+    names = list(engines)
+    for r in range(EDIT_ROUNDS):
+        for name in names[r % 3 :] + names[: r % 3]:
+            times[name].append(_run(engines[name], prompts)[0])
+    lengths = {name: _accepted_length(counts[name], _spec_counts(engines[name])) for name in counts}
+    ratio = {name: statistics.median(a / b for a, b in zip(times["none"], times[name])) for name in counts}
+    print(f"\nrewrite batch 1, {EDIT_ROUNDS} rotating rounds: with edits {ratio['edits']:.2f}x "
+          f"({lengths['edits'][1]:.2f} tokens per verify step, acceptance {lengths['edits'][0]:.1%}), exact lookup "
+          f"{ratio['exact']:.2f}x ({lengths['exact'][1]:.2f}, {lengths['exact'][0]:.1%}); exact / edits per round, "
+          f"median {statistics.median(a / b for a, b in zip(times['exact'], times['edits'])):.3f}")
+    benchmark.extra_info.update(edits_speedup=ratio["edits"], exact_speedup=ratio["exact"])
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    assert lengths["edits"][1] > lengths["exact"][1]  # regression guard: the alignment drafts past edits
 
 
 @pytest.mark.parametrize("workload", ["rewrite", "chat"])
