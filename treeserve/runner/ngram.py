@@ -154,8 +154,9 @@ class NgramDrafter:
         starts = np.concatenate([f[0] for f in found])
         held = np.concatenate([f[1] for f in found])
         kinds = np.concatenate([np.full(f[0].size, f[2]) for f in found])
-        order = np.lexsort((-starts, kinds, -held))  # most tokens held, then kind, then most recent
-        return np.asarray(list(dict.fromkeys(starts[order].tolist())), dtype=np.int64)
+        ranked = starts[np.lexsort((-starts, kinds, -held))]  # most tokens held, then kind, then most recent
+        first = np.unique(ranked, return_index=True)[1]  # each start at its best rank
+        return ranked[np.sort(first)]
 
     def _continuations(self, arr: np.ndarray, ends: np.ndarray, max_tokens: int) -> list[list[int]]:
         conts: list[list[int]] = []
