@@ -92,11 +92,10 @@ class NgramDrafter:
                 return self._draft(arr, starts, max_tokens)
         return None
 
-    def _draft(self, arr: np.ndarray, starts: np.ndarray, max_tokens: int) -> DraftTree | None:
-        """The tree of the continuations at ``starts`` (best first)."""
+    def _draft(self, arr: np.ndarray, starts: np.ndarray, max_tokens: int) -> DraftTree:
+        """The tree of the continuations at ``starts`` (best first, each ``< len(arr)``: none is
+        empty, so the best is always kept)."""
         conts = self._continuations(arr, starts, max_tokens)
-        if not conts:
-            return None
         depth = max(1, max_tokens // len(conts))  # split the budget between branches
         return self._merge([c[:depth] for c in conts], max_tokens)
 
