@@ -59,13 +59,14 @@ def _hidden(model: torch.nn.Module, run: Callable[[], torch.Tensor]) -> tuple[to
     return seen[-1], logits
 
 
-def _verified(model: torch.nn.Module, rows: int | None) -> torch.Tensor:
+def _verified(model: torch.nn.Module, rows: int | None, tree: bool = True) -> torch.Tensor:
     """Logits of ``CHAIN`` as one verify step's chain after ``PREFIX`` (within ``plain_rows(rows)``
-    unless None)."""
+    unless None), given as a tree (its parents) or, as the eager runner gives a step of chains, as a
+    causal chunk."""
     seq = PagedSequence(model, 32, page_size=4)
     seq.extend(PREFIX)
     n = len(CHAIN)
-    parents = (torch.arange(n) - 1)[None]
+    parents = (torch.arange(n) - 1)[None] if tree else None
     step = build_step_inputs(seq._slots[None], [0], [len(PREFIX)], [n], CHAIN, 4, [n], parents=parents)
     with torch.inference_mode(), plain_rows(rows) if rows else nullcontext():
         return model(step.input_ids, step.positions, seq.pool, step.out_slots, step.meta, step.logits_indices)
@@ -82,9 +83,10 @@ def test_a_verify_chain_on_the_plain_rows_path_is_each_row_alone(model: torch.nn
         seq.extend(PREFIX)
         steps = [_hidden(model, lambda t=t: seq.extend([t])) for t in CHAIN]
         alone_h, alone_logits = torch.cat([h for h, _ in steps]), torch.cat([lg for _, lg in steps])
-        h, logits = _hidden(model, lambda: _verified(model, 1))
-        assert torch.equal(h, alone_h)
-        assert torch.equal(logits.argmax(-1), alone_logits.argmax(-1))
+        for tree in (True, False):
+            h, logits = _hidden(model, lambda tree=tree: _verified(model, 1, tree))
+            assert torch.equal(h, alone_h)
+            assert torch.equal(logits.argmax(-1), alone_logits.argmax(-1))
         h, _ = _hidden(model, lambda: _verified(model, None))
         assert not torch.equal(h, alone_h)  # 7 rows: the large path, other roundings
     finally:

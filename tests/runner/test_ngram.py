@@ -77,6 +77,9 @@ def test_every_path_is_an_observed_continuation(tokens: list[int], k: int, width
         ), (tokens, path)
     siblings = {(p, t) for p, t in zip(draft.parents, draft.tokens)}
     assert len(siblings) == len(draft), "no duplicate siblings"
+    assert draft.is_chain == all(depths[j] == j + 1 for j in range(len(draft)))  # each node below the last
+    if width == 1:
+        assert draft.is_chain
 
 
 # ---- one edit between the tail and an earlier occurrence (edits=True, the default) ----

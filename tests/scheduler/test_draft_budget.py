@@ -12,6 +12,8 @@ from treeserve.kvcache import RadixCache, ReqToTokenTable
 from treeserve.sampling import SamplingParams
 from treeserve.scheduler import SampledToken, ScheduledBatch, Scheduler, SchedulerConfig, StopChecker
 
+from treeserve.scheduler.request import Request
+
 from .fake_runner import FakeRunner, make_pool
 from .test_scheduler import EOS, VOCAB, expected_output, random_prompts
 
@@ -83,18 +85,44 @@ def test_draft_budget_never_displaces_a_running_decode() -> None:
     assert seen
 
 
-def test_unused_draft_slots_are_freed_at_commit() -> None:
-    kv = make_pool(100, 1)
+def _drafting(num_pages: int, prompt_len: int, max_new: int) -> tuple[Scheduler, FakeRunner, Request]:
+    """A scheduler over ``num_pages`` pages (page size 1) whose one request (``max_new`` tokens) has
+    prefilled a prompt of ``prompt_len`` tokens."""
+    kv = make_pool(num_pages, 1)
     radix = RadixCache(kv.allocator, 1)
     table = ReqToTokenTable(2, 64)
     sched = Scheduler(SchedulerConfig(64, 2, 64, num_speculative_tokens=5), kv.allocator, radix, table, StopChecker([EOS], None))
     runner = FakeRunner(kv, table, VOCAB)
-    (req,) = sched.new_request([1, 2, 3], SamplingParams(max_new_tokens=20, ignore_eos=True), 1, VOCAB)
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    (req,) = sched.new_request(list(range(1, 1 + prompt_len)), params, 1, VOCAB)
     batch = sched.schedule()  # prefill
     sched.update(batch, runner.run(batch))
+    return sched, runner, req
+
+
+def test_draft_slots_are_a_run_kept_while_the_pool_has_room() -> None:
+    """A drafting request reserves a run of slots (``KVLedger.decode_run``) and keeps its unused ones
+    after the step: its next steps reserve nothing."""
+    sched, runner, req = _drafting(100, 3, 20)
+    alloc = sched.ledger.allocator
+    for step in range(3):
+        free = alloc.num_free
+        batch = sched.schedule()
+        assert batch.items[0].draft_budget == 5 and sched.ledger.capacity(req) >= req.seq_len + 5
+        if step:
+            assert alloc.num_free == free, "the run already held the draft's slots"
+        sched.update(batch, runner.run(batch))
+        assert alloc.num_free >= alloc.capacity // 4 and sched.ledger.capacity(req) > req.seq_len
+        sched.check_invariants()
+
+
+def test_unused_draft_slots_are_freed_when_the_pool_is_short() -> None:
+    """Under a quarter of the pool free at a drafting step's commit, its unused and rejected slots go back."""
+    sched, runner, req = _drafting(15, 6, 8)
+    alloc = sched.ledger.allocator
     batch = sched.schedule()
-    # the draft's 5 slots are reserved (inside the decode run the pending token got, or past it)
-    assert batch.items[0].draft_budget == 5 and sched.ledger.capacity(req) >= req.seq_len + 5
+    assert batch.items[0].draft_budget == 5 and sched.ledger.capacity(req) == req.seq_len + 5  # no run: short pool
+    assert alloc.num_free < alloc.capacity // 4  # and still so at the commit, which frees
     sched.update(batch, runner.run(batch))
     assert sched.ledger.capacity(req) == req.seq_len, "only the committed tokens keep slots"
     sched.check_invariants()

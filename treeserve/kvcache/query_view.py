@@ -61,13 +61,12 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 def _visible_new(meta: AttentionMetadata, req: np.ndarray, qo: np.ndarray, b_q: np.ndarray, i_q: np.ndarray,
                  width: int, causal: bool) -> np.ndarray:
-    """``[Q, width]`` bool: which new tokens of its request query q sees."""
+    """``[Q, width]`` bool: which new tokens of its request query q sees (a tree mask, or every
+    new token: ``_build`` takes the causal case without this)."""
     j = np.arange(width)
     inside = j < qo[b_q][:, None]
     if not causal:
         return inside
-    if meta.tree_mask is None:
-        return j <= i_q[:, None]
     start = _host(meta.tree_mask_indptr)[req][b_q]
     flat = start[:, None] + i_q[:, None] * qo[b_q][:, None] + j
     return meta.tree_mask.cpu().numpy()[np.where(inside, flat, 0)] & inside
@@ -76,7 +75,8 @@ def _visible_new(meta: AttentionMetadata, req: np.ndarray, qo: np.ndarray, b_q: 
 def _build(meta: AttentionMetadata, causal: bool) -> QueryView | None:
     """The page lists, computed on the host in numpy (the metadata's index tensors are host
     tensors on the CPU, where both callers run): a verify step's view took ~0.4 ms as ~50 small
-    torch operations on the 2-core EPYC."""
+    torch operations on the 2-core EPYC. Causal requests (no tree mask) see a leading run of their
+    new tokens, which needs no per-token visibility table."""
     ps = meta.page_size
     qo_ptr = _host(meta.qo_indptr)
     qo_all = np.diff(qo_ptr)
@@ -88,25 +88,30 @@ def _build(meta: AttentionMetadata, causal: bool) -> QueryView | None:
     qo = qo_all[req]
     b_q = np.repeat(np.arange(req.size), qo)  # request (in req) of each query
     i_q = np.arange(b_q.size) - (np.cumsum(qo) - qo)[b_q]  # index within its request
-    vis = _visible_new(meta, req, qo, b_q, i_q, int(qo.max()), causal)
-    lead = np.cumprod(vis, 1).sum(1)  # visible leading run of new tokens
-    extra = vis & (np.arange(vis.shape[1]) >= lead[:, None])  # visible after a gap
-    if ps > 1:  # a gap cannot be listed in whole pages: such requests stay out
+    extra = None  # [Q, width] bool: new tokens visible after a gap in their query's run
+    if causal and meta.tree_mask is None:
+        lead = i_q + 1  # visible leading run of new tokens
+    else:
+        vis = _visible_new(meta, req, qo, b_q, i_q, int(qo.max()), causal)
+        lead = np.cumprod(vis, 1).sum(1)
+        extra = vis & (np.arange(vis.shape[1]) >= lead[:, None])
+        if not extra.any():
+            extra = None
+    if ps > 1 and extra is not None:  # a gap cannot be listed in whole pages: such requests stay out
         bad = np.zeros(req.size, dtype=bool)
         np.logical_or.at(bad, b_q, extra.any(1))
-        if bad.any():
-            keep = ~bad
-            req = req[keep]
-            if req.size == 0:
-                return None
-            qo = qo[keep]
-            kept_q = keep[b_q]
-            b_q = np.repeat(np.arange(req.size), qo)
-            i_q, lead, extra = i_q[kept_q], lead[kept_q], extra[kept_q]
+        keep = ~bad
+        req = req[keep]
+        if req.size == 0:
+            return None
+        qo = qo[keep]
+        kept_q = keep[b_q]
+        b_q = np.repeat(np.arange(req.size), qo)
+        i_q, lead, extra = i_q[kept_q], lead[kept_q], None
     prefix = kv_all[req] - qo
     run = prefix[b_q] + lead  # keys in one leading range: the prefix then the run
     run_pages = -(-run // ps)
-    n_extra = extra.sum(1)
+    n_extra = 0 if extra is None else extra.sum(1)
     indptr = np.zeros(run.size + 1, dtype=np.int64)
     np.cumsum(run_pages + n_extra, out=indptr[1:])
     pages_all = _host(meta.kv_page_indices)
@@ -114,7 +119,7 @@ def _build(meta: AttentionMetadata, causal: bool) -> QueryView | None:
     out = np.empty(int(indptr[-1]), dtype=np.int64)
     off = np.arange(int(run_pages.sum())) - np.repeat(np.cumsum(run_pages) - run_pages, run_pages)
     out[np.repeat(indptr[:-1], run_pages) + off] = pages_all[np.repeat(start, run_pages) + off]
-    if n_extra.any():  # page size 1: each gap token is its own page
+    if extra is not None:  # page size 1: each gap token is its own page
         q_of, j_of = np.nonzero(extra)
         rank = np.cumsum(extra, 1)[q_of, j_of] - 1
         out[indptr[q_of] + run_pages[q_of] + rank] = pages_all[start[q_of] + prefix[b_q][q_of] + j_of]
@@ -124,8 +129,9 @@ def _build(meta: AttentionMetadata, causal: bool) -> QueryView | None:
     rest[req] = False
     dev = meta.device
 
-    def to(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(a).to(device=dev, dtype=dtype)
+    def to(a: np.ndarray, dtype: type) -> torch.Tensor:  # converted in numpy: one torch op less each
+        t = torch.from_numpy(a.astype(dtype, copy=False))
+        return t if dev.type == "cpu" else t.to(dev)
 
-    return QueryView(to(rows, torch.long), to(indptr, torch.int32), to(out, torch.int32), to(last, torch.int32),
-                     to(np.flatnonzero(rest), torch.long))
+    return QueryView(to(rows, np.int64), to(indptr, np.int32), to(out, np.int32), to(last, np.int32),
+                     to(np.flatnonzero(rest), np.int64))

@@ -133,6 +133,8 @@ class ModelRunner:
         A plain item computes tokens ``[start, start + n)`` (logits of the last one when it
         samples); a drafted item (indices ``drafted``) its pending token then the draft nodes at
         their tree depths, KV in node order after the pending token's slot, logits of every node.
+        A step whose drafts are all chains is causal (no tree mask: chains see what a causal chunk
+        sees, and the attention paths skip the mask's bookkeeping).
         """
         parents = None
         if not drafted:
@@ -147,11 +149,14 @@ class ModelRunner:
                 else:
                     ids.extend(it.req.tokens(it.start, it.start + 1))
                     ids.extend(it.draft.tokens)
-            parents = (torch.arange(max(qo)) - 1).repeat(len(items), 1)
             for i in drafted:
-                tree = items[i].draft
                 logit_rows[i] = qo[i]
-                parents[i, 1 : 1 + len(tree)] = torch.tensor(tree.parents, dtype=torch.long) + 1
+            trees = [i for i in drafted if not items[i].draft.is_chain]
+            if trees:
+                parents = np.tile(np.arange(-1, max(qo) - 1), (len(items), 1))
+                for i in trees:
+                    tree = items[i].draft
+                    parents[i, 1 : 1 + len(tree)] = np.asarray(tree.parents) + 1
         step = build_step_inputs(
             self.table.table,
             rows,

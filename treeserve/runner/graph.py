@@ -457,7 +457,7 @@ class DecodeGraphRunner:
         tokens, parents = padded(drafts.tokens.numpy(), 0), padded(drafts.parents.numpy(), -1)
         qo = np.full(size, q, dtype=np.int64)
         # Pending token at the root, nodes below it (padding nodes: children of the pending token).
-        local_parents = torch.from_numpy(np.concatenate([np.full((size, 1), -1), parents + 1], 1)) if k else None
+        local_parents = np.concatenate([np.full((size, 1), -1), parents + 1], 1) if k else None
         idx = step_index(self.table.max_context_len, rows, starts, qo, self.page_size, qo,
                          parents=local_parents, num_real=1 + num_draft)  # fmt: skip
         host_table = self.table.host

@@ -71,20 +71,19 @@ class StepInputs:
     logits_indices: torch.Tensor
 
 
-def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """Ancestor-or-self masks ``[B, M, M]`` of trees given as local parent arrays ``[B, M]``.
+def tree_ancestors(parents: np.ndarray) -> np.ndarray:
+    """Ancestor-or-self masks ``[B, M, M]`` (bool) of trees given as local parent arrays ``[B, M]``.
 
     ``parents[b, k] < k`` (topological order) or ``-1`` (a child of the cached prefix); one
-    vectorized pass per node column, no host read.
-    """
+    vectorized pass per node column, in numpy (host index arithmetic: a few microseconds per op,
+    against several times that for a small torch op)."""
     b, m = parents.shape
-    anc = torch.zeros(b, m, m, dtype=torch.bool, device=parents.device)
-    rows = torch.arange(b, device=parents.device)
-    eye = torch.eye(m, dtype=torch.bool, device=parents.device)
+    anc = np.zeros((b, m, m), dtype=bool)
+    rows = np.arange(b)
     for k in range(m):
         par = parents[:, k]
-        has = par >= 0
-        anc[:, k] = (anc[rows, par.clamp(min=0)] & has[:, None]) | eye[k]
+        anc[:, k] = anc[rows, np.maximum(par, 0)] & (par >= 0)[:, None]
+        anc[:, k, k] = True
     return anc
 
 
@@ -116,7 +115,7 @@ def step_index(
     page_size: int,
     logit_rows: IntArray,
     *,
-    parents: torch.Tensor | None = None,
+    parents: np.ndarray | torch.Tensor | None = None,
     num_real: IntArray | None = None,
 ) -> StepIndex:
     """The host-side half of :func:`build_step_inputs` over a slot table of ``width`` columns:
@@ -151,13 +150,12 @@ def step_index(
     if parents is None:
         positions = chain_pos
     else:
-        qo_t = torch.from_numpy(qo)
-        anc = _step_ancestors(parents, qo_t, qo_max)
-        valid = torch.arange(qo_max) < qo_t[:, None]
-        positions = np.repeat(starts_a, qo) + (anc.sum(-1) - 1)[valid].numpy()
-        real = torch.arange(qo_max) < torch.from_numpy(real_len)[:, None]
-        mask = anc & real[:, None, :]
-        tree_mask = mask[valid[:, :, None] & valid[:, None, :]].numpy()
+        cols = np.arange(qo_max)
+        valid = cols < qo[:, None]
+        anc = _step_ancestors(np.asarray(parents, dtype=np.int64), valid)
+        positions = (starts_a[:, None] + anc.sum(-1) - 1)[valid]
+        mask = anc & (cols < real_len[:, None])[:, None, :]
+        tree_mask = mask[valid[:, :, None] & valid[:, None, :]]
         tree_indptr = np.concatenate([[0], np.cumsum(qo * qo)])
     # KV pages: the table's pages while they hold real tokens, then the dummy page 0. Page j of
     # request b is table[row, j * page_size], flat index row * width + j * page_size.
@@ -187,7 +185,7 @@ def build_step_inputs(
     page_size: int,
     logit_rows: IntArray,
     *,
-    parents: torch.Tensor | None = None,
+    parents: np.ndarray | torch.Tensor | None = None,
     num_real: IntArray | None = None,
     attention_backend: KernelBackend | None = None,
 ) -> StepInputs:
@@ -256,15 +254,16 @@ def build_step_inputs(
     return StepInputs(ids_d, positions_d, out_slots, meta, logits_d)
 
 
-def _step_ancestors(parents: torch.Tensor, qo_lens: torch.Tensor, qo_max: int) -> torch.Tensor:
-    """Ancestor-or-self masks ``[B, Q, Q]``: the chains (causal requests) as a lower triangle,
-    the other trees walked over their own (small) width only."""
-    chain = torch.arange(qo_max) - 1
-    is_tree = ((parents != chain) & (torch.arange(qo_max) < qo_lens[:, None])).any(1)
-    anc = torch.ones(qo_max, qo_max, dtype=torch.bool).tril().expand(parents.shape[0], -1, -1).clone()
-    trees = is_tree.nonzero().view(-1)
-    if trees.numel():
-        width = int(qo_lens[trees].max())
+def _step_ancestors(parents: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Ancestor-or-self masks ``[B, Q, Q]`` of a step's requests (``parents [B, Q]``, ``valid``
+    their real columns): the chains (causal requests, drafted chains) as a lower triangle, the
+    other trees walked over their own (small) width only."""
+    b, q = parents.shape
+    is_tree = ((parents != np.arange(q) - 1) & valid).any(1)
+    anc = np.broadcast_to(np.tri(q, dtype=bool), (b, q, q)).copy()
+    trees = np.flatnonzero(is_tree)
+    if trees.size:
+        width = int(valid[trees].sum(1).max())
         anc[trees, :width, :width] = tree_ancestors(parents[trees, :width])
     return anc
 

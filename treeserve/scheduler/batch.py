@@ -43,6 +43,12 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether the draft is a chain (``parents == [-1, 0, 1, ...]``): its nodes see the ones
+        before them, as a causal chunk's tokens do."""
+        return all(p == k - 1 for k, p in enumerate(self.parents))
+
     def depths(self) -> list[int]:
         """Depth of each node (children of the root have depth 1)."""
         d: list[int] = []
@@ -61,7 +67,7 @@ class ScheduledItem(NamedTuple):
     ``draft_budget`` (> 0 only on a decoding item, whose ``draft`` is then None): the scheduler
     asks for a draft of at most this many nodes and holds slots and token budget for them; the
     engine's drafting (``treeserve.runner.drafting.fill_drafts``) replaces the item with its
-    draft before the step runs. Slots left unused are freed when the step is committed.
+    draft before the step runs. Slots left unused stay the request's (``KVLedger.trim``).
     """
 
     req: Request

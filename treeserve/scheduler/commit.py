@@ -10,10 +10,11 @@ A grammar-constrained request's matcher (``Request.grammar``) takes each committ
 did not stop the request (refilling its next-token mask); the request finishes with "stop" once
 nothing but a stop token may follow (that stop token is not sampled), and with "error" if the
 grammar refuses the token.
-The first committed token publishes the prompt's KV to the radix tree (so ``n``-sample siblings
-and later prompts share it); an item that asked for a draft and goes on frees the pages of its
-unused and rejected draft slots; a verified draft's counts feed the request's acceptance estimate
-(``Request.draft_hits`` / ``draft_misses``, read by ``draft_plan``) and its metrics.
+The first committed token publishes the prompt's KV to the radix tree (so ``n``-sample siblings and
+later prompts share it); an item that asked for a draft and goes on frees the pages of its unused
+and rejected draft slots when the pool is short (``KVLedger.trim``); a verified draft's counts feed
+the request's acceptance estimate (``Request.draft_hits`` / ``draft_misses``, read by
+``draft_plan``) and its metrics.
 """
 
 from __future__ import annotations

@@ -29,10 +29,10 @@ def reserve_or_preempt(queues: RequestQueues, req: Request, kv_len: int) -> bool
 def reserve_decode_slots(queues: RequestQueues, full: Sequence[Request]) -> None:
     """Give every one of the decoding requests ``full`` (their slots all used: the pending
     token needs a new one) a run of pages (``KVLedger.decode_run``), in one allocation. A request
-    that drafts reserves its draft slots past them itself (``Scheduler._ask_for_drafts``), and its
-    unused pages, the rest of its run included, are trimmed after that step; requests that do not
-    draft keep their runs (with speculation on, decode steps of 16 rows that drafted nothing ran
-    5-10% slower with one page a step: each request's K/V rows 16 slots apart).
+    that drafts reserves its draft slots past them itself (``Scheduler._ask_for_drafts``, a run as
+    well), and keeps its unused pages after that step unless the pool is short (``KVLedger.trim``);
+    with speculation on, decode steps of 16 rows that drafted nothing ran 5-10% slower with one page
+    a step: each request's K/V rows 16 slots apart.
 
     Pauses the newest running requests while the pages cannot be had (a paused request's own
     need goes with it).

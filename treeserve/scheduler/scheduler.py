@@ -366,7 +366,7 @@ class Scheduler:
                                      cfg.speculative_draft_cost, cfg.speculative_step_costs)
         for j, f, n in zip(asking, forced, lengths):
             it = items[j]
-            if f + n > 0 and self.ledger.try_reserve(it.req, it.req.seq_len + f + n):
+            if f + n > 0 and self.ledger.try_reserve(it.req, it.req.seq_len + f + n, run=True):
                 items[j] = it._replace(draft_budget=f + n)
 
 
