@@ -186,6 +186,18 @@ def test_a_rows_greedy_logit_is_the_same_alone_and_in_a_step(seed: int, qtype: s
 
 @requires_op
 @pytest.mark.parametrize("qtype", QTYPES)
+def test_a_step_without_logits_rows_gets_an_empty_logits_tensor(qtype: str) -> None:
+    """A chunked-prefill step where no request samples asks the head for 0 rows (a batch of 16 600-token
+    prompts on Llama-3.2-1B shapes once raised in the row bound's reshape)."""
+    head = CodesHead(GGUFWeight.from_bytes(qtype, random_blocks(qtype, 300, 256, 1), (300, 256)))
+    for q8_from in (None, 0):
+        head.q8_min_rows = q8_from
+        out = head(torch.zeros(0, 256))
+        assert out.shape == (0, 300) and out.dtype == torch.float32
+
+
+@requires_op
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_use_q8_head_measures_or_takes_the_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                     qtype: str) -> None:
     """``quant.use_q8_head``: the override sets the int16 pass's last row count (``all``: never int8);

@@ -160,7 +160,7 @@ class CodesHead(_Codes):
         norm = x.norm(dim=1, keepdim=True)
         if not self.int16:
             return self.bound_factor * norm
-        s = x.view(x.shape[0], -1, 32).abs().amax(-1) / (127 if q8 else 32767)
+        s = x.view(x.shape[0], x.shape[1] // 32, 32).abs().amax(-1) / (127 if q8 else 32767)  # rows may be 0
         e = (9 * s.square().sum(-1, keepdim=True)).sqrt()
         return self.bound_factor * (norm + e) + e
 
