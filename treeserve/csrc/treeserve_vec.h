@@ -44,6 +44,17 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The 8 lane sums of 8 vectors stored at v[0..63] (vector j at v + 8 j, 32-byte aligned): lane j of
+// the result is the sum of vector j (pairs added by vhaddps, then the two 128-bit halves).
+inline __m256 sum8x8(const float* v) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_load_ps(v), _mm256_load_ps(v + 8));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_load_ps(v + 16), _mm256_load_ps(v + 24));
+  const __m256 t2 = _mm256_hadd_ps(_mm256_load_ps(v + 32), _mm256_load_ps(v + 40));
+  const __m256 t3 = _mm256_hadd_ps(_mm256_load_ps(v + 48), _mm256_load_ps(v + 56));
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // 8 floats from float32 or bfloat16 storage (bfloat16 -> float32 is a 16-bit left shift).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
