@@ -197,6 +197,24 @@ def test_a_step_without_logits_rows_gets_an_empty_logits_tensor(qtype: str) -> N
 
 
 @requires_op
+def test_an_engine_with_a_codes_head_prefills_long_prompts_in_chunks(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end: prompts longer than a step's token budget take steps where nobody samples; the
+    output is each prompt's output alone."""
+    from treeserve import LLM, SamplingParams
+
+    monkeypatch.setenv("TREESERVE_HEAD_CODES", "1")
+    model, _ = load(write_synthetic_gguf(tmp_path / "m.gguf", TINY, "Q8_0", seed=3), quantization="auto")
+    assert isinstance(model.lm_head, CodesHead)
+    llm = LLM((model, None), speculative=None, max_batched_tokens=64)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, TINY.vocab_size, 150).tolist() for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert together == [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+@requires_op
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_use_q8_head_measures_or_takes_the_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                     qtype: str) -> None:
