@@ -1,9 +1,10 @@
 """What more query rows cost a step of this model on this machine: the draft planner's input.
 
-:func:`measure_step_costs` times the model's own forward (the path a decode or verify step takes:
-fused decode layers, the head's row-count choices) over a short cached context, for one query row
-and for ``r = 2 .. rows`` rows of one request (a chain draft's tree mask, its draft rows on the one
-plain row's path as in a verify step: ``quant.plain_rows``), and returns the table
+:func:`measure_step_costs` times the model's step (its inputs built, then the forward on the path a
+decode or verify step takes: fused decode layers, the head's row-count choices) over a short cached
+context, for one query row and for ``r = 2 .. rows`` rows of one request (a chain draft, built as
+the eager runner builds it, its draft rows on the one plain row's path as in a verify step:
+``quant.plain_rows``), and returns the table
 ``T(r) / T(1)``; :func:`row_cost_of` fits ``T(r) = T_fixed + r * T_row`` to its last entry and
 returns ``T_row / T_fixed`` (``scheduler.draft_plan`` takes both: the table where it reaches, the
 line beyond). Measured once per machine, model shape and thread count and kept on disk
@@ -22,9 +23,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from treeserve._tuning import measured
-from treeserve.kvcache import AttentionMetadata, KVPool, pages_to_slots
+from treeserve.kvcache import KVPool, pages_to_slots
 from treeserve.models.quant import plain_rows
-from treeserve.runner.inputs import CausalLM
+from treeserve.runner.inputs import CausalLM, build_step_inputs
 
 __all__ = ["MAX_ROW_COST", "MAX_TABLE_ROWS", "ROW_COST_CONTEXT", "measure_draft_cost", "measure_step_costs",
            "row_cost_of"]
@@ -59,19 +60,18 @@ def _model_key(model: CausalLM, kv: KVPool) -> tuple[object, ...]:
 
 
 def _forward(model: CausalLM, kv: KVPool, pages: torch.Tensor, total: int, n: int) -> Callable[[], object]:
-    """A call of ``model`` on ``n`` new tokens of one request ending at ``total`` tokens, over
-    ``pages`` of ``kv`` (a chain's tree mask when ``n > 1``)."""
-    ps, dev = kv.page_size, kv.device
-    slots = pages_to_slots(pages, ps)[:total]
-    ids = torch.zeros(n, dtype=torch.int64, device=dev)
-    positions = torch.arange(total - n, total, device=dev)
-    parents = None if n == 1 else [list(range(-1, n - 1))]
-    meta = AttentionMetadata.build([n], [total], [pages.tolist()], ps, tree_parents=parents, device=dev)
-    out_slots, logits_rows = slots[total - n :].to(dev), torch.arange(n, device=dev)
+    """A step of ``model`` on ``n`` new tokens of one request ending at ``total`` tokens, over
+    ``pages`` of ``kv``, as the runner pays it: its inputs built (``build_step_inputs``; a chain
+    draft's rows as a causal step, as the eager runner builds them) and the forward, whose per-step
+    host work (the query rows' page lists) is then timed too."""
+    ps = kv.page_size
+    table = pages_to_slots(pages, ps)[None]
+    ids = [0] * n
 
     def call() -> object:
+        step = build_step_inputs(table, [0], [total - n], [n], ids, ps, [n])
         with plain_rows(1):  # the path a verify step's rows take (``quant.plain_rows``)
-            return model(ids, positions, kv, out_slots, meta, logits_rows)
+            return model(step.input_ids, step.positions, kv, step.out_slots, step.meta, step.logits_indices)
 
     return call
 
@@ -137,7 +137,8 @@ def measure_step_costs(model: CausalLM, kv: KVPool, rows: int, context: int = RO
         ratios = _step_ratios(model, kv, rows, context)
         return (1000, *(round(1000 * min(r * MAX_ROW_COST, max(1.0, c))) for r, c in enumerate(ratios, 2)))
 
-    kept = measured("step-costs", (*_model_key(model, kv), rows, context), tuple, measure)
+    # "inputs": tables timed with the step's inputs built (2026-12-07); older entries are re-measured
+    kept = measured("step-costs", (*_model_key(model, kv), rows, context, "inputs"), tuple, measure)
     return tuple(c / 1000 for c in itertools.accumulate(kept, max))
 
 

@@ -51,9 +51,9 @@ some steps (a chat turn: about one in fifteen), and counts that faded by 0.95 a 
 proposals judged each proposal near the prior, above the bar. Chat at batch 1 then drafted at
 12% acceptance on Zen 4 and ran at 0.92x of no speculation (issue 32).
 
-Known gap: the costs are the model forward's alone. A verify step's host work (step inputs,
-draft planning, verification, commit, the drafter) is not in them: on the Zen 3 EPYC about 0.7 ms
-more than a plain step's, 0.08 of SmolLM2's one-row step (1.2 ms before chains were built as
+Known gap: the costs are the step's inputs and forward (``runner.measure_step_costs``). The rest of
+a verify step's host work (draft planning, verification, commit, the drafter) is not in them: in
+all, on the Zen 3 EPYC about 0.7 ms more than a plain step's, 0.08 of SmolLM2's one-row step (1.2 ms before chains were built as
 causal steps and drafting requests kept their slot runs, 2026-12-07), and a 2-row step of SmolLM2's
 chat cost 1.35 one-row steps where the table said 1.19 (on Zen 4 before the host walk, a one-node
 verify step cost 1.6-1.8 decode steps where the model predicted 1.3). So the rule is optimistic
