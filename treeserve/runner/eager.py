@@ -110,9 +110,10 @@ class ModelRunner:
             for i, token in zip(plain, sampled):
                 results[i] = token
         if drafted:
-            rows_of = [range(logit_end[i] - qo[i], logit_end[i]) for i in drafted]
-            idx = torch.tensor([r for rs in rows_of for r in rs], dtype=torch.long, device=dev)
-            verified = self._verify(logits.index_select(0, idx), [items[i] for i in drafted])
+            flat = [r for i in drafted for r in range(logit_end[i] - qo[i], logit_end[i])]
+            if flat != list(range(logits.shape[0])):  # else every logits row is a drafted one's, in order
+                logits = logits.index_select(0, torch.tensor(flat, dtype=torch.long, device=dev))
+            verified = self._verify(logits, [items[i] for i in drafted])
             for i, token in zip(drafted, verified):
                 results[i] = token
         return results
