@@ -10,9 +10,7 @@ import pytest
 
 from treeserve.kvcache import RadixCache, ReqToTokenTable
 from treeserve.sampling import SamplingParams
-from treeserve.scheduler import SampledToken, ScheduledBatch, Scheduler, SchedulerConfig, StopChecker
-
-from treeserve.scheduler.request import Request
+from treeserve.scheduler import Request, SampledToken, ScheduledBatch, Scheduler, SchedulerConfig, StopChecker
 
 from .fake_runner import FakeRunner, make_pool
 from .test_scheduler import EOS, VOCAB, expected_output, random_prompts

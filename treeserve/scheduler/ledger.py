@@ -103,9 +103,14 @@ class KVLedger:
         width = self.table.max_context_len
         run = min(DECODE_RUN, min(min(r.params.max_new_tokens - len(r.output_ids), width - self.capacity(r))
                                   for r in reqs))
-        if run <= 1 or self.allocator.num_free < len(reqs) * run + self.allocator.capacity // 4:
+        if run <= 1 or self._pool_short(taking=len(reqs) * run):
             return 1
         return run
+
+    def _pool_short(self, taking: int = 0) -> bool:
+        """Whether under a quarter of the pool would stay free after ``taking`` more pages: the one
+        bar for decode runs (:meth:`decode_run`) and for keeping a drafting request's (:meth:`trim`)."""
+        return self.allocator.num_free - taking < self.allocator.capacity // 4
 
     def grow(self, reqs: Sequence[Request], pages_each: int = 1) -> None:
         """Give each of ``reqs`` ``pages_each`` more pages, in one allocation and one table write
@@ -138,7 +143,7 @@ class KVLedger:
         slots, the rest of its run) while under a quarter of the pool is free; above that they stay
         its run for its next steps (a reservation and a free per verify step cost ~0.2 ms of host
         work on the Zen 3 EPYC; :meth:`release` frees them in any case)."""
-        if self.allocator.num_free < self.allocator.capacity // 4:
+        if self._pool_short():
             self._free_owned(req, keep=self.pages_for(req.seq_len - req.num_cached_tokens))
 
     # ------------------------------------------------------------------ radix tree
