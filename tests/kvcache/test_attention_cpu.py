@@ -35,12 +35,54 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no C++ toolchain f
 def test_decode_operator_matches_float64_reference(seed, kv, page_size, hkv, group, head_dim, dtype) -> None:
     """Ragged contexts (several online-softmax blocks), page sizes 1 and 16, GQA groups; unused
     cache slots are NaN, so reading outside a request's pages would show."""
+    _check_decode(torch.ops.treeserve.paged_decode_attention, seed, kv, page_size, hkv, group, head_dim, dtype)
+
+
+def _check_decode(op, seed: int, kv: list[int], page_size: int, hkv: int, group: int, head_dim: int,  # type: ignore[no-untyped-def]
+                  dtype: torch.dtype) -> None:
     batch = make_batch(seed, [1] * len(kv), kv, page_size, hkv, group, head_dim, dtype=dtype)
     meta = build_meta(batch)
-    out = paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, meta, head_dim**-0.5)
+    out = op(batch.q, batch.k_cache, batch.v_cache, meta.kv_indptr.int(), meta.kv_page_indices.int(),
+             meta.kv_last_page_len.int(), head_dim**-0.5)
     assert out.dtype == dtype and out.shape == batch.q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=tol, rtol=tol)
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The operator's source built again without AVX-512 (``-mno-avx512f``), under ``treeserve_avx2``:
+    the 8-lane wide path AVX2-only hosts (the Zen 3 EPYC) take, checked on AVX-512 hosts too, which
+    otherwise build only their 16-lane path. Skipped where the host has no AVX-512: there it is the
+    native build, which every other test here checks."""
+    from torch.utils.cpp_extension import load
+
+    from treeserve._cpp import INCLUDE, cpu_flags
+
+    if "avx512f" not in cpu_flags().split():
+        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
+    from treeserve.kvcache._cpu_op import SOURCE
+
+    load(name="treeserve_attention_avx2_test", sources=[str(SOURCE)], extra_include_paths=[str(INCLUDE)],
+         extra_cflags=["-O3", "-march=native", "-mno-avx512f", "-mno-avxvnni", "-fopenmp",
+                       "-DATTN_LIBRARY=treeserve_avx2"],
+         extra_ldflags=["-fopenmp"], build_directory=str(tmp_path_factory.mktemp("avx2")), is_python_module=False)
+    return torch.ops.treeserve_avx2.paged_decode_attention
+
+
+@pytest.mark.slow
+@given(
+    seed=st.integers(0, 2**16),
+    kv=st.lists(st.integers(1, 150), min_size=1, max_size=5),
+    page_size=st.sampled_from([1, 16]),
+    hkv=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 3, 4, 5]),  # AVX2 wide path: heads in chunks of 4 (4 + 1)
+    head_dim=st.sampled_from([12, 64, 128]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_avx2_build_matches_float64_reference(avx2_build, seed, kv, page_size, hkv, group, head_dim, dtype) -> None:  # type: ignore[no-untyped-def]
+    """The same check on the build without AVX-512: every host checks the AVX2 path."""
+    _check_decode(avx2_build, seed, kv, page_size, hkv, group, head_dim, dtype)
 
 
 @given(batch=paged_batches(), slot_rows=st.booleans(), causal=st.booleans())

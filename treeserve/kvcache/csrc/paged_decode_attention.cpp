@@ -176,6 +176,31 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
   });
 }
 
+#if defined(TREESERVE_AVX512) || defined(TREESERVE_AVX2)
+// One online-softmax block of one head for the wide paths, V the vector width (Lanes16 / Lanes8): the
+// block's scaled scores s[0, V::W nvec) (lanes past the block's keys -inf) become exp(s - m), m the larger
+// of run_max and the block's max; run_sum = run_sum exp(run_max - m) + their sum, run_max = m. Returns
+// exp(old run_max - m), the factor the head's P.V accumulators are to be scaled by.
+template <typename V>
+inline float softmax_block(float* s, int64_t nvec, float& run_max, float& run_sum) {
+  using F = typename V::F;
+  F mx = V::set1(-std::numeric_limits<float>::infinity());
+  for (int64_t v = 0; v < nvec; ++v) mx = V::max(mx, V::load(s + V::W * v));
+  const float block_max = std::max(run_max, V::reduce_max(mx));
+  const F bm = V::set1(block_max);
+  F sum = V::set1(0.0f);
+  for (int64_t v = 0; v < nvec; ++v) {
+    const F e = V::exp_shifted(V::load(s + V::W * v), bm);
+    V::store(s + V::W * v, e);
+    sum = V::add(sum, e);
+  }
+  const float corr = std::exp(run_max - block_max);
+  run_sum = run_sum * corr + V::reduce_add(sum);
+  run_max = block_max;
+  return corr;
+}
+#endif
+
 #ifdef TREESERVE_AVX512
 // ---- AVX-512 path, head_dim 64 or 128. Per (request, kv head) task and per chunk of at most
 // 256 / D query heads: blocks of WBLOCK keys, the scores of 16 keys reduced together (treeserve_vec::sum16x16), the P.V
@@ -185,6 +210,20 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
 
 constexpr int64_t WAHEAD = 32;  // K rows requested this many keys ahead (16: 20% slower for bf16, 8: 30%)
 constexpr int64_t WBLOCK = 32;  // keys per online-softmax block (32: fastest of 16 / 32 / 64, bf16 and float32)
+
+// softmax_block's 16 lanes (aligned loads and stores).
+struct Lanes16 {
+  using F = __m512;
+  static constexpr int64_t W = 16;
+  static F load(const float* p) { return _mm512_load_ps(p); }
+  static void store(float* p, F v) { _mm512_store_ps(p, v); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F exp_shifted(F s, F m) { return treeserve_vec::exp_nonpositive16(_mm512_sub_ps(s, m)); }
+  static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+  static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
+};
 
 // Partial (16-lane) dot products of one key row with NG query heads.
 template <typename T, int D, int NG>
@@ -264,20 +303,7 @@ void heads_avx512(const float* qf, const T* qt, const T* k_cache, const T* v_cac
       }
     }
     for (int g = 0; g < NG; ++g) {  // online softmax: one rescale per block
-      float* s = scores + g * WBLOCK;
-      __m512 mx = neg_inf;
-      for (int64_t v = 0; v < nvec; ++v) mx = _mm512_max_ps(mx, _mm512_load_ps(s + 16 * v));
-      const float block_max = std::max(run_max[g], _mm512_reduce_max_ps(mx));
-      const __m512 bm = _mm512_set1_ps(block_max);
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t v = 0; v < nvec; ++v) {
-        const __m512 e = treeserve_vec::exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(s + 16 * v), bm));
-        _mm512_store_ps(s + 16 * v, e);
-        sum = _mm512_add_ps(sum, e);
-      }
-      const float corr = std::exp(run_max[g] - block_max);
-      run_sum[g] = run_sum[g] * corr + _mm512_reduce_add_ps(sum);
-      run_max[g] = block_max;
+      const float corr = softmax_block<Lanes16>(scores + g * WBLOCK, nvec, run_max[g], run_sum[g]);
       if (corr != 1.0f) {
         const __m512 c = _mm512_set1_ps(corr);
         for (int j = 0; j < D / 16; ++j) acc[g][j] = _mm512_mul_ps(acc[g][j], c);
@@ -328,6 +354,24 @@ constexpr int64_t GMAX2 = 4;     // query heads per chunk: one partial-sum regis
 constexpr int64_t ABLOCK = 32;   // keys per online-softmax block
 constexpr int64_t AAHEAD = 16;   // K rows requested this many keys ahead
 
+// softmax_block's 8 lanes (aligned loads and stores).
+struct Lanes8 {
+  using F = __m256;
+  static constexpr int64_t W = 8;
+  static F load(const float* p) { return _mm256_load_ps(p); }
+  static void store(float* p, F v) { _mm256_store_ps(p, v); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F exp_shifted(F s, F m) { return treeserve_vec::exp_nonpositive(_mm256_sub_ps(s, m)); }
+  static float reduce_max(F v) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    return *std::max_element(lanes, lanes + 8);
+  }
+  static float reduce_add(F v) { return treeserve_vec::hsum(v); }
+};
+
 // Heads [0, NG) of one task over its `len` keys at k_cache/v_cache + offsets[t]. qf: the float32 query
 // rows; out: NG rows of D. part (64 NG floats) and scores (ABLOCK NG), acc (D NG): scratch, 32-byte aligned.
 template <typename T, int D, int NG>
@@ -374,21 +418,7 @@ void heads_avx2(const float* qf, const T* k_cache, const T* v_cache, const int64
     }
     for (int g = 0; g < NG; ++g) {  // online softmax: one rescale per block
       float* s = scores + g * ABLOCK;
-      __m256 mx = neg_inf;
-      for (int64_t v = 0; v < nvec; ++v) mx = _mm256_max_ps(mx, _mm256_load_ps(s + 8 * v));
-      alignas(32) float lanes_max[8];
-      _mm256_store_ps(lanes_max, mx);
-      const float block_max = std::max(run_max[g], *std::max_element(lanes_max, lanes_max + 8));
-      const __m256 bm = _mm256_set1_ps(block_max);
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t v = 0; v < nvec; ++v) {
-        const __m256 e = treeserve_vec::exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(s + 8 * v), bm));
-        _mm256_store_ps(s + 8 * v, e);
-        sum = _mm256_add_ps(sum, e);
-      }
-      const float corr = std::exp(run_max[g] - block_max);
-      run_sum[g] = run_sum[g] * corr + treeserve_vec::hsum(sum);
-      run_max[g] = block_max;
+      const float corr = softmax_block<Lanes8>(s, nvec, run_max[g], run_sum[g]);
       for (int c = 0; c < D; c += 64) {  // acc = acc corr + sum_i p_i v_i, 64 accumulators in registers
         float* ac = acc + g * D + c;
         __m256 r[8];
@@ -530,10 +560,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(treeserve, m) {
+// The library is `treeserve`; a test builds this file a second time without AVX-512 under another name.
+#ifndef ATTN_LIBRARY
+#define ATTN_LIBRARY treeserve
+#endif
+#define ATTN_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define ATTN_IMPL(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
+
+ATTN_FRAGMENT(ATTN_LIBRARY, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, "
       "Tensor kv_page_indices, Tensor kv_last_page_len, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(treeserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+ATTN_IMPL(ATTN_LIBRARY, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
