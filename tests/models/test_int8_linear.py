@@ -88,6 +88,41 @@ def test_swiglu_within_bound_of_float64(m: int, n: int, blocks: int, seed: int) 
     assert bool(((y.double() - act @ w.double().t()).abs() <= bound(act.float(), w)).all())
 
 
+@pytest.mark.slow
+def test_avx2_build_matches_the_native_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The operator's source built without AVX-512 (``-mno-avx512f``: the code AVX2-only hosts such as the
+    Zen 3 EPYC run): ``int8_linear`` bit for bit the native build's outputs on an AVX-512 host (the
+    rotation's butterflies in the same order per element, then the same oneDNN product); its SwiGLU,
+    whose 16-lane exp loop is AVX-512 only (the scalar ``std::exp`` loop there), within the same bound
+    of float64 as the native one. Skipped on hosts without AVX-512, whose native build it is."""
+    from torch.utils.cpp_extension import load
+
+    from treeserve._cpp import INCLUDE, cpu_flags
+    from treeserve.models.int8_op import SOURCE
+
+    if "avx512f" not in cpu_flags().split():
+        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
+    load(name="treeserve_int8_linear_avx2_test", sources=[str(SOURCE)], extra_include_paths=[str(INCLUDE)],
+         extra_cflags=["-O3", "-march=native", "-mno-avx512f", "-mno-avxvnni", "-fopenmp",
+                       "-DINT8_LIBRARY=treeserve_int8_avx2"],
+         extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), is_python_module=False)
+    avx2 = torch.ops.treeserve_int8_avx2
+    gen = torch.Generator().manual_seed(3)
+    for m, blocks in ((1, 1), (5, 3), (17, 2), (40, 4)):
+        k = blocks * BLOCK
+        dense = torch.randn(23, k, generator=gen) * 0.05
+        w = Int8Weight.from_dense(dense)
+        x = torch.randn(m, k, generator=gen)
+        x[:, 3] *= 50.0
+        assert torch.equal(avx2.int8_linear(x, *w.operands), int8_linear(x, w))
+        gate_up = torch.randn(m, 2 * k, generator=gen) * 4.0
+        gate_up[:, 0] = torch.linspace(-120.0, 120.0, m)
+        act = torch.nn.functional.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
+        y = avx2.int8_swiglu_linear(gate_up, *w.operands)
+        assert bool(y.isfinite().all())
+        assert bool(((y.double() - act @ dense.double().t()).abs() <= bound(act.float(), dense)).all())
+
+
 def test_swiglu_forward_routes_like_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     """``PackedLinear.swiglu_forward``: the fused int8 operator where ``forward`` would take the int8
     GEMM (above ``packed_max_rows``), else exactly ``forward(silu(gate) * up)``; bad input named."""
