@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from tests._isa_builds import NO_AVX512, build_variant, skip_without_avx512
 from tests.kvcache._attn_ref import make_batch, reference_attention
 
 from treeserve.kvcache import AttentionMetadata, paged_attention, query_view
@@ -55,19 +56,11 @@ def avx2_build(tmp_path_factory):  # type: ignore[no-untyped-def]
     the 8-lane wide path AVX2-only hosts (the Zen 3 EPYC) take, checked on AVX-512 hosts too, which
     otherwise build only their 16-lane path. Skipped where the host has no AVX-512: there it is the
     native build, which every other test here checks."""
-    from torch.utils.cpp_extension import load
-
-    from treeserve._cpp import INCLUDE, cpu_flags
-
-    if "avx512f" not in cpu_flags().split():
-        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
     from treeserve.kvcache._cpu_op import SOURCE
 
-    load(name="treeserve_attention_avx2_test", sources=[str(SOURCE)], extra_include_paths=[str(INCLUDE)],
-         extra_cflags=["-O3", "-march=native", "-mno-avx512f", "-mno-avxvnni", "-fopenmp",
-                       "-DATTN_LIBRARY=treeserve_avx2"],
-         extra_ldflags=["-fopenmp"], build_directory=str(tmp_path_factory.mktemp("avx2")), is_python_module=False)
-    return torch.ops.treeserve_avx2.paged_decode_attention
+    skip_without_avx512()
+    ops = build_variant(SOURCE, "treeserve_avx2", "ATTN_LIBRARY", NO_AVX512, tmp_path_factory.mktemp("avx2"))
+    return ops.paged_decode_attention
 
 
 @pytest.mark.slow

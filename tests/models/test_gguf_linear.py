@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tests._isa_builds import NO_AVX512, build_variant, skip_without_avx512
 
-from treeserve._cpp import INCLUDE
 from treeserve.models import gguf_op
 from treeserve.models.gguf_op import BLOCK_BYTES, GGUFWeight, gguf_linear
 from treeserve.models.quant import ExactHead, PackedLinear
@@ -358,16 +358,8 @@ def test_scalar_fallback_within_bound(tmp_path) -> None:
     """The operator built without AVX2/FMA/F16C (as on a host without them; registered as
     ``treeserve_scalar``) is within the same bounds in both modes, every row count; its int8 path
     is bit for bit the native build's (the same operations per row in the same order)."""
-    from torch.utils.cpp_extension import load
-
-    load(
-        name="treeserve_gguf_linear_scalar_test",
-        sources=[str(gguf_op.SOURCE)],
-        extra_cflags=["-O2", "-mno-avx", "-mno-avx2", "-mno-fma", "-mno-f16c", "-DGGUF_LIBRARY=treeserve_scalar"],
-        extra_include_paths=[str(INCLUDE)],
-        build_directory=str(tmp_path),
-        is_python_module=False,
-    )
+    build_variant(gguf_op.SOURCE, "treeserve_scalar", "GGUF_LIBRARY", ["-O2", "-mno-avx", "-mno-avx2", "-mno-fma",
+                                                                       "-mno-f16c"], tmp_path)
     for qtype in QTYPES:
         for m in (1, 5, 9):
             k, n = 32 * 70, 7
@@ -406,28 +398,18 @@ def test_vnni_build_is_bitwise_the_avx2_one(tmp_path, build: str) -> None:
     without AVX-512, whose native build it is."""
     import subprocess
 
-    from torch.utils.cpp_extension import load
-
     from treeserve._cpp import build_name, built_library, cpu_flags
 
+    if build == "avx2":
+        skip_without_avx512()
     flags = cpu_flags().split()
-    if build == "avx2" and "avx512f" not in flags:
-        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
     vnni = ("avx512_vnni" in flags and "avx512vl" in flags) or "avx_vnni" in flags
     native = built_library(build_name(gguf_op.SOURCE))
     listing = subprocess.run(["objdump", "-d", str(native)], capture_output=True, text=True, check=True).stdout
     assert ("vpdpwssd" in listing) == vnni and ("vpdpbusd" in listing) == vnni
     library = f"treeserve_{build}"
-    load(
-        name=f"treeserve_gguf_linear_{build}_test",
-        sources=[str(gguf_op.SOURCE)],
-        extra_cflags=["-O3", "-march=native", "-mno-avxvnni", "-fopenmp", f"-DGGUF_LIBRARY={library}",
-                      "-mno-avx512vnni" if build == "novnni" else "-mno-avx512f"],
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(INCLUDE)],
-        build_directory=str(tmp_path),
-        is_python_module=False,
-    )
+    variant = NO_AVX512 if build == "avx2" else ["-O3", "-march=native", "-mno-avx512vnni", "-mno-avxvnni"]
+    build_variant(gguf_op.SOURCE, library, "GGUF_LIBRARY", variant, tmp_path)
     for qtype in QTYPES:
         for m in (1, 3, 5, 8, 13):
             k, n = 32 * 70, 11

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests._isa_builds import NO_AVX512, build_variant, skip_without_avx512
 
 from treeserve.models.int8_op import (
     BLOCK,
@@ -95,18 +96,10 @@ def test_avx2_build_matches_the_native_one(tmp_path) -> None:  # type: ignore[no
     rotation's butterflies in the same order per element, then the same oneDNN product); its SwiGLU,
     whose 16-lane exp loop is AVX-512 only (the scalar ``std::exp`` loop there), within the same bound
     of float64 as the native one. Skipped on hosts without AVX-512, whose native build it is."""
-    from torch.utils.cpp_extension import load
-
-    from treeserve._cpp import INCLUDE, cpu_flags
     from treeserve.models.int8_op import SOURCE
 
-    if "avx512f" not in cpu_flags().split():
-        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
-    load(name="treeserve_int8_linear_avx2_test", sources=[str(SOURCE)], extra_include_paths=[str(INCLUDE)],
-         extra_cflags=["-O3", "-march=native", "-mno-avx512f", "-mno-avxvnni", "-fopenmp",
-                       "-DINT8_LIBRARY=treeserve_int8_avx2"],
-         extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), is_python_module=False)
-    avx2 = torch.ops.treeserve_int8_avx2
+    skip_without_avx512()
+    avx2 = build_variant(SOURCE, "treeserve_int8_avx2", "INT8_LIBRARY", NO_AVX512, tmp_path)
     gen = torch.Generator().manual_seed(3)
     for m, blocks in ((1, 1), (5, 3), (17, 2), (40, 4)):
         k = blocks * BLOCK
