@@ -13,7 +13,7 @@ from tests._isa_builds import NO_AVX512, build_variant, skip_without_avx512
 from tests.kvcache._attn_ref import make_batch, reference_attention
 
 from treeserve.kvcache import AttentionMetadata, paged_attention, query_view
-from treeserve.kvcache._attention_cpu import load_cpu_decode_op, paged_decode_attention
+from treeserve.kvcache._attention_cpu import load_cpu_decode_op
 from treeserve.kvcache._cpu_op import avx2_host
 from treeserve.kvcache.backends import select_backend
 from treeserve.kvcache.query_view import MAX_VIEW_QUERIES
