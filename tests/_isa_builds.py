@@ -24,12 +24,12 @@ def skip_without_avx512() -> None:
         pytest.skip("no AVX-512 here: the native build is the AVX2 one")
 
 
-def build_variant(source: Path, library: str, define: str, flags: list[str], build_dir: Path) -> object:
-    """Build and load ``source`` with ``flags`` and ``-D<define>=<library>`` (the source's macro naming
-    its torch library) in ``build_dir``; returns ``torch.ops.<library>``."""
+def build_variant(source: Path, library: str, flags: list[str], build_dir: Path) -> object:
+    """Build and load ``source`` with ``flags`` and ``-DTREESERVE_LIBRARY=<library>`` (the torch library it
+    registers into, ``treeserve_library.h``) in ``build_dir``; returns ``torch.ops.<library>``."""
     from torch.utils.cpp_extension import load
 
     load(name=f"{library}_{source.stem}_test", sources=[str(source)], extra_include_paths=[str(INCLUDE)],
-         extra_cflags=[*flags, "-fopenmp", f"-D{define}={library}"], extra_ldflags=["-fopenmp"],
+         extra_cflags=[*flags, "-fopenmp", f"-DTREESERVE_LIBRARY={library}"], extra_ldflags=["-fopenmp"],
          build_directory=str(build_dir), is_python_module=False)
     return getattr(torch.ops, library)

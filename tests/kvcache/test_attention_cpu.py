@@ -59,7 +59,7 @@ def avx2_build(tmp_path_factory):  # type: ignore[no-untyped-def]
     from treeserve.kvcache._cpu_op import SOURCE
 
     skip_without_avx512()
-    ops = build_variant(SOURCE, "treeserve_avx2", "ATTN_LIBRARY", NO_AVX512, tmp_path_factory.mktemp("avx2"))
+    ops = build_variant(SOURCE, "treeserve_avx2", NO_AVX512, tmp_path_factory.mktemp("avx2"))
     return ops.paged_decode_attention
 
 

@@ -99,7 +99,7 @@ def test_avx2_build_matches_the_native_one(tmp_path) -> None:  # type: ignore[no
     from treeserve.models.int8_op import SOURCE
 
     skip_without_avx512()
-    avx2 = build_variant(SOURCE, "treeserve_int8_avx2", "INT8_LIBRARY", NO_AVX512, tmp_path)
+    avx2 = build_variant(SOURCE, "treeserve_int8_avx2", NO_AVX512, tmp_path)
     gen = torch.Generator().manual_seed(3)
     for m, blocks in ((1, 1), (5, 3), (17, 2), (40, 4)):
         k = blocks * BLOCK

@@ -12,6 +12,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "treeserve_library.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -560,17 +562,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 }  // namespace
 
-// The library is `treeserve`; a test builds this file a second time without AVX-512 under another name.
-#ifndef ATTN_LIBRARY
-#define ATTN_LIBRARY treeserve
-#endif
-#define ATTN_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define ATTN_IMPL(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
-
-ATTN_FRAGMENT(ATTN_LIBRARY, m) {
+TREESERVE_FRAGMENT(TREESERVE_LIBRARY, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, "
       "Tensor kv_page_indices, Tensor kv_last_page_len, float scale) -> Tensor");
 }
 
-ATTN_IMPL(ATTN_LIBRARY, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TREESERVE_IMPL(TREESERVE_LIBRARY, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -16,6 +16,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "treeserve_library.h"
+
 #include "treeserve_head.h"
 
 #include <algorithm>
@@ -1148,14 +1150,7 @@ at::Tensor gguf_linear_exact(const at::Tensor& x, const at::Tensor& w, std::stri
 
 }  // namespace
 
-// The library is `treeserve`; a test builds this file a second time without AVX2 under another name.
-#ifndef GGUF_LIBRARY
-#define GGUF_LIBRARY treeserve
-#endif
-#define GGUF_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define GGUF_IMPL(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
-
-GGUF_FRAGMENT(GGUF_LIBRARY, m) {
+TREESERVE_FRAGMENT(TREESERVE_LIBRARY, m) {
   m.def("gguf_linear(Tensor x, Tensor w, str qtype, int K) -> Tensor");
   m.def("gguf_linear_exact(Tensor x, Tensor w, str qtype, int K) -> Tensor");
   m.def("gguf_dequantize(Tensor w, str qtype, int K) -> Tensor");
@@ -1164,7 +1159,7 @@ GGUF_FRAGMENT(GGUF_LIBRARY, m) {
         "Tensor row_norms) -> ()");
 }
 
-GGUF_IMPL(GGUF_LIBRARY, m) {
+TREESERVE_IMPL(TREESERVE_LIBRARY, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_linear_exact", &gguf_linear_exact);
   m.impl("gguf_dequantize", &gguf_dequantize);

@@ -22,6 +22,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "treeserve_library.h"
+
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -321,24 +323,17 @@ at::Tensor int8_swiglu_linear(const at::Tensor& gate_up, const at::Tensor& w, co
 
 }  // namespace
 
-// The library is `treeserve`; a test builds this file a second time without AVX-512 under another name.
-#ifndef INT8_LIBRARY
-#define INT8_LIBRARY treeserve
-#endif
-#define INT8_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define INT8_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
-
-INT8_FRAGMENT(INT8_LIBRARY, m) {
+TREESERVE_FRAGMENT(TREESERVE_LIBRARY, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor w_scales, Tensor w_zeros, Tensor mix) -> Tensor");
   m.def("int8_swiglu_linear(Tensor gate_up, Tensor w, Tensor w_scales, Tensor w_zeros, Tensor mix) -> Tensor");
 }
 
 // The prepacked weight is a MkldnnCPU tensor, which makes the call dispatch to that key.
-INT8_IMPL(INT8_LIBRARY, CPU, m) {
+TREESERVE_IMPL(TREESERVE_LIBRARY, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_swiglu_linear", &int8_swiglu_linear);
 }
-INT8_IMPL(INT8_LIBRARY, MkldnnCPU, m) {
+TREESERVE_IMPL(TREESERVE_LIBRARY, MkldnnCPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_swiglu_linear", &int8_swiglu_linear);
 }
