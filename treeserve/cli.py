@@ -22,8 +22,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--quantization", default="auto", choices=["auto", "int4", "int8", "none"],
                    help="weight-only packing for decode (auto: a GGUF's codes as shipped)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="KV cache storage (auto: bf16 under float32 on AVX-512 BF16 CPUs, else the model's)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV cache storage (auto, under float32 on CPU: bf16 with AVX-512 BF16, float16 on other "
+                        "AVX2 CPUs; else the model's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--kv-cache-tokens", type=int, default=32768)

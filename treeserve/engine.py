@@ -102,9 +102,11 @@ class EngineConfig:
     head (CPU; not with an explicit ``dtype="float32"``, the parity configuration), ``"int4"`` /
     ``"int8"`` also quantize float checkpoints, None keeps dense weights
     (``treeserve.models.quant``).
-    ``kv_cache_dtype``: ``"auto"`` (the model's dtype, except bfloat16 under the default float32
-    configuration on CPUs with AVX-512 BF16: :meth:`kv_dtype`), ``"float32"`` or ``"bfloat16"``
-    (K/V stored rounded to bf16 and attended with q rounded to it: half the KV memory).
+    ``kv_cache_dtype``: ``"auto"`` (the model's dtype, except a 16-bit cache under the default
+    float32 CPU configuration: bfloat16 on CPUs with AVX-512 BF16, float16 on other AVX2 CPUs,
+    :meth:`kv_dtype`), ``"float32"``, ``"bfloat16"`` or ``"float16"`` (K/V stored rounded to
+    that type and attended with q rounded to it: half the KV memory; float16 keeps 3 more
+    mantissa bits than bfloat16 and overflows past 65504).
 
     ``kv_cache_tokens``: KV pool capacity in tokens (rounded up to whole pages).
     ``max_model_len``: prompt + output cap per request; ``None`` = the model's, at most 4096.
@@ -190,9 +192,11 @@ class EngineConfig:
     kv_disk_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) not in ("auto", "float32", "bfloat16"):
-                raise ValueError(f"{name} must be 'auto', 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or 'float16', "
+                             f"got {self.kv_cache_dtype!r}")
         check_quantization(self.quantization)
         self._check_device()
         for name in ("page_size", "kv_cache_tokens", "max_batched_tokens", "max_running", "cuda_graph_max_batch"):
@@ -286,18 +290,24 @@ class EngineConfig:
 
     def kv_dtype(self, model_dtype: torch.dtype, loaded: bool) -> torch.dtype:
         """The KV pool's dtype for a model of ``model_dtype`` (``loaded``: loaded by name, not
-        given as a module): ``kv_cache_dtype`` when given; for ``"auto"``, bfloat16 under the
-        default float32 CPU configuration (``dtype`` and ``quantization`` "auto", one process) on
-        CPUs with AVX-512 BF16, where the decode attention operator scores bf16 rows with
-        ``vdpbf16ps`` and reads half the bytes (measured: benches/RESULTS.md); else the model's
-        dtype (explicit ``dtype="float32"`` is the parity configuration: float32 KV)."""
+        given as a module): ``kv_cache_dtype`` when given; for ``"auto"``, under the default
+        float32 CPU configuration (``dtype`` and ``quantization`` "auto", one process), a 16-bit
+        cache the decode attention operator reads at half the bytes (measured: benches/RESULTS.md):
+        bfloat16 on CPUs with AVX-512 BF16, which score its rows with ``vdpbf16ps`` (float16
+        measured up to 1.26x slower there at Llama-3-8B's shapes), float16 on other AVX2 CPUs,
+        which widen both kinds alike (F16C) and where float16 measured as fast as bfloat16 with 8x
+        less rounding; else the model's dtype (explicit ``dtype="float32"`` is the parity
+        configuration: float32 KV)."""
         if self.kv_cache_dtype != "auto":
             return getattr(torch, self.kv_cache_dtype)
         default_cpu = (self.dtype == "auto" and self.quantization == "auto" and torch.device(self.device).type == "cpu"
                        and self.tensor_parallel_size == 1 and not self.batch_invariant)  # fmt: skip
-        if loaded and default_cpu and model_dtype == torch.float32 and cpu_features().avx512_bf16:
+        if not (loaded and default_cpu and model_dtype == torch.float32):
+            return model_dtype
+        features = cpu_features()
+        if features.avx512_bf16:
             return torch.bfloat16
-        return model_dtype
+        return torch.float16 if features.avx2 else model_dtype
 
     def _check_parallel(self) -> None:
         tp = self.tensor_parallel_size

@@ -154,22 +154,23 @@ def test_invalid_logits_fail_only_their_request(tiny) -> None:
     assert_drained(llm)
 
 
-def test_bf16_kv_cache_under_a_float32_model(tiny) -> None:
-    """``kv_cache_dtype="bfloat16"``: the pool holds bf16, greedy output is the same batched (with
-    prefix sharing) as alone, every page comes back; ``"auto"`` keeps a given model's dtype; a bad
-    value is named."""
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_16_bit_kv_cache_under_a_float32_model(tiny, kv_cache_dtype: str) -> None:
+    """``kv_cache_dtype="bfloat16"`` / ``"float16"``: the pool holds that dtype, greedy output is the
+    same batched (with prefix sharing) as alone, every page comes back; ``"auto"`` keeps a given
+    model's dtype; a bad value is named."""
     assert make_llm(tiny).kv.dtype == torch.float32
     prompts = prompts_for(7, 6)
     sp = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
-    llm = make_llm(tiny, kv_cache_dtype="bfloat16")
-    assert llm.kv.dtype == torch.bfloat16 and next(llm.model.parameters()).dtype == torch.float32
+    llm = make_llm(tiny, kv_cache_dtype=kv_cache_dtype)
+    assert llm.kv.dtype == getattr(torch, kv_cache_dtype) and next(llm.model.parameters()).dtype == torch.float32
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    alone = [make_llm(tiny, kv_cache_dtype="bfloat16", enable_prefix_cache=False).generate([p], sp, use_tqdm=False)[0]
-             .outputs[0].token_ids for p in prompts]  # fmt: skip
+    alone = [make_llm(tiny, kv_cache_dtype=kv_cache_dtype, enable_prefix_cache=False)
+             .generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]  # fmt: skip
     assert batched == alone and all(len(t) == 12 for t in batched)
     assert_drained(llm)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto', 'float32' or 'bfloat16'"):
-        make_llm(tiny, kv_cache_dtype="float16")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got 'h"):
+        make_llm(tiny, kv_cache_dtype="half")
     from treeserve.engine import EngineConfig
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto'.*tensor_parallel_size > 1"):
@@ -177,17 +178,19 @@ def test_bf16_kv_cache_under_a_float32_model(tiny) -> None:
 
 
 def test_kv_cache_dtype_auto_rule(monkeypatch) -> None:
-    """``"auto"``: bf16 only for the default float32 CPU configuration of a model loaded by name on
-    an AVX-512 BF16 CPU; the model's dtype otherwise; an explicit value always wins."""
+    """``"auto"``: a 16-bit cache only for the default float32 CPU configuration of a model loaded by
+    name: bf16 on an AVX-512 BF16 CPU, float16 on another AVX2 CPU; the model's dtype otherwise
+    (no AVX2: float32); an explicit value always wins."""
     from types import SimpleNamespace
 
     import treeserve.engine as engine
     from treeserve.engine import EngineConfig
 
-    f32, bf16 = torch.float32, torch.bfloat16
-    for has_bf16 in (True, False):
-        monkeypatch.setattr(engine, "cpu_features", lambda has=has_bf16: SimpleNamespace(avx512_bf16=has))
-        want = bf16 if has_bf16 else f32
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    for has_bf16, has_avx2 in ((True, True), (False, True), (False, False)):
+        features = SimpleNamespace(avx512_bf16=has_bf16, avx2=has_avx2)
+        monkeypatch.setattr(engine, "cpu_features", lambda f=features: f)
+        want = bf16 if has_bf16 else (f16 if has_avx2 else f32)
         assert EngineConfig().kv_dtype(f32, loaded=True) == want
         assert EngineConfig().kv_dtype(f32, loaded=False) == f32  # a given model
         assert EngineConfig(dtype="float32").kv_dtype(f32, loaded=True) == f32  # the parity configuration
@@ -196,6 +199,7 @@ def test_kv_cache_dtype_auto_rule(monkeypatch) -> None:
         assert EngineConfig().kv_dtype(bf16, loaded=True) == bf16
         assert EngineConfig(kv_cache_dtype="bfloat16").kv_dtype(f32, loaded=False) == bf16
         assert EngineConfig(kv_cache_dtype="float32").kv_dtype(bf16, loaded=True) == f32
+        assert EngineConfig(kv_cache_dtype="float16").kv_dtype(f32, loaded=False) == f16
 
 
 def test_speculative_max_batch_rule(tiny) -> None:

@@ -123,7 +123,8 @@ def test_half_precision_accumulates_in_float32(backend: str, dtype: torch.dtype,
     batch = make_batch(5, qo, kv, 4, 2, 2, 16, parents=parents, dtype=dtype)
     out = run(batch, backend)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.double(), reference_attention(batch), atol=2e-2, rtol=2e-2)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3  # the output's rounding: 2^-8 / 2^-11 relative
+    torch.testing.assert_close(out.double(), reference_attention(batch), atol=tol, rtol=tol)
 
 
 def test_custom_scale() -> None:

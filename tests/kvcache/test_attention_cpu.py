@@ -20,6 +20,9 @@ from treeserve.kvcache.query_view import MAX_VIEW_QUERIES
 
 from .test_attention import build_meta, paged_batches, run
 
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}  # output rounding: 2^-8 / 2^-11 relative
+
 _REASON = load_cpu_decode_op()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no C++ toolchain for the CPU operator: {_REASON}")
 
@@ -31,7 +34,7 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no C++ toolchain f
     hkv=st.sampled_from([1, 2, 3]),
     group=st.sampled_from([1, 3, 4, 5]),  # AVX-512 path: heads in chunks of 256 / head_dim (4 + 1, 2 + 2 + 1)
     head_dim=st.sampled_from([8, 12, 64, 128]),  # 12: an 8-lane part and a scalar tail; 64, 128: compile-time sizes
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from(DTYPES),
 )
 def test_decode_operator_matches_float64_reference(seed, kv, page_size, hkv, group, head_dim, dtype) -> None:
     """Ragged contexts (several online-softmax blocks), page sizes 1 and 16, GQA groups; unused
@@ -46,7 +49,7 @@ def _check_decode(op, seed: int, kv: list[int], page_size: int, hkv: int, group:
     out = op(batch.q, batch.k_cache, batch.v_cache, meta.kv_indptr.int(), meta.kv_page_indices.int(),
              meta.kv_last_page_len.int(), head_dim**-0.5)
     assert out.dtype == dtype and out.shape == batch.q.shape
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = TOL[dtype]
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=tol, rtol=tol)
 
 
@@ -71,7 +74,7 @@ def avx2_build(tmp_path_factory):  # type: ignore[no-untyped-def]
     hkv=st.sampled_from([1, 2, 3]),
     group=st.sampled_from([1, 3, 4, 5]),  # AVX2 wide path: heads in chunks of 4 (4 + 1)
     head_dim=st.sampled_from([12, 64, 128]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from(DTYPES),
 )
 def test_avx2_build_matches_float64_reference(avx2_build, seed, kv, page_size, hkv, group, head_dim, dtype) -> None:  # type: ignore[no-untyped-def]
     """The same check on the build without AVX-512: every host checks the AVX2 path."""
@@ -92,7 +95,7 @@ def test_cpu_backend_every_step_kind(batch, slot_rows: bool, causal: bool) -> No
     seed=st.integers(0, 2**16),
     rows=st.lists(st.tuples(st.sampled_from([1, 3, 5, 17, 24]), st.integers(0, 40)), min_size=2, max_size=6),
     page_size=st.sampled_from([1, 16]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from(DTYPES),
     causal=st.booleans(),
 )
 def test_mixed_steps_send_their_short_requests_to_the_operator(seed, rows, page_size, dtype, causal) -> None:
@@ -109,7 +112,7 @@ def test_mixed_steps_send_their_short_requests_to_the_operator(seed, rows, page_
     view = query_view(meta, causal)
     short = [q for q in qo if q <= MAX_VIEW_QUERIES]
     assert view.rows.numel() == sum(short) and view.rest.numel() == len(qo) - len(short)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = TOL[dtype]
     torch.testing.assert_close(out.double(), reference_attention(batch, causal=causal), atol=tol, rtol=tol)
 
 
@@ -118,7 +121,7 @@ def test_mixed_steps_send_their_short_requests_to_the_operator(seed, rows, page_
     trees=st.lists(st.lists(st.integers(-1, 6), min_size=1, max_size=8), min_size=1, max_size=4),
     prefix=st.integers(0, 40),
     page_size=st.sampled_from([1, 4]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from(DTYPES),
 )
 def test_verify_steps_take_the_operator(seed, trees, prefix, page_size, dtype) -> None:
     """Draft-tree verify steps (the pending token, then nodes at prefix_len + depth): with page
@@ -137,17 +140,17 @@ def test_verify_steps_take_the_operator(seed, trees, prefix, page_size, dtype) -
     if view is not None:
         assert view.rest.tolist() == [i for i, c in enumerate(covered) if not c]
         assert view.rows.numel() == sum(q for q, c in zip(qo, covered) if c)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = TOL[dtype]
     torch.testing.assert_close(out.double(), reference_attention(batch), atol=tol, rtol=tol)
 
 
 def test_cpu_backend_is_the_float32_cpu_default() -> None:
-    """float32 always; bfloat16 only where the operator has its AVX2 path (measured faster)."""
+    """float32 always; bfloat16 and float16 only where the operator has its AVX2 path (measured faster)."""
     assert select_backend("paged_attention", "auto", "cpu", torch.float32).name == "cpu"
-    bf16 = select_backend("paged_attention", "auto", "cpu", torch.bfloat16).name
-    assert bf16 == ("cpu" if avx2_host() else "torch")
+    for half in (torch.bfloat16, torch.float16):
+        assert select_backend("paged_attention", "auto", "cpu", half).name == ("cpu" if avx2_host() else "torch")
     with pytest.raises(ValueError, match="backend='cpu' needs"):
-        select_backend("paged_attention", "cpu", "cpu", torch.float16)
+        select_backend("paged_attention", "cpu", "cpu", torch.float64)
 
 
 def test_operator_rejects_bad_inputs() -> None:
@@ -160,8 +163,7 @@ def test_operator_rejects_bad_inputs() -> None:
     with pytest.raises(RuntimeError, match="share a dtype"):
         op(batch.q.double(), batch.k_cache, batch.v_cache, meta.kv_indptr.int(), meta.kv_page_indices.int(),
            meta.kv_last_page_len.int(), 1.0)  # fmt: skip
-    with pytest.raises(RuntimeError, match="float32 and bfloat16"):
-        h = batch.q.half()
-        op(h, batch.k_cache.half(), batch.v_cache.half(), meta.kv_indptr.int(), meta.kv_page_indices.int(),
-           meta.kv_last_page_len.int(), 1.0)  # fmt: skip
+    with pytest.raises(RuntimeError, match="float32, bfloat16 and float16, got Double"):
+        op(batch.q.double(), batch.k_cache.double(), batch.v_cache.double(), meta.kv_indptr.int(),
+           meta.kv_page_indices.int(), meta.kv_last_page_len.int(), 1.0)  # fmt: skip
     assert paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, backend="cpu").shape == batch.q.shape

@@ -32,6 +32,7 @@ requires_op = pytest.mark.skipif(load_decode_op() is not None, reason="C++ decod
 PROJS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 LARGE = ("dense", "int8", "q8") if int8_available() else ("dense", "q8")  # a batch above max_rows
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # the caches the operator writes
 
 
 def gguf_model(seed: int = 0, max_rows: int = 8, num_layers: int = 2, large: str = "dense",
@@ -106,7 +107,7 @@ def assert_same(ref, got) -> None:  # type: ignore[no-untyped-def]
     max_ctx=st.integers(1, 70),
     max_rows=st.sampled_from([0, 3, 8]),  # 0: every projection takes ``large``; 3: mixed by batch
     large=st.sampled_from(LARGE),
-    kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),  # bf16: KV stored rounded, q rounded to attend
+    kv_dtype=st.sampled_from(KV_DTYPES),  # 16-bit: KV stored rounded, q rounded to attend
     seed=st.integers(0, 2**16),
 )
 def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_rows: int, large: str,
@@ -127,7 +128,7 @@ def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_
     max_ctx=st.integers(1, 70),
     max_rows=st.sampled_from([0, 3, 8]),
     large=st.sampled_from(LARGE),
-    kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    kv_dtype=st.sampled_from(KV_DTYPES),
     seed=st.integers(0, 2**16),
 )
 def test_verify_step_fused_equals_python_path(trees: list[list[int]], page_size: int, max_ctx: int, max_rows: int,
@@ -186,7 +187,7 @@ def test_each_request_of_a_batch_is_the_request_alone(batch: int, seed: int) -> 
 
 @requires_op
 @pytest.mark.parametrize("head_dim", [32, 64])  # 64: the attention operator's compile-time (AVX-512) size
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_dense_model_equals_python_path(head_dim: int, kv_dtype: torch.dtype) -> None:
     """Plain ``Linear`` projections (an HF checkpoint without quantization) take the operator too."""
     model = random_model(tiny_config(num_layers=3, head_dim=head_dim), seed=1)

@@ -4,7 +4,15 @@
 // ones only under AVX-512F (TREESERVE_AVX512); callers keep a scalar path for other hosts.
 #pragma once
 
+#include <cstdint>
+
 namespace treeserve_vec {
+// IEEE half-precision storage (a float16 cache's lanes), kept apart from bfloat16's uint16_t bit
+// patterns so that each storage type picks its own load and store.
+struct fp16 {
+  uint16_t bits;
+};
+
 // exp(x) for x <= 0, Cephes expf: x = n ln2 + r (ln2 split in a high and a low part), exp(r) by a
 // degree-5 polynomial in r (coefficients highest first) times r^2, plus 1 + r.
 constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
@@ -15,8 +23,6 @@ constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e
 #if defined(__AVX2__) && defined(__FMA__)
 #define TREESERVE_AVX2 1
 #include <immintrin.h>
-
-#include <cstdint>
 
 namespace treeserve_vec {
 
@@ -75,6 +81,13 @@ inline void store8(uint16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
+// 8 floats from float16 storage (exact), and stored as float16 rounded to nearest even (F16C, which every
+// AVX2 CPU has; overflow gives +-inf, as c10::Half(float)).
+inline __m256 load8(const fp16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void store8(fp16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 }  // namespace treeserve_vec
 #endif
 
@@ -82,8 +95,6 @@ inline void store8(uint16_t* p, __m256 v) {
 #if defined(__AVX512F__)
 #define TREESERVE_AVX512 1
 #include <immintrin.h>
-
-#include <cstdint>
 
 namespace treeserve_vec {
 
@@ -119,6 +130,14 @@ inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(hi));
 }
 
+// 16 floats from float16 storage, and stored as float16 (see load8 / store8).
+inline __m512 load16(const fp16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store16(fp16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 // The 16 lane sums of 16 vectors stored at v[0..255] (vector j at v + 16 j), as one vector whose
 // lane l is the sum of vector SUM16_SLOT[l]: a 4 x 4 transpose of 128-bit lanes, so a caller that
 // stores item i at slot SUM16_SLOT[i] gets item i's sum in lane i.
@@ -140,26 +159,3 @@ inline __m512 sum16x16(const float* v) {
 
 }  // namespace treeserve_vec
 #endif
-
-// ---- Any host: helpers over the widest path compiled above.
-#include <cstdint>
-#include <cstring>
-
-namespace treeserve_vec {
-
-// out[0, n) = the bfloat16 values at in[0, n) (bit patterns) widened to float32: exact (a 16-bit
-// shift), 16 or 8 lanes at a time where compiled for them.
-inline void widen_bf16(const uint16_t* in, float* out, int64_t n) {
-  int64_t i = 0;
-#if defined(TREESERVE_AVX512)
-  for (; i + 16 <= n; i += 16) store16(out + i, load16(in + i));
-#elif defined(TREESERVE_AVX2)
-  for (; i + 8 <= n; i += 8) store8(out + i, load8(in + i));
-#endif
-  for (; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
-    std::memcpy(out + i, &bits, sizeof(bits));
-  }
-}
-
-}  // namespace treeserve_vec

@@ -174,7 +174,8 @@ for _spec in (
     # C++ decode operator, torch elsewhere; built on first use (usable() builds it, False without a compiler).
     BackendSpec(
         "paged_attention", "cpu", f"{_KV}._attention_cpu", "paged_attention_cpu", ("cpu",),
-        _cpu_op_ok, "a float32 (or, on AVX2, bfloat16) CPU tensor and a C++ compiler for cpp_extension", priority=5,
+        _cpu_op_ok, "a float32 (or, on AVX2, bfloat16 / float16) CPU tensor and a C++ compiler for cpp_extension",
+        priority=5,
     ),
     BackendSpec("store_kv", "torch", f"{_KV}._ops_torch", "store_kv_torch", ("*",)),
     BackendSpec("store_kv", "triton", f"{_KV}._triton_ops", "store_kv_triton", ("cuda",), _triton_ok, _TRITON_NEEDS, 10),

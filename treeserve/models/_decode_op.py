@@ -212,7 +212,7 @@ def run_decode_layers(
         n != meta.num_qo_tokens
         or torch.compiler.is_compiling()
         or h.dtype != torch.float32
-        or kv.k_caches[0].dtype not in (torch.float32, torch.bfloat16)
+        or kv.k_caches[0].dtype not in (torch.float32, torch.bfloat16, torch.float16)
         or kv.k_caches[0].shape[1] != meta.page_size
     ):
         return None

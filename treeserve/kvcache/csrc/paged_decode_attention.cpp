@@ -1,15 +1,14 @@
 // treeserve::paged_decode_attention: one-token-per-request attention reading the paged KV cache
 // in place (no gather into padded batches, no mask). One task per (request, kv head): the G query
 // heads sharing that KV head read each K/V row once; online softmax over blocks of keys walked
-// across pages; float32 accumulation for float32 and bfloat16 caches. For head_dim 64 / 128 a wide
+// across pages; float32 accumulation for float32, bfloat16 and float16 caches. For head_dim 64 / 128 a wide
 // path (decode_attention_wide below) scores several keys at a time and keeps the P.V accumulators in
 // registers: 16 lanes on AVX-512 hosts (1.5-1.7x the 8-lane path on an AVX-512 EPYC), 8 lanes on
 // AVX2+FMA hosts without it (1.25-1.5x the 8-lane path at batch 16 or 1-2k-token contexts on the Zen 3
 // EPYC, about the same at a few hundred tokens, where the K/V reads bound both). Other head sizes take
-// the 8-lane path on AVX2+FMA hosts (bfloat16 rows widened on load), the same loops scalar elsewhere.
+// the 8-lane path on AVX2+FMA hosts (16-bit rows widened on load), the same loops scalar elsewhere.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include "treeserve_library.h"
@@ -17,9 +16,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "treeserve_checks.h"
+#include "treeserve_lanes.h"
 #include "treeserve_vec.h"
 
 namespace {
@@ -35,14 +36,8 @@ inline void prefetch_row(const T* row, int64_t dim) {
   for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
 }
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-// Raw lanes of float32 / bfloat16 storage for the SIMD helpers.
-inline const float* lanes(const float* p) { return p; }
-inline const uint16_t* lanes(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
-inline float* lanes_out(float* p) { return p; }
-inline uint16_t* lanes_out(c10::BFloat16* p) { return reinterpret_cast<uint16_t*>(p); }
+using treeserve_lanes::lanes;
+using treeserve_lanes::to_float;
 
 #ifdef TREESERVE_AVX2
 using treeserve_vec::load8;
@@ -324,7 +319,7 @@ void heads_avx512(const float* qf, const T* qt, const T* k_cache, const T* v_cac
   for (int g = 0; g < NG; ++g) {
     const __m512 inv = _mm512_set1_ps(run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f);
     for (int j = 0; j < D / 16; ++j)
-      treeserve_vec::store16(lanes_out(out + g * D + 16 * j), _mm512_mul_ps(acc[g][j], inv));
+      treeserve_vec::store16(lanes(out + g * D + 16 * j), _mm512_mul_ps(acc[g][j], inv));
   }
 }
 
@@ -441,7 +436,7 @@ void heads_avx2(const float* qf, const T* k_cache, const T* v_cache, const int64
   for (int g = 0; g < NG; ++g) {
     const __m256 inv = _mm256_set1_ps(run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f);
     for (int j = 0; j < D / 8; ++j)
-      treeserve_vec::store8(lanes_out(out + g * D + 8 * j), _mm256_mul_ps(_mm256_load_ps(acc + g * D + 8 * j), inv));
+      treeserve_vec::store8(lanes(out + g * D + 8 * j), _mm256_mul_ps(_mm256_load_ps(acc + g * D + 8 * j), inv));
   }
 }
 
@@ -551,11 +546,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   treeserve_checks::check_page_table(indptr, pages, last, batch, k_cache.size(0), page_size);
   auto out = at::empty_like(qc);
   const float s = static_cast<float>(scale);
-  if (q.scalar_type() == at::kFloat) {
-    run<float>(qc, k_cache, v_cache, indptr, pages, last, out, batch, hq, hkv, dim, page_size, s);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_decode_attention supports float32 and bfloat16");
-    run<c10::BFloat16>(qc, k_cache, v_cache, indptr, pages, last, out, batch, hq, hkv, dim, page_size, s);
+  const auto go = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    run<T>(qc, k_cache, v_cache, indptr, pages, last, out, batch, hq, hkv, dim, page_size, s);
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: go(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: go(static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kHalf: go(static_cast<c10::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16, got ", q.scalar_type());
   }
   return out;
 }

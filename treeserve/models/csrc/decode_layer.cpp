@@ -12,13 +12,15 @@
 //                                                its input norm)
 // The existing operators are called through the dispatcher (their kernels, not copies). RoPE is
 // computed as torch's mul/addcmul round it, so the result equals the Python path bit for bit.
-// float32 activations; the caches (float32 or bfloat16, written in place) as the Python layer keeps them.
+// float32 activations; the caches (float32, bfloat16 or float16, written in place) as the Python layer keeps
+// them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "treeserve_checks.h"
+#include "treeserve_lanes.h"
 #include "treeserve_vec.h"
 
 #include <algorithm>
@@ -26,6 +28,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -80,7 +83,8 @@ void check_slots(const Index* slot, int64_t m, int64_t num_slots) {
 
 // RoPE on the q and k heads of qkv [M, (Hq + 2 Hkv) D]: q into q_out [M, Hq, D], k and v into the
 // caches' rows slot[i] ([num_slots, Hkv, D] views); q, k and v in the caches' type: float32, or
-// rounded to bfloat16 the way torch's Tensor.to rounds (c10::BFloat16's round to nearest even).
+// rounded to bfloat16 / float16 the way torch's Tensor.to rounds (c10::BFloat16's and c10::Half's round
+// to nearest even).
 template <typename C>
 void rope_store(const float* qkv, const float* table, const int64_t* pos, const int64_t* slot, C* q_out,
                 C* kc, C* vc, int64_t m, int64_t hq, int64_t hkv, int64_t dim) {
@@ -93,21 +97,24 @@ void rope_store(const float* qkv, const float* table, const int64_t* pos, const 
       const float* cs = table + pos[i] * dim;  // [2, D/2]: cos then sin
       for (int64_t h = 0; h < hq; ++h) rotate(row + h * dim, cs, cs + half, q.data() + h * dim, half);
       for (int64_t h = 0; h < hkv; ++h) rotate(row + (hq + h) * dim, cs, cs + half, k.data() + h * dim, half);
-      std::copy(q.begin(), q.end(), q_out + i * hq * dim);
-      std::copy(k.begin(), k.end(), kc + slot[i] * hkv * dim);
-      std::copy(row + (hq + hkv) * dim, row + (hq + 2 * hkv) * dim, vc + slot[i] * hkv * dim);
+      treeserve_lanes::narrow(q.data(), q_out + i * hq * dim, hq * dim);
+      treeserve_lanes::narrow(k.data(), kc + slot[i] * hkv * dim, hkv * dim);
+      treeserve_lanes::narrow(row + (hq + hkv) * dim, vc + slot[i] * hkv * dim, hkv * dim);
     }
   });
 }
 
-// t as float32: itself, or a bfloat16 tensor widened in one loop (exact; at::Tensor::to took
+// t as float32: itself, or a bfloat16 / float16 tensor widened in one loop (exact; at::Tensor::to took
 // ~45 us for the [64, 9, 64] attention output of a batch-64 step).
 at::Tensor widen(const at::Tensor& t) {
   if (t.scalar_type() == at::kFloat) return t;
   const at::Tensor src = t.contiguous();
   at::Tensor out = at::empty(src.sizes(), src.options().dtype(at::kFloat));
-  treeserve_vec::widen_bf16(reinterpret_cast<const uint16_t*>(src.const_data_ptr<c10::BFloat16>()),
-                            out.data_ptr<float>(), src.numel());
+  if (src.scalar_type() == at::kHalf) {
+    treeserve_lanes::widen(src.const_data_ptr<c10::Half>(), out.data_ptr<float>(), src.numel());
+  } else {
+    treeserve_lanes::widen(src.const_data_ptr<c10::BFloat16>(), out.data_ptr<float>(), src.numel());
+  }
   return out;
 }
 
@@ -191,8 +198,8 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
                         rope_table.size(2) == dim / 2,
                     "rope_table must be [positions, 2, head_dim/2 = ", dim / 2, "], got ", rope_table.sizes());
   const at::ScalarType cache_type = kc0.scalar_type();
-  TORCH_CHECK_TYPE(cache_type == at::kFloat || cache_type == at::kBFloat16,
-                   "caches must be float32 or bfloat16, got ", cache_type);
+  TORCH_CHECK_TYPE(cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf,
+                   "caches must be float32, bfloat16 or float16, got ", cache_type);
   for (int64_t l = 0; l < layers; ++l) {
     for (const auto& c : {k_caches[l], v_caches[l]}) {
       TORCH_CHECK_TYPE(c.scalar_type() == cache_type && c.device().is_cpu() && c.is_contiguous(),
@@ -229,15 +236,19 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
     TORCH_CHECK_VALUE(qkv.size(1) == q_size + 2 * num_kv_heads * dim, "layer ", l,
                       "'s qkv projection must have (num_heads + 2 num_kv_heads) * head_dim rows, got ", qkv.size(1));
     at::Tensor q = at::empty({m, num_heads, dim}, h.options().dtype(cache_type));
+    const auto store = [&](auto* type_tag) {
+      using C = std::remove_pointer_t<decltype(type_tag)>;
+      rope_store(qkv.data_ptr<float>(), rope_table.data_ptr<float>(), pp, sp, q.data_ptr<C>(),
+                 k_caches[l].data_ptr<C>(), v_caches[l].data_ptr<C>(), m, num_heads, num_kv_heads, dim);
+    };
     if (cache_type == at::kFloat) {
-      rope_store(qkv.data_ptr<float>(), rope_table.data_ptr<float>(), pp, sp, q.data_ptr<float>(),
-                 k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>(), m, num_heads, num_kv_heads, dim);
+      store(static_cast<float*>(nullptr));
+    } else if (cache_type == at::kBFloat16) {
+      store(static_cast<c10::BFloat16*>(nullptr));
     } else {
-      rope_store(qkv.data_ptr<float>(), rope_table.data_ptr<float>(), pp, sp, q.data_ptr<c10::BFloat16>(),
-                 k_caches[l].data_ptr<c10::BFloat16>(), v_caches[l].data_ptr<c10::BFloat16>(), m, num_heads,
-                 num_kv_heads, dim);
+      store(static_cast<c10::Half*>(nullptr));
     }
-    // A bfloat16 cache attends with q rounded to it, the output back in float32 (as the Python layer).
+    // A 16-bit cache attends with q rounded to it, the output back in float32 (as the Python layer).
     const at::Tensor o = widen(op.attn.call(q, k_caches[l], v_caches[l], kv_indptr, kv_page_indices,
                                             kv_last_page_len, scale));
     const at::Tensor attn = project(op, o.view({m, q_size}), projs, first[4 * l + 1], qtypes.get(4 * l + 1), q_size);

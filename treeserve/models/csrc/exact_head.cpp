@@ -23,6 +23,7 @@
 #endif
 
 #include "treeserve_head.h"
+#include "treeserve_lanes.h"
 #include "treeserve_vec.h"
 
 #include <algorithm>
@@ -78,8 +79,7 @@ void copy_row(const at::Tensor& approx, int64_t r, float* out, int64_t v) {
     const float* a = approx.const_data_ptr<float>() + r * v;
     std::copy(a, a + v, out);
   } else {
-    treeserve_vec::widen_bf16(reinterpret_cast<const uint16_t*>(approx.const_data_ptr<c10::BFloat16>()) + r * v,
-                              out, v);
+    treeserve_lanes::widen(approx.const_data_ptr<c10::BFloat16>() + r * v, out, v);
   }
 }
 

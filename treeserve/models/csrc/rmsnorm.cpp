@@ -6,7 +6,6 @@
 // Returns (s, y). float32 and bfloat16; 8 lanes wide on AVX2+FMA hosts, scalar elsewhere.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -14,19 +13,13 @@
 #include <optional>
 #include <tuple>
 
+#include "treeserve_lanes.h"
 #include "treeserve_vec.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-#ifdef TREESERVE_AVX2
-inline float* lanes(float* p) { return p; }
-inline const float* lanes(const float* p) { return p; }
-inline uint16_t* lanes(c10::BFloat16* p) { return reinterpret_cast<uint16_t*>(p); }
-inline const uint16_t* lanes(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
-#endif
+using treeserve_lanes::lanes;
+using treeserve_lanes::to_float;
 
 template <typename T>
 void add_rms_norm_rows(const T* x, const T* res, const T* w, T* s, T* y, int64_t rows, int64_t dim, float eps) {

@@ -1,0 +1,52 @@
+// The storage types of treeserve's CPU operators (float32, and the 16-bit bfloat16 and float16) as the
+// raw lanes treeserve_vec's loads and stores take: lanes(p) maps a c10 element pointer to its lane
+// pointer (float*, uint16_t* for bfloat16 bit patterns, treeserve_vec::fp16* for IEEE halves), so a
+// template over the element type picks the right conversion; to_float widens one element.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+#include "treeserve_vec.h"
+
+namespace treeserve_lanes {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+inline const float* lanes(const float* p) { return p; }
+inline float* lanes(float* p) { return p; }
+inline const uint16_t* lanes(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline uint16_t* lanes(c10::BFloat16* p) { return reinterpret_cast<uint16_t*>(p); }
+inline const treeserve_vec::fp16* lanes(const c10::Half* p) { return reinterpret_cast<const treeserve_vec::fp16*>(p); }
+inline treeserve_vec::fp16* lanes(c10::Half* p) { return reinterpret_cast<treeserve_vec::fp16*>(p); }
+
+// out[0, n) = in[0, n) widened to float32 (exact), 16 or 8 lanes at a time where compiled for them.
+template <typename T>
+void widen(const T* in, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(TREESERVE_AVX512)
+  for (; i + 16 <= n; i += 16) treeserve_vec::store16(out + i, treeserve_vec::load16(lanes(in + i)));
+#elif defined(TREESERVE_AVX2)
+  for (; i + 8 <= n; i += 8) treeserve_vec::store8(out + i, treeserve_vec::load8(lanes(in + i)));
+#endif
+  for (; i < n; ++i) out[i] = to_float(in[i]);
+}
+
+// out[0, n) = in[0, n) rounded to T to nearest even, as static_cast<T> and torch's Tensor.to round
+// (treeserve_vec's stores), 16 or 8 lanes at a time where compiled for them.
+template <typename T>
+void narrow(const float* in, T* out, int64_t n) {
+  int64_t i = 0;
+#if defined(TREESERVE_AVX512)
+  for (; i + 16 <= n; i += 16) treeserve_vec::store16(lanes(out + i), treeserve_vec::load16(in + i));
+#elif defined(TREESERVE_AVX2)
+  for (; i + 8 <= n; i += 8) treeserve_vec::store8(lanes(out + i), treeserve_vec::load8(in + i));
+#endif
+  for (; i < n; ++i) out[i] = static_cast<T>(in[i]);
+}
+
+}  // namespace treeserve_lanes
