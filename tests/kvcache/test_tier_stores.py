@@ -34,7 +34,8 @@ def test_chunk_keys_are_chained_and_layout_bound() -> None:
     other = TierLayout("model-b", torch.float32, 2, 1, 4, 2, 4).digest()
     assert not set(chunk_keys(other, list(range(12)), 3, 4)) & set(a)
     bf16 = TierLayout("model-a", torch.bfloat16, 2, 1, 4, 2, 4).digest()
-    assert bf16 != seed
+    f16 = TierLayout("model-a", torch.float16, 2, 1, 4, 2, 4).digest()
+    assert len({seed, bf16, f16}) == 3  # a cache of another dtype is never read as this one
     with pytest.raises(ValueError, match="num_chunks"):
         chunk_keys(seed, list(range(7)), 2, 4)
 
@@ -73,10 +74,11 @@ def test_disk_store_roundtrip_and_restart(tmp_path) -> None:
     again = DiskStore(tmp_path, 1 << 20, LAYOUT)  # a restart: the index is rebuilt from the directory
     assert b"k" * 16 in again
     assert torch.equal(again.read(b"k" * 16, toks(5)), chunk(5))
-    bf = TierLayout("model-a", torch.bfloat16, 2, 1, 4, 2, 4)
-    bstore = DiskStore(tmp_path / "bf16", 1 << 20, bf)
-    assert bstore.write(b"b" * 16, toks(1), chunk(1, bf).to(torch.bfloat16))
-    assert torch.equal(bstore.read(b"b" * 16, toks(1)), chunk(1, bf).to(torch.bfloat16))
+    for half in (torch.bfloat16, torch.float16):  # 16-bit caches: their raw bytes, read back as written
+        layout = TierLayout("model-a", half, 2, 1, 4, 2, 4)
+        hstore = DiskStore(tmp_path / str(half), 1 << 20, layout)
+        assert hstore.write(b"b" * 16, toks(1), chunk(1, layout).to(half))
+        assert torch.equal(hstore.read(b"b" * 16, toks(1)), chunk(1, layout).to(half))
 
 
 def test_disk_store_capacity_evicts_least_recently_used(tmp_path) -> None:

@@ -4,22 +4,25 @@ choice of it (``use_int8``)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests._isa_builds import NO_AVX512, build_variant, skip_without_avx512
 
+from treeserve._cpp import cpu_flags
 from treeserve.models.int8_op import (
     BLOCK,
     W_MAX,
-    X_MAX,
     Int8Weight,
     int8_available,
     int8_linear,
     int8_swiglu_linear,
     mixer,
     rotate,
+    x_max,
 )
 from treeserve.models.quant import PackedLinear, quantize_int8, use_int8
 
@@ -48,7 +51,7 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     w_hat = torch.round(wr / scale[:, None]).clamp(-W_MAX, W_MAX) * scale[:, None]
     xr = rotate(x).double()
-    s = xr.abs().amax(1, keepdim=True) / X_MAX
+    s = xr.abs().amax(1, keepdim=True) / x_max()
     b = 0.5 * s * w_hat.abs().sum(1) + 0.5 * scale * xr.abs().sum(1, keepdim=True)
     return b * 1.001 + 1e-5 * (xr.abs() @ w_hat.abs().t())
 
@@ -92,14 +95,17 @@ def test_swiglu_within_bound_of_float64(m: int, n: int, blocks: int, seed: int) 
 @pytest.mark.slow
 def test_avx2_build_matches_the_native_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The operator's source built without AVX-512 (``-mno-avx512f``: the code AVX2-only hosts such as the
-    Zen 3 EPYC run): ``int8_linear`` bit for bit the native build's outputs on an AVX-512 host (the
+    Zen 3 EPYC run; its activation width set to the native build's, which oneDNN's product here allows):
+    ``int8_linear`` bit for bit the native build's outputs on an AVX-512 host (the
     rotation's butterflies in the same order per element, then the same oneDNN product); its SwiGLU,
     whose 16-lane exp loop is AVX-512 only (the scalar ``std::exp`` loop there), within the same bound
     of float64 as the native one. Skipped on hosts without AVX-512, whose native build it is."""
     from treeserve.models.int8_op import SOURCE
 
     skip_without_avx512()
-    avx2 = build_variant(SOURCE, "treeserve_int8_avx2", NO_AVX512, tmp_path)
+    width = [f"-DTREESERVE_INT8_VNNI_CODES={int(x_max() == 127)}"]
+    avx2 = build_variant(SOURCE, "treeserve_int8_avx2", NO_AVX512 + width, tmp_path)
+    assert avx2.int8_activation_max() == x_max()
     gen = torch.Generator().manual_seed(3)
     for m, blocks in ((1, 1), (5, 3), (17, 2), (40, 4)):
         k = blocks * BLOCK
@@ -149,9 +155,20 @@ def test_rows_are_independent_of_the_batch() -> None:
     assert torch.equal(int8_linear(x[3:20], w), full[3:20])
 
 
+def test_activation_width_follows_the_host() -> None:
+    """8-bit activation codes (127) where the host has VNNI and oneDNN is not capped below it, else 7
+    bits (63): the width this CPU should take, whatever the CPU the suite runs on."""
+    flags = cpu_flags().split()
+    vnni = "avx512_vnni" in flags or "avx_vnni" in flags
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    allowed = not cap or any(name in cap for name in ("VNNI", "BF16", "FP16", "AMX", "AVX10", "ALL", "DEFAULT"))
+    assert x_max() == (127 if vnni and allowed else 63)
+
+
 def test_worst_case_codes_do_not_saturate() -> None:
-    """Every activation code +63 against every weight code +127 (and sign-flipped rows): the
-    pairs of products a non-VNNI int8 multiply adds in int16 reach their maximum; the result must
+    """Every activation code +x_max() against every weight code +127 (and sign-flipped rows): the
+    products reach their maximum (with 7-bit codes, the pairs a non-VNNI int8 multiply adds in int16;
+    with 8 bits, VNNI's u8 x s8 products, which a non-VNNI kernel would saturate); the result must
     still be exact (x R = t and W R = t give x W^T = t t^T)."""
     k = 4 * BLOCK
     t = torch.ones(4, k)

@@ -6,17 +6,21 @@ Walsh-Hadamard blocks scaled by 1/8, then a fixed random orthogonal ``B x B`` ma
 over the whole row before rounding. ``Int8Weight.from_dense(w)`` rounds ``W R`` once to
 per-output-channel symmetric 8-bit codes (``scale_n = max|(W R)_n| / 127``) and prepacks them for
 oneDNN (``onednn::qlinear_prepack``). ``int8_linear(x, w)`` rotates each row of ``x`` and rounds it
-to symmetric 7-bit codes (``s_m = max|(x R)_m| / 63``), multiplies in integers (exact int32
+to symmetric codes (``s_m = max|(x R)_m| / x_max()``), multiplies in integers (exact int32
 accumulation in oneDNN's kernel) and scales back: a row's output depends only on that row, never
 on the rest of the batch. Error per output ``y_mn``: at most ``0.5 s_m |(W R)_n|_1 + 0.5 scale_n
-|(x R)_m|_1`` plus float32 rounding. Activations get 7 bits so that hosts without VNNI, whose int8
-multiply adds pairs of products into a saturating int16, stay exact (``2 * 127 * 127 < 2^15``).
+|(x R)_m|_1`` plus float32 rounding. Activations get 8 bits (``x_max() == 127``) where oneDNN
+multiplies with VNNI, which adds u8 x s8 products straight into int32, and 7 bits (63) elsewhere:
+there the int8 multiply adds pairs of products into a saturating int16, and ``2 * 127 * 127 <
+2^15`` keeps it exact (the operator decides: ``csrc/int8_linear.cpp``).
 
-Measured on SmolLM2-135M (Q4_1 GGUF, 1,500 tokens of this repository's docs): perplexity +0.1%
-over the float32 product of the same weights (the Hadamard blocks alone: +1.0%, no rotation:
-+4.8%), where llama.cpp's per-32-block int8 activations give +0.4% and the int16 path of
-``gguf_op`` +0.003%; a projection at 24-512 rows runs 1.1-2.3x faster than the float32 GEMM
-(benches/RESULTS.md).
+Measured on SmolLM2-135M (Q4_1 GGUF, 1,500 tokens of this repository's docs, 7-bit activations):
+perplexity +0.1% over the float32 product of the same weights (the Hadamard blocks alone: +1.0%,
+no rotation: +4.8%), where llama.cpp's per-32-block int8 activations give +0.4% and the int16 path
+of ``gguf_op`` +0.003%; a projection at 24-512 rows runs 1.1-2.3x faster than the float32 GEMM
+(benches/RESULTS.md). Scoring 1,023 tokens of the README in 256-token prefill chunks, every
+projection on this path (2026-12-07, Zen 4): +1.71% over the dense weights with 7-bit activations,
++0.71% with 8 bits.
 
 CPU only; ``K`` a multiple of 64. ``int8_available()`` says whether oneDNN's quantized linear
 exists in this torch build and the operator builds; otherwise callers keep their dense path.
@@ -32,14 +36,12 @@ import torch
 
 from treeserve._cpp import cpp_op_loader, load_cpp_op
 
-__all__ = ["BLOCK", "W_MAX", "X_MAX", "Int8Weight", "int8_available", "int8_linear", "int8_swiglu_linear", "mixer",
-           "rotate", "round_rotated"]
+__all__ = ["BLOCK", "W_MAX", "Int8Weight", "int8_available", "int8_linear", "int8_swiglu_linear", "mixer",
+           "rotate", "round_rotated", "x_max"]
 
 SOURCE = Path(__file__).with_name("csrc") / "int8_linear.cpp"
 W_MAX = 127
 """Largest weight code magnitude."""
-X_MAX = 63
-"""Largest activation code magnitude (the operator's ``X_MAX``: 7 bits, see the module docstring)."""
 BLOCK = 64
 """Walsh-Hadamard block of the rotation (``in_features`` must be a multiple)."""
 
@@ -84,6 +86,12 @@ def int8_available() -> bool:
         return False
     torch.library.register_fake("treeserve::int8_swiglu_linear")(_fake)  # same library, same output shape
     return True
+
+
+def x_max() -> int:
+    """Largest activation code magnitude of this host's operator: 127 (8 bits) where oneDNN's
+    product is VNNI's, else 63 (see the module docstring). Needs ``int8_available()``."""
+    return int(torch.ops.treeserve.int8_activation_max())
 
 
 def round_rotated(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,8 @@
 // blocks (out block c = sum_b mix[c, b] * block b). The rotation spreads the few large activation
 // channels of LLM hidden states over the whole row, which is what makes per-row int8 accurate. The weight side, W R rounded to per-output-channel int8 codes with
 // scales w_scales [N], is prepared once in Python (int8_op.Int8Weight) and prepacked by
-// onednn::qlinear_prepack. Here each row of x R is rounded symmetrically, q = round(x R * X_MAX /
-// amax|x R|), stored as uint8 q + X_ZERO, so every row has its own scale and a row's result never
+// onednn::qlinear_prepack. Here each row of x R is rounded symmetrically, q = round(x R * x_max() /
+// amax|x R|), stored as uint8 q + x_max() + 1, so every row has its own scale and a row's result never
 // depends on the other rows of the batch. The integer product runs in oneDNN
 // (onednn::qlinear_pointwise through the dispatcher: torch's kernel, exact int32 accumulation)
 // and each output row is multiplied by its activation scale. treeserve::int8_swiglu_linear takes
@@ -14,9 +14,14 @@
 // rotation (a SwiGLU MLP's down projection without the [M, K] activation tensor).
 //
 // Saturation: without VNNI, x86 int8 GEMMs multiply with vpmaddubsw, which adds two u8 x s8
-// products into a saturating int16. Activation codes in [1, 127] (7 bits: X_MAX = 63, zero point
-// 64) times weight codes in [-127, 127] keep 2 * 127 * 127 = 32258 below 32767, so the int32 result
-// is exact on every x86 ISA.
+// products into a saturating int16. There activation codes are 7 bits, in [1, 127] (x_max() = 63,
+// zero point 64): times weight codes in [-127, 127], 2 * 127 * 127 = 32258 stays below 32767. With
+// VNNI (vpdpbusd adds u8 x s8 products straight into int32) they are 8 bits, in [1, 255] (x_max()
+// = 127, zero point 128): half the rounding error (SmolLM2-135M, 1,023 tokens of prefill scored:
+// perplexity +0.71% over the dense weights instead of +1.71%). So the int32 result is exact on every
+// x86 ISA: 8 bits where this source is compiled for VNNI and oneDNN may use it (ONEDNN_MAX_CPU_ISA /
+// DNNL_MAX_CPU_ISA, when set, names an ISA with VNNI), 7 elsewhere. TREESERVE_INT8_VNNI_CODES=0|1
+// sets the width at build time instead (the tests' variant builds).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -31,14 +36,43 @@
 #include "treeserve_vec.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
+
+#ifndef TREESERVE_INT8_VNNI_CODES
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+#define TREESERVE_INT8_VNNI_CODES 1
+#else
+#define TREESERVE_INT8_VNNI_CODES 0
+#endif
+#endif
 
 namespace {
 
-constexpr int64_t X_MAX = 63;  // activation codes q in [-63, 63]
-constexpr int64_t X_ZERO = 64;
+// Whether oneDNN may pick a VNNI kernel: no ISA cap set, or a cap whose name includes VNNI (AVX512_CORE_VNNI,
+// AVX2_VNNI, ...) or an ISA above it (AVX512_CORE_BF16 / _FP16 / _AMX..., AVX10_*, ALL, DEFAULT).
+bool onednn_may_use_vnni() {
+  for (const char* var : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
+    const char* cap = std::getenv(var);
+    if (cap == nullptr || *cap == '\0') continue;
+    std::string isa(cap);
+    for (char& c : isa) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    for (const char* above : {"VNNI", "BF16", "FP16", "AMX", "AVX10", "ALL", "DEFAULT"})
+      if (isa.find(above) != std::string::npos) return true;
+    return false;
+  }
+  return true;
+}
+
+// Largest activation code magnitude: 127 (8 bits) where the product is VNNI's, else 63 (see the top).
+int64_t x_max() {
+  static const int64_t v = TREESERVE_INT8_VNNI_CODES && onednn_may_use_vnni() ? 127 : 63;
+  return v;
+}
 constexpr int64_t BLOCK = 64;  // Walsh-Hadamard block (K must be a multiple)
 
 // The Hadamard butterfly stages whose partners lie whole registers apart (stride h = 1, 2, ... < n
@@ -123,13 +157,13 @@ void quantize_row(const float* x, const float* mix, float* blocks, float* row, u
   for (; c + 2 <= nb; c += 2) amax = mix_blocks<2>(blocks, mix, nb, c, row, amax);
   if (c < nb) amax = mix_blocks<1>(blocks, mix, nb, c, row, amax);
   const float m = _mm512_reduce_max_ps(amax);
-  const __m512 inv = _mm512_set1_ps(m > 0.f ? static_cast<float>(X_MAX) / m : 0.f);
-  const __m512i zero = _mm512_set1_epi32(X_ZERO);
+  const __m512 inv = _mm512_set1_ps(m > 0.f ? static_cast<float>(x_max()) / m : 0.f);
+  const __m512i zero = _mm512_set1_epi32(x_max() + 1);
   for (int64_t j = 0; j < k; j += 16) {
     const __m512i code = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + j), inv)), zero);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(code));
   }
-  *scale = m / static_cast<float>(X_MAX);
+  *scale = m / static_cast<float>(x_max());
 }
 
 #else  // AVX2 or scalar
@@ -173,7 +207,7 @@ void hadamard64(const float* in, float* x) {
 #endif
 
 
-// max |x_j| over k (a multiple of 32) floats, and the codes out_j = round(x_j * inv) + X_ZERO
+// max |x_j| over k (a multiple of 32) floats, and the codes out_j = round(x_j * inv) + x_max() + 1
 // (round half to even, as the AVX2 conversion does under the default rounding mode).
 #ifdef __AVX2__
 float amax_abs(const float* x, int64_t k) {
@@ -187,7 +221,7 @@ float amax_abs(const float* x, int64_t k) {
 
 void to_codes(const float* x, float inv, uint8_t* out, int64_t k) {
   const __m256 s = _mm256_set1_ps(inv);
-  const __m256i zero = _mm256_set1_epi32(X_ZERO);
+  const __m256i zero = _mm256_set1_epi32(x_max() + 1);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
   for (int64_t j = 0; j < k; j += 32) {
     __m256i c[4];
@@ -205,7 +239,7 @@ float amax_abs(const float* x, int64_t k) {
 }
 
 void to_codes(const float* x, float inv, uint8_t* out, int64_t k) {
-  for (int64_t j = 0; j < k; ++j) out[j] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[j] * inv)) + X_ZERO);
+  for (int64_t j = 0; j < k; ++j) out[j] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[j] * inv)) + x_max() + 1);
 }
 #endif
 
@@ -223,8 +257,8 @@ void quantize_row(const float* x, const float* mix, float* blocks, float* row, u
     std::copy(acc, acc + BLOCK, row + c * BLOCK);
   }
   const float amax = amax_abs(row, k);
-  to_codes(row, amax > 0.f ? static_cast<float>(X_MAX) / amax : 0.f, q, k);
-  *scale = amax / static_cast<float>(X_MAX);
+  to_codes(row, amax > 0.f ? static_cast<float>(x_max()) / amax : 0.f, q, k);
+  *scale = amax / static_cast<float>(x_max());
 }
 #endif  // TREESERVE_AVX512
 
@@ -245,7 +279,7 @@ void swiglu_row(const float* gate, const float* up, float* act, int64_t k) {
   for (; j < k; ++j) act[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
 }
 
-// Row-wise rotation and quantization into q (uint8, zero point X_ZERO); scale[i] = amax(|a_i R|) / X_MAX,
+// Row-wise rotation and quantization into q (uint8, zero point x_max() + 1); scale[i] = amax(|a_i R|) / x_max(),
 // where a_i is row i of x [m, k] or, with swiglu, silu(x[i, :k]) * x[i, k:] of x [m, 2k].
 void quantize_rows(const float* x, bool swiglu, const float* mix, uint8_t* q, float* scale, int64_t m, int64_t k) {
   const int64_t width = swiglu ? 2 * k : k;
@@ -285,7 +319,7 @@ at::Tensor int8_product(const at::Tensor& x, bool swiglu, const at::Tensor& w, c
   quantize_rows(xc.data_ptr<float>(), swiglu, mix.data_ptr<float>(), q.data_ptr<uint8_t>(), scale.data(), m, k);
   torch::jit::Stack stack{q,
                           1.0,  // the row scales are applied afterwards
-                          X_ZERO,
+                          x_max() + 1,  // the activation zero point
                           w,
                           w_scales,
                           w_zeros,
@@ -321,11 +355,14 @@ at::Tensor int8_swiglu_linear(const at::Tensor& gate_up, const at::Tensor& w, co
   return int8_product(gate_up, true, w, w_scales, w_zeros, mix);
 }
 
+int64_t int8_activation_max() { return x_max(); }
+
 }  // namespace
 
 TREESERVE_FRAGMENT(TREESERVE_LIBRARY, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor w_scales, Tensor w_zeros, Tensor mix) -> Tensor");
   m.def("int8_swiglu_linear(Tensor gate_up, Tensor w, Tensor w_scales, Tensor w_zeros, Tensor mix) -> Tensor");
+  m.def("int8_activation_max() -> int", &int8_activation_max);  // the activation codes' largest magnitude
 }
 
 // The prepacked weight is a MkldnnCPU tensor, which makes the call dispatch to that key.
