@@ -1,4 +1,5 @@
-"""``treeserve bench`` names the CPU and how much of it other work took while the figures ran."""
+"""``treeserve bench`` names the CPU, the KV cache dtype and how much of the CPU other work took while
+the figures ran."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def _fake_engine(monkeypatch: pytest.MonkeyPatch, share: float) -> None:
     metrics = SimpleNamespace(mean_ttft=0.1, mean_tpot=0.01, preemptions=0, steps=3, accepted_tokens=0, draft_tokens=0,
                               acceptance_rate=0.0, mean_accepted_length=0.0)
     llm = SimpleNamespace(config=SimpleNamespace(speculative=None), model=SimpleNamespace(dtype="float32"),
-                          metrics=metrics)
+                          kv=SimpleNamespace(dtype="torch.float16"), metrics=metrics)
     monkeypatch.setattr(cli, "_make_llm", lambda args: llm)
     monkeypatch.setattr(cli, "_same_model", lambda llm, args, **kw: llm)
     for name in ("throughput", "shared_prefix", "single_decode", "single_stream_breakdown"):
@@ -32,3 +33,4 @@ def test_bench_header_names_the_cpu_and_its_sharing(monkeypatch: pytest.MonkeyPa
     assert cli.cpu_features().describe() in line
     assert f"other work took {share:.0%} of this process's CPUs" in line
     assert ("not quiet" in line) != quiet
+    assert "kv_cache_dtype=auto (float16)" in out  # the KV dtype "auto" chose on this CPU

@@ -158,6 +158,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows, shared = interference(run)  # the figures mean little where other work shared the cores
     sample = rows[0].sample_text
     print(f"\nmodel={args.model} dtype={args.dtype} ({llm.model.dtype}) quantization={args.quantization} "
+          f"kv_cache_dtype={args.kv_cache_dtype} ({str(llm.kv.dtype).removeprefix('torch.')}) "
           f"threads={args.threads or 'default'}")
     quiet = "" if shared <= INTERFERENCE_LIMIT else " (not quiet: ratios only, or run again)"
     print(f"CPU: {cpu_features().describe()}; other work took {shared:.0%} of this process's CPUs during the run{quiet}")
