@@ -9,7 +9,8 @@ reported as medians, so drift on a shared machine touches every dtype alike:
   ``--isa avx2`` times the operator built without AVX-512 (``tests/_isa_builds.py``: what an AVX2
   host such as the Zen 3 EPYC runs), under its own library name.
 - ``--part engine``: the embedded SmolLM2 in the default configuration (``LLM()``, speculation off)
-  with each ``kv_cache_dtype``, greedy, 128 new tokens: one request (tok/s) and 64 at once.
+  with each ``kv_cache_dtype``, greedy, 128 new tokens: one request (tok/s) and 64 at once; then
+  16 requests of ~1,000 prompt tokens, decode tok/s (64 new tokens minus 1, prompts cached).
 
 Usage: ``python benches/bench_kv_dtype.py --part op|engine [--isa native|avx2] [--rounds N]``.
 Threads: ``TREESERVE_BENCH_THREADS`` (default 2).
@@ -106,6 +107,16 @@ def bench_engine(rounds: int) -> None:
                for k, llm in engines.items()}  # fmt: skip
         med = _interleaved(fns, rounds, 0.0)  # one call per round
         print(f"{label:8s}: " + "  ".join(f"{k} {len(prompts) * 128 / s:7.1f}" for k, s in med.items()))
+    # Long contexts, where attention's share grows: 16 requests of ~1,000 prompt tokens (cached after the
+    # first round), decode tok/s from 64 new tokens minus 1 (the prompt's cached steps cancel out).
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    long = [text[3000 * i : 3000 * i + 4000] for i in range(16)]
+    short, full = (SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (1, 64))
+    fns = {f"{k} {n}": (lambda llm=llm, p=p: llm.generate(long, p, use_tqdm=False))
+           for k, llm in engines.items() for n, p in (("1", short), ("64", full))}  # fmt: skip
+    med = _interleaved(fns, rounds, 0.0)
+    tok_s = {k: 16 * 63 / (med[f"{k} 64"] - med[f"{k} 1"]) for k in engines}
+    print("16 x ~1k : " + "  ".join(f"{k} {v:7.1f}" for k, v in tok_s.items()) + "  (decode only)")
 
 
 def main() -> None:
