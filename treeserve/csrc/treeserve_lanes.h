@@ -37,7 +37,8 @@ void widen(const T* in, float* out, int64_t n) {
 }
 
 // out[0, n) = in[0, n) rounded to T to nearest even, as static_cast<T> and torch's Tensor.to round
-// (treeserve_vec's stores), 16 or 8 lanes at a time where compiled for them.
+// (treeserve_vec's stores; bit for bit on finite values, a NaN stays a NaN), 16 or 8 lanes at a time
+// where compiled for them.
 template <typename T>
 void narrow(const float* in, T* out, int64_t n) {
   int64_t i = 0;
