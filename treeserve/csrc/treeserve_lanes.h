@@ -1,9 +1,11 @@
 // The storage types of treeserve's CPU operators (float32, and the 16-bit bfloat16 and float16) as the
 // raw lanes treeserve_vec's loads and stores take: lanes(p) maps a c10 element pointer to its lane
 // pointer (float*, uint16_t* for bfloat16 bit patterns, treeserve_vec::fp16* for IEEE halves), so a
-// template over the element type picks the right conversion; to_float widens one element.
+// template over the element type picks the right conversion; to_float widens one element; by_storage
+// runs a generic function with the element type of a tensor's scalar type.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -23,6 +25,24 @@ inline const uint16_t* lanes(const c10::BFloat16* p) { return reinterpret_cast<c
 inline uint16_t* lanes(c10::BFloat16* p) { return reinterpret_cast<uint16_t*>(p); }
 inline const treeserve_vec::fp16* lanes(const c10::Half* p) { return reinterpret_cast<const treeserve_vec::fp16*>(p); }
 inline treeserve_vec::fp16* lanes(c10::Half* p) { return reinterpret_cast<treeserve_vec::fp16*>(p); }
+
+// A storage type as a value: by_storage's argument (Storage<T>::type is T).
+template <typename T>
+struct Storage {
+  using type = T;
+};
+
+// fn(Storage<T>{}) for the element type T of `type` (float32, bfloat16 or float16); false, without a
+// call, for any other type (the caller names it in its error).
+template <typename Fn>
+bool by_storage(c10::ScalarType type, Fn&& fn) {
+  switch (type) {
+    case c10::ScalarType::Float: fn(Storage<float>{}); return true;
+    case c10::ScalarType::BFloat16: fn(Storage<c10::BFloat16>{}); return true;
+    case c10::ScalarType::Half: fn(Storage<c10::Half>{}); return true;
+    default: return false;
+  }
+}
 
 // out[0, n) = in[0, n) widened to float32 (exact), 16 or 8 lanes at a time where compiled for them.
 template <typename T>

@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "treeserve_checks.h"
@@ -546,16 +545,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   treeserve_checks::check_page_table(indptr, pages, last, batch, k_cache.size(0), page_size);
   auto out = at::empty_like(qc);
   const float s = static_cast<float>(scale);
-  const auto go = [&](auto* type_tag) {
-    using T = std::remove_pointer_t<decltype(type_tag)>;
+  const bool supported = treeserve_lanes::by_storage(q.scalar_type(), [&](auto storage) {
+    using T = typename decltype(storage)::type;
     run<T>(qc, k_cache, v_cache, indptr, pages, last, out, batch, hq, hkv, dim, page_size, s);
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat: go(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: go(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: go(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16, got ", q.scalar_type());
-  }
+  });
+  TORCH_CHECK(supported, "paged_decode_attention supports float32, bfloat16 and float16, got ", q.scalar_type());
   return out;
 }
 

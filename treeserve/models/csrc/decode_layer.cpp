@@ -28,7 +28,6 @@
 #include <optional>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -110,11 +109,10 @@ at::Tensor widen(const at::Tensor& t) {
   if (t.scalar_type() == at::kFloat) return t;
   const at::Tensor src = t.contiguous();
   at::Tensor out = at::empty(src.sizes(), src.options().dtype(at::kFloat));
-  if (src.scalar_type() == at::kHalf) {
-    treeserve_lanes::widen(src.const_data_ptr<c10::Half>(), out.data_ptr<float>(), src.numel());
-  } else {
-    treeserve_lanes::widen(src.const_data_ptr<c10::BFloat16>(), out.data_ptr<float>(), src.numel());
-  }
+  treeserve_lanes::by_storage(src.scalar_type(), [&](auto storage) {
+    using T = typename decltype(storage)::type;
+    treeserve_lanes::widen(src.const_data_ptr<T>(), out.data_ptr<float>(), src.numel());
+  });
   return out;
 }
 
@@ -236,18 +234,11 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
     TORCH_CHECK_VALUE(qkv.size(1) == q_size + 2 * num_kv_heads * dim, "layer ", l,
                       "'s qkv projection must have (num_heads + 2 num_kv_heads) * head_dim rows, got ", qkv.size(1));
     at::Tensor q = at::empty({m, num_heads, dim}, h.options().dtype(cache_type));
-    const auto store = [&](auto* type_tag) {
-      using C = std::remove_pointer_t<decltype(type_tag)>;
+    treeserve_lanes::by_storage(cache_type, [&](auto storage) {  // checked above: one of the three
+      using C = typename decltype(storage)::type;
       rope_store(qkv.data_ptr<float>(), rope_table.data_ptr<float>(), pp, sp, q.data_ptr<C>(),
                  k_caches[l].data_ptr<C>(), v_caches[l].data_ptr<C>(), m, num_heads, num_kv_heads, dim);
-    };
-    if (cache_type == at::kFloat) {
-      store(static_cast<float*>(nullptr));
-    } else if (cache_type == at::kBFloat16) {
-      store(static_cast<c10::BFloat16*>(nullptr));
-    } else {
-      store(static_cast<c10::Half*>(nullptr));
-    }
+    });
     // A 16-bit cache attends with q rounded to it, the output back in float32 (as the Python layer).
     const at::Tensor o = widen(op.attn.call(q, k_caches[l], v_caches[l], kv_indptr, kv_page_indices,
                                             kv_last_page_len, scale));

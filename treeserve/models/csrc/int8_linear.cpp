@@ -6,7 +6,7 @@
 // channels of LLM hidden states over the whole row, which is what makes per-row int8 accurate. The weight side, W R rounded to per-output-channel int8 codes with
 // scales w_scales [N], is prepared once in Python (int8_op.Int8Weight) and prepacked by
 // onednn::qlinear_prepack. Here each row of x R is rounded symmetrically, q = round(x R * x_max() /
-// amax|x R|), stored as uint8 q + x_max() + 1, so every row has its own scale and a row's result never
+// amax|x R|), stored as uint8 q + x_zero(), so every row has its own scale and a row's result never
 // depends on the other rows of the batch. The integer product runs in oneDNN
 // (onednn::qlinear_pointwise through the dispatcher: torch's kernel, exact int32 accumulation)
 // and each output row is multiplied by its activation scale. treeserve::int8_swiglu_linear takes
@@ -73,6 +73,9 @@ int64_t x_max() {
   static const int64_t v = TREESERVE_INT8_VNNI_CODES && onednn_may_use_vnni() ? 127 : 63;
   return v;
 }
+
+// The activation codes' zero point: codes are stored as uint8 q + x_zero(), in [1, 2 x_max() + 1].
+int64_t x_zero() { return x_max() + 1; }
 constexpr int64_t BLOCK = 64;  // Walsh-Hadamard block (K must be a multiple)
 
 // The Hadamard butterfly stages whose partners lie whole registers apart (stride h = 1, 2, ... < n
@@ -158,7 +161,7 @@ void quantize_row(const float* x, const float* mix, float* blocks, float* row, u
   if (c < nb) amax = mix_blocks<1>(blocks, mix, nb, c, row, amax);
   const float m = _mm512_reduce_max_ps(amax);
   const __m512 inv = _mm512_set1_ps(m > 0.f ? static_cast<float>(x_max()) / m : 0.f);
-  const __m512i zero = _mm512_set1_epi32(x_max() + 1);
+  const __m512i zero = _mm512_set1_epi32(x_zero());
   for (int64_t j = 0; j < k; j += 16) {
     const __m512i code = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + j), inv)), zero);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(code));
@@ -207,7 +210,7 @@ void hadamard64(const float* in, float* x) {
 #endif
 
 
-// max |x_j| over k (a multiple of 32) floats, and the codes out_j = round(x_j * inv) + x_max() + 1
+// max |x_j| over k (a multiple of 32) floats, and the codes out_j = round(x_j * inv) + x_zero()
 // (round half to even, as the AVX2 conversion does under the default rounding mode).
 #ifdef __AVX2__
 float amax_abs(const float* x, int64_t k) {
@@ -221,7 +224,7 @@ float amax_abs(const float* x, int64_t k) {
 
 void to_codes(const float* x, float inv, uint8_t* out, int64_t k) {
   const __m256 s = _mm256_set1_ps(inv);
-  const __m256i zero = _mm256_set1_epi32(x_max() + 1);
+  const __m256i zero = _mm256_set1_epi32(x_zero());
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
   for (int64_t j = 0; j < k; j += 32) {
     __m256i c[4];
@@ -239,7 +242,8 @@ float amax_abs(const float* x, int64_t k) {
 }
 
 void to_codes(const float* x, float inv, uint8_t* out, int64_t k) {
-  for (int64_t j = 0; j < k; ++j) out[j] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[j] * inv)) + x_max() + 1);
+  const int32_t zero = static_cast<int32_t>(x_zero());
+  for (int64_t j = 0; j < k; ++j) out[j] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[j] * inv)) + zero);
 }
 #endif
 
@@ -279,7 +283,7 @@ void swiglu_row(const float* gate, const float* up, float* act, int64_t k) {
   for (; j < k; ++j) act[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
 }
 
-// Row-wise rotation and quantization into q (uint8, zero point x_max() + 1); scale[i] = amax(|a_i R|) / x_max(),
+// Row-wise rotation and quantization into q (uint8, zero point x_zero()); scale[i] = amax(|a_i R|) / x_max(),
 // where a_i is row i of x [m, k] or, with swiglu, silu(x[i, :k]) * x[i, k:] of x [m, 2k].
 void quantize_rows(const float* x, bool swiglu, const float* mix, uint8_t* q, float* scale, int64_t m, int64_t k) {
   const int64_t width = swiglu ? 2 * k : k;
@@ -319,7 +323,7 @@ at::Tensor int8_product(const at::Tensor& x, bool swiglu, const at::Tensor& w, c
   quantize_rows(xc.data_ptr<float>(), swiglu, mix.data_ptr<float>(), q.data_ptr<uint8_t>(), scale.data(), m, k);
   torch::jit::Stack stack{q,
                           1.0,  // the row scales are applied afterwards
-                          x_max() + 1,  // the activation zero point
+                          x_zero(),
                           w,
                           w_scales,
                           w_zeros,
