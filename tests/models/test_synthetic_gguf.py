@@ -65,7 +65,7 @@ def test_real_specs_and_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="spec must be one of"):
         write_synthetic_gguf(tmp_path / "x.gguf", "llama-9")
     with pytest.raises(ValueError, match="qtype must be one of"):
-        write_synthetic_gguf(tmp_path / "x.gguf", TINY["llama"], "Q6_K")
+        write_synthetic_gguf(tmp_path / "x.gguf", TINY["llama"], "IQ2_XS")
     with pytest.raises(ValueError, match=r"num_layers must be in \[1, 2\]"):
         write_synthetic_gguf(tmp_path / "x.gguf", TINY["llama"], num_layers=3)
 

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from treeserve.models.config import ModelConfig
+from treeserve.models.gguf_convert import as_blocks, converted_type
 from treeserve.models.gguf_file import GGUFTensor, read_gguf, release_pages
 from treeserve.models.llama import LlamaForCausalLM
 from treeserve.models.parallel import TPShard, check_shard_quantization
@@ -210,6 +211,8 @@ def load_gguf_model(
     def codes_of(hf: str) -> Int4Planes | GGUFWeight | None:
         """One tensor's shipped codes (rows unpermuted): its blocks as they are for the C++ operator,
         else int4 planes for torch's kernel; None for another type."""
+        if use_op:
+            return blocks_for([hf])
         t = by_hf[hf]
         qtype = GGMLQuantizationType(t.tensor_type).name
         if qtype not in BLOCK_BYTES:
@@ -217,8 +220,6 @@ def load_gguf_model(
         shape = file_shape(hf)
         raw = np.asarray(t.data).view(np.ndarray)
         heads = heads_of(hf)
-        if use_op:
-            return blocks_for([hf])
         planes = planes_from_gguf(qtype, raw, shape)
         if heads is not None:
             planes = planes.permute_rows(lambda a, h=heads: unpermute_qk(a, h))
@@ -235,8 +236,11 @@ def load_gguf_model(
         return w
 
     def _get(hf: str, rows: tuple[int, int] | None) -> torch.Tensor:
-        if use_op and rows is None and file_shape(hf) == shapes.get(hf):
-            codes = codes_of(hf)  # quantized loads: float32 blocks a chunk at a time, bitwise gguf's
+        # Quantized loads: float32 blocks a chunk at a time, bitwise gguf's for the shipped types; a converted
+        # type's (gguf_convert) only where the model keeps codes beside the dense weight (CPU), elsewhere exact.
+        shipped = by_hf[hf].tensor_type.name in BLOCK_BYTES or torch.device(device).type == "cpu"
+        if use_op and rows is None and shipped and file_shape(hf) == shapes.get(hf):
+            codes = codes_of(hf)
             if isinstance(codes, GGUFWeight):
                 return codes.dequantize()
         w = _dequantize(by_hf[hf], rows)
@@ -258,16 +262,20 @@ def load_gguf_model(
     sources = dict(fused_names(config))
 
     def blocks_for(hfs: list[str]) -> GGUFWeight | None:
-        """The fused codes of ``hfs`` (one qtype of ``BLOCK_BYTES``, one K) for the C++ operator, else
-        None: each tensor's rows written once, unpermuted on the way, into one buffer straight from
-        the mapped file; a single tensor without a permutation is the file's pages (no copy)."""
-        tensors = [by_hf[hf] for hf in hfs]
-        qtypes = {t.tensor_type.name for t in tensors}
-        if len(qtypes) != 1 or not qtypes <= BLOCK_BYTES.keys() or len({file_shape(hf)[1] for hf in hfs}) != 1:
+        """The fused codes of ``hfs`` (one K) for the C++ operator, else None: each tensor as the
+        blocks the operator multiplies (``gguf_convert.as_blocks``: Q4_0 / Q4_1 / Q8_0 as shipped,
+        Q4_K repacked as Q4_1, other quantized types requantized to Q8_0; a group whose tensors end
+        in different types all Q8_0), its rows written once, unpermuted on the way, into one
+        buffer; a single shipped tensor without a permutation is the file's pages (no copy)."""
+        if any(len(file_shape(hf)) != 2 for hf in hfs) or len({file_shape(hf)[1] for hf in hfs}) != 1:
             return None
-        (qtype,), k = qtypes, file_shape(hfs[0])[1]
-        rows = [np.asarray(t.data).view(np.ndarray).view(np.uint8).reshape(file_shape(hf)[0], -1)
-                for hf, t in zip(hfs, tensors)]
+        k = file_shape(hfs[0])[1]
+        types = {converted_type(by_hf[hf].tensor_type.name) for hf in hfs}
+        target = "Q8_0" if len(types) > 1 else None
+        parts = [as_blocks(by_hf[hf], file_shape(hf), target) for hf in hfs]
+        if any(p is None for p in parts):
+            return None
+        qtype, rows = parts[0][0], [p[1] for p in parts]  # type: ignore[index]
         if len(hfs) == 1 and heads_of(hfs[0]) is None:
             return GGUFWeight.from_bytes(qtype, rows[0], (rows[0].shape[0], k))
         out = torch.empty(sum(r.shape[0] for r in rows), rows[0].shape[1], dtype=torch.uint8)
@@ -301,10 +309,9 @@ def load_gguf_model(
                     found = planes_for(name)
                     if isinstance(found, GGUFWeight):
                         codes[name] = found
-                        copied = [hf for hf in sources[name + ".weight"] if len(sources[name + ".weight"]) > 1
-                                  or heads_of(hf) is not None]  # fused or unpermuted: the codes are a copy
-                        for hf in copied:
-                            release_pages(by_hf[hf])
+                        if not _file_view(found, by_hf[sources[name + ".weight"][0]]):
+                            for hf in sources[name + ".weight"]:  # fused, unpermuted or converted: a copy
+                                release_pages(by_hf[hf])
     vocab = _vocab_codes(config, by_hf, shapes) if codes else _VocabCodes(None, None)
     skip = {name + ".weight" for name in codes}
     if vocab.embedding is not None:
@@ -322,6 +329,11 @@ def load_gguf_model(
                       source=source_id(g.path))
 
 
+def _file_view(w: GGUFWeight, t: GGUFTensor) -> bool:
+    """Whether ``w``'s bytes are ``t``'s pages of the mapped file (not a copy)."""
+    return w.raw.data_ptr() == np.asarray(t.data).__array_interface__["data"][0]
+
+
 class _VocabCodes(NamedTuple):
     embedding: GGUFWeight | None
     head: GGUFWeight | None
@@ -330,17 +342,22 @@ class _VocabCodes(NamedTuple):
 def _vocab_codes(config: ModelConfig, by_hf: dict[str, GGUFTensor], shapes: dict[str, tuple[int, ...]]) -> _VocabCodes:
     """The token embedding and LM head a CPU load with the GGUF operator keeps as the file's blocks
     (``treeserve.models.vocab_codes``): the head when ``head_from_codes`` says so, the embedding
-    unless it is also the float32 head (tied). Either is None where its tensor is not Q4_0 / Q4_1 /
-    Q8_0 of the expected shape (``build_model`` then loads it, or reports the bad shape)."""
+    unless it is also the float32 head (tied), as the blocks ``gguf_convert.as_blocks`` gives. Either
+    is None where its tensor is not quantized or not of the expected shape (``build_model`` then
+    loads it, or reports the bad shape)."""
 
     def codes(hf: str) -> GGUFWeight | None:
         t = by_hf.get(hf)
-        if t is None or t.tensor_type.name not in BLOCK_BYTES:
+        if t is None:
             return None
         shape = tuple(int(d) for d in reversed(t.shape))
-        if shape != shapes[hf]:
+        blocks = as_blocks(t, shape) if shape == shapes[hf] else None  # type: ignore[arg-type]
+        if blocks is None:
             return None
-        return GGUFWeight.from_bytes(t.tensor_type.name, np.asarray(t.data).view(np.ndarray), shape)
+        w = GGUFWeight.from_bytes(blocks[0], blocks[1], shape)  # type: ignore[arg-type]
+        if not _file_view(w, t):
+            release_pages(t)
+        return w
 
     embedding = codes("model.embed_tokens.weight")
     head_hf = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"

@@ -9,7 +9,8 @@ prepack only): bitwise the weight ``from_dense`` makes.
 
 - key: the source file's identity (``source_id``: resolved path, size, modification time and
   inode; a file rewritten in place is a new key), the projection's name and shape, a hash of
-  ``int8_op.py`` (the rounding) and ``treeserve._tuning.host_key()`` (CPU, torch version, threads,
+  ``int8_op.py`` (the rounding) and ``gguf_convert.py`` (the weights of GGUF types converted at
+  load) and ``treeserve._tuning.host_key()`` (CPU, torch version, threads,
   operator sources);
 - an entry is written through a temporary file and ``os.replace``; one that cannot be read, holds
   another key, or tensors of the wrong dtype or shape is built again and rewritten; a folder that
@@ -59,7 +60,12 @@ def source_id(path: str | Path) -> str | None:
 
 @lru_cache(maxsize=1)
 def _rounding_hash() -> str:
-    return hashlib.sha256(Path(__file__).with_name("int8_op.py").read_bytes()).hexdigest()[:16]
+    """A hash of the code the entries depend on: the rounding (``int8_op.py``) and the conversion of
+    other GGUF types at load (``gguf_convert.py``: the weights a converted tensor's copy rounds)."""
+    digest = hashlib.sha256()
+    for name in ("int8_op.py", "gguf_convert.py"):
+        digest.update(Path(__file__).with_name(name).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _read(path: Path, key: list[str], shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -12,7 +12,8 @@ Every supported code maps onto torch's CPU int4 "scales and zeros" form, group 3
   twice along K: one int4 GEMM over ``2K`` reads exactly the int8 bytes. (``_weight_int8pack_mm``
   takes one scale per output channel, which a per-32-group code cannot use without re-quantizing.)
 
-No code is re-quantized: the codes are bit-identical to the file's and the scales are the file's
+No code is re-quantized here: the codes are bit-identical to the loader's (the file's for Q4_0 /
+Q4_1 / Q8_0 tensors; other GGUF types arrive converted, ``gguf_convert``) and the scales are its
 f16 values. The kernel's activations/scales dtype is a choice: on this torch build float32
 activations take a scalar path (~10x slower than bfloat16 on an AVX2 EPYC, see
 ``benches/bench_quant.py``), so the fast path casts the (few) activation rows and the scales to

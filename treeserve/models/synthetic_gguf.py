@@ -23,11 +23,18 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from treeserve.models.tokenizer import _byte_alphabet
 
-__all__ = ["SPECS", "SyntheticSpec", "add_metadata", "synthetic_tensor_shapes", "write_synthetic_gguf"]
+__all__ = ["QTYPES", "SPECS", "SyntheticSpec", "add_metadata", "synthetic_tensor_shapes", "tensor_type",
+           "write_synthetic_gguf"]
 
 _WEIGHT_STD = 0.02
-# Spread of each block's |q| (uniform random codes): Q4_0 ``q - 8``, Q4_1 ``q``, Q8_0 ``q`` (int8).
-_CODE_STD = {"Q4_0": 4.61, "Q4_1": 4.61, "Q8_0": 73.9}
+# Spread of each block's weight over its scale ``d`` (uniform random codes): Q4_0 ``q - 8``, Q4_1 ``q`` (centred
+# by its minimum), Q8_0 ``q`` (int8), Q4_K ``sc q - 7.5 m`` (6-bit sc, m; its dmin 7.5 d centres it), Q6_K
+# ``sc (q - 32)`` (int8 sc, 6-bit q).
+_CODE_STD = {"Q4_0": 4.61, "Q4_1": 4.61, "Q8_0": 73.9, "Q4_K": 258.0, "Q6_K": 1365.0}
+_SCALE_AT = {"Q6_K": 208}  # byte offset of a block's f16 d (0 for the others)
+QTYPES = (*_CODE_STD, "Q4_K_M")
+"""The ``qtype`` values :func:`write_synthetic_gguf` takes: one type for every 2-D weight, or
+``"Q4_K_M"``, llama.cpp's mixture of that name (:func:`tensor_type`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,19 +91,43 @@ def _vocabulary(size: int) -> list[str]:
 
 
 def _random_blocks(rng: np.random.Generator, qtype: str, shape: tuple[int, int]) -> np.ndarray:
-    """``shape`` weights as ``qtype`` blocks: uniform random code bytes, f16 scales of about
-    ``_WEIGHT_STD / code std`` (x0.5..1.5), Q4_1's minimum centring the codes."""
+    """``shape`` weights as ``qtype`` blocks: uniform random code bytes (Q4_K's and Q6_K's sub-block
+    scales included), f16 scales of about ``_WEIGHT_STD / code std`` (x0.5..1.5), Q4_1's and
+    Q4_K's minimum centring the codes."""
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     n_blocks = shape[0] * shape[1] // block
     blocks = np.frombuffer(bytearray(rng.bytes(n_blocks * type_size)), np.uint8).reshape(n_blocks, type_size)
     d = (_WEIGHT_STD / _CODE_STD[qtype] * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
-    blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
-    if qtype == "Q4_1":
-        blocks[:, 2:4] = (-7.5 * d.astype(np.float32)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    at = _SCALE_AT.get(qtype, 0)
+    blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
+    if qtype in ("Q4_1", "Q4_K"):
+        m = (-7.5 if qtype == "Q4_1" else 7.5) * d.astype(np.float32)
+        blocks[:, 2:4] = m.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return blocks.reshape(shape[0], -1)
 
 
+def _more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the first and last eighth of the layers and every third between."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def tensor_type(name: str, qtype: str, num_layers: int) -> str:
+    """The type of 2-D weight ``name`` (GGUF name) in a file of ``qtype``: ``qtype`` itself, or for
+    ``"Q4_K_M"`` what llama.cpp's quantizer picks (simplified to the Llama tensors): Q6_K for the
+    output head and for ``attn_v`` / ``ffn_down`` in the layers of ``use_more_bits``, Q4_K
+    elsewhere."""
+    if qtype != "Q4_K_M":
+        return qtype
+    if name == "output.weight":
+        return "Q6_K"
+    parts = name.split(".")
+    if len(parts) == 4 and parts[2] in ("attn_v", "ffn_down") and _more_bits(int(parts[1]), num_layers):
+        return "Q6_K"
+    return "Q4_K"
+
+
 def _tensor(name: str, shape: tuple[int, ...], qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """Tensor ``name``'s data: F32 norms (ones) and biases (zeros), else random ``qtype`` blocks."""
     if len(shape) == 1:
         return np.zeros(shape, np.float32) if name.endswith(".bias") else np.ones(shape, np.float32)
     return _random_blocks(rng, qtype, shape)  # type: ignore[arg-type]
@@ -128,15 +159,17 @@ def write_synthetic_gguf(path: str | Path, spec: str | SyntheticSpec = "llama-3.
                          seed: int = 0, num_layers: int | None = None) -> Path:
     """Write the synthetic GGUF file of ``spec`` (a name of ``SPECS`` or a ``SyntheticSpec``) to ``path``.
 
-    ``qtype``: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"`` for every 2-D weight; ``seed``: the codes;
+    ``qtype``: one of :data:`QTYPES` (``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``, ``"Q4_K"``, ``"Q6_K"`` for every
+    2-D weight, or the ``"Q4_K_M"`` mixture; the k-quants need widths that are multiples of 256, as
+    every spec's are); ``seed``: the codes;
     ``num_layers``: keep only the first layers (a smaller file of the same widths). ``ValueError``
     names a bad ``spec``, ``qtype`` or ``num_layers``. Returns ``path``."""
     if isinstance(spec, str):
         if spec not in SPECS:
             raise ValueError(f"spec must be one of {sorted(SPECS)} or a SyntheticSpec, got {spec!r}")
         spec = SPECS[spec]
-    if qtype not in _CODE_STD:
-        raise ValueError(f"qtype must be one of {sorted(_CODE_STD)}, got {qtype!r}")
+    if qtype not in QTYPES:
+        raise ValueError(f"qtype must be one of {sorted(QTYPES)}, got {qtype!r}")
     if num_layers is not None:
         if not 1 <= num_layers <= spec.num_layers:
             raise ValueError(f"num_layers must be in [1, {spec.num_layers}], got {num_layers}")
@@ -147,18 +180,19 @@ def write_synthetic_gguf(path: str | Path, spec: str | SyntheticSpec = "llama-3.
     add_metadata(w, spec, 1e-5 if spec.architecture == "llama" else 1e-6, _vocabulary(spec.vocab_size), ["a b"],
                  [1] * spec.vocab_size, bos=spec.vocab_size - 2, eos=spec.vocab_size - 1)
     shapes = synthetic_tensor_shapes(spec)
-    raw = GGMLQuantizationType[qtype]
-    block, type_size = GGML_QUANT_SIZES[raw]
     for name, shape in shapes.items():
         if len(shape) == 1:
             w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
         else:
+            raw = GGMLQuantizationType[tensor_type(name, qtype, spec.num_layers)]
+            block, type_size = GGML_QUANT_SIZES[raw]
             byte_shape = (shape[0], shape[1] // block * type_size)
             w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for index, (name, shape) in enumerate(shapes.items()):
-        w.write_tensor_data(_tensor(name, shape, qtype, np.random.default_rng([seed, index])))
+        rng = np.random.default_rng([seed, index])
+        w.write_tensor_data(_tensor(name, shape, tensor_type(name, qtype, spec.num_layers), rng))
     w.close()
     return path
