@@ -31,12 +31,13 @@ def test_engine_start_loads_every_operator() -> None:
     so no request's step waits for a compiler; the loaders are those of all operator modules."""
     modules = {load.__wrapped__.__module__ for load in _cpp._LOADERS}  # type: ignore[attr-defined]
     assert {"treeserve.models._decode_op", "treeserve.models._norm_op", "treeserve.models.gguf_op",
-            "treeserve.models.int8_op", "treeserve.models.quant", "treeserve.sampling._top_op",
-            "treeserve.sampling.bitmask"} <= modules  # fmt: skip
+            "treeserve.models.gguf_convert", "treeserve.models.int8_op", "treeserve.models.quant",
+            "treeserve.sampling._top_op", "treeserve.sampling.bitmask"} <= modules  # fmt: skip
     _cpp.load_all_cpp_ops()
     assert all(load.cache_info().currsize == 1 for load in _cpp._LOADERS)  # type: ignore[attr-defined]
     for op in ("decode_layers", "paged_decode_attention", "add_rms_norm", "gguf_linear", "gguf_linear_exact",
-               "gguf_dequantize", "top_candidates", "exact_head_rescore", "apply_token_bitmask_"):  # fmt: skip
+               "gguf_dequantize", "gguf_convert", "top_candidates", "exact_head_rescore",
+               "apply_token_bitmask_"):  # fmt: skip
         assert hasattr(torch.ops.treeserve, op), op
 
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.models._helpers import rel_err
 from treeserve.models import load
-from treeserve.models.gguf_convert import as_blocks, converted_type, q4_1_from_q4_k, q8_0_from_float
+from treeserve.models.gguf_convert import as_blocks, convert_op_available, converted_type
 from treeserve.models.gguf_file import GGUFTensor
 from treeserve.models.gguf_loader import open_gguf
 from treeserve.models.gguf_op import GGUFWeight, gguf_op_available
@@ -24,7 +24,8 @@ from treeserve.models.quant import PACKABLE, PackedLinear
 from treeserve.models.synthetic_gguf import SyntheticSpec, synthetic_tensor_shapes, tensor_type, write_synthetic_gguf
 from treeserve.runner import PagedSequence
 
-needs_op = pytest.mark.skipif(not gguf_op_available(), reason="the C++ GGUF operator is not built here")
+needs_op = pytest.mark.skipif(not (gguf_op_available() and convert_op_available()),
+                              reason="the C++ GGUF operators are not built here")
 # Widths that are multiples of 256, as the k-quants need.
 KSPEC = SyntheticSpec("llama", 8, 256, 4, 2, 512, 320, False, False, 500000.0, 256)
 
@@ -54,6 +55,17 @@ def _random_raw(seed: int, qtype: str, shape: tuple[int, int], scale: float) -> 
     return raw.reshape(shape[0], -1)
 
 
+def _q4_1_from_q4_k(raw: np.ndarray, k: int) -> np.ndarray:
+    converted = as_blocks(_tensor("Q4_K", raw, (raw.shape[0], k)), (raw.shape[0], k))
+    assert converted is not None and converted[0] == "Q4_1"
+    return converted[1]
+
+
+def _q8_0(w: np.ndarray) -> np.ndarray:
+    return torch.ops.treeserve.gguf_convert(torch.from_numpy(w), "F32", w.shape[1], "Q8_0").numpy()
+
+
+@needs_op
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 6), supers=st.integers(1, 3),
        scale=st.sampled_from([1e-4, 3e-3, 0.5]))
@@ -61,7 +73,7 @@ def test_q4_k_repacked_as_q4_1_keeps_its_codes(seed: int, rows: int, supers: int
     k = 256 * supers
     raw = _random_raw(seed, "Q4_K", (rows, k), scale)
     ref = dequantize(raw, GGMLQuantizationType.Q4_K).reshape(rows, k).astype(np.float64)
-    got = GGUFWeight.from_bytes("Q4_1", q4_1_from_q4_k(raw, k), (rows, k)).dequantize().numpy().astype(np.float64)
+    got = GGUFWeight.from_bytes("Q4_1", _q4_1_from_q4_k(raw, k), (rows, k)).dequantize().numpy().astype(np.float64)
     # Each scale and minimum rounded once to f16: |error| <= 2^-11 (|d sc q| + |dmin m|) per weight; the bound
     # from the file's own terms (both at most the super-block's largest |w| plus its minimum).
     sup = raw.reshape(-1, 144)
@@ -70,8 +82,15 @@ def test_q4_k_repacked_as_q4_1_keeps_its_codes(seed: int, rows: int, supers: int
     bound = 2.0**-11 * (d * 63 * 15 + dmin * 63) + 1e-12  # per super-block, [S, 1]
     err = np.abs(got - ref).reshape(-1, 256)
     assert (err <= bound).all()
+    # Scales and minima are numpy's float32 products rounded to f16 (nearest even), bit for bit.
+    q41 = _q4_1_from_q4_k(raw, k).reshape(-1, 20)
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(sup[:, 4:16]))
+    d32, dmin32 = d.astype(np.float32), dmin.astype(np.float32)
+    assert np.array_equal(q41[:, 0:2].copy().view(np.float16).reshape(-1, 8),
+                          (d32 * sc.astype(np.float32)).astype(np.float16))
+    assert np.array_equal(q41[:, 2:4].copy().view(np.float16).reshape(-1, 8),
+                          (-(dmin32 * mn.astype(np.float32))).astype(np.float16))
     # The codes themselves are unchanged: (w' - m') / d' recovers Q4_K's 4-bit q exactly.
-    q41 = q4_1_from_q4_k(raw, k).reshape(-1, 20)
     d1 = q41[:, 0:2].copy().view(np.float16).astype(np.float64)
     m1 = q41[:, 2:4].copy().view(np.float16).astype(np.float64)
     nz = d1[:, 0] != 0
@@ -80,6 +99,7 @@ def test_q4_k_repacked_as_q4_1_keeps_its_codes(seed: int, rows: int, supers: int
     assert (np.round(q[nz]) >= 0).all() and (np.round(q[nz]) <= 15).all()
 
 
+@needs_op
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 5), blocks=st.integers(1, 6),
        scale=st.sampled_from([1e-6, 1e-2, 30.0]), zero_block=st.booleans())
@@ -88,7 +108,7 @@ def test_q8_0_requantization_error_and_codes(seed: int, rows: int, blocks: int, 
     w = (rng.standard_normal((rows, 32 * blocks)) * scale).astype(np.float32)
     if zero_block:
         w[0, :32] = 0
-    out = q8_0_from_float(w).reshape(rows, blocks, 34)
+    out = _q8_0(w).reshape(rows, blocks, 34)
     d = out[..., 0:2].copy().view(np.float16).astype(np.float64)  # [rows, blocks, 1]
     codes = out[..., 2:].view(np.int8).astype(np.float64)
     assert (np.abs(codes) <= 127).all()
@@ -103,10 +123,11 @@ def test_q8_0_requantization_error_and_codes(seed: int, rows: int, blocks: int, 
     bad = w.copy()
     bad[-1, -1] = np.inf
     with pytest.raises(ValueError, match="non-finite"):
-        q8_0_from_float(bad)
+        _q8_0(bad)
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q3_K", "Q2_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1"])
+@needs_op
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1"])
 def test_other_types_become_q8_0_within_half_a_step(qtype: str) -> None:
     shape = (4, 512)
     raw = _random_raw(7, qtype, shape, 1e-3)
@@ -119,10 +140,32 @@ def test_other_types_become_q8_0_within_half_a_step(qtype: str) -> None:
     back = GGUFWeight.from_bytes("Q8_0", blocks, shape).dequantize().numpy()
     if qtype == "Q4_0":
         assert np.array_equal(back, ref)  # the same d, codes q - 8: exact
-    else:
-        d = blocks.reshape(-1, 34)[:, 0:2].copy().view(np.float16).astype(np.float64)
-        amax = np.abs(ref.astype(np.float64)).reshape(-1, 32).max(-1, keepdims=True)
-        assert (np.abs(back - ref).reshape(-1, 32) <= d / 2 + amax * 2.0**-10).all()
+        return
+    d = blocks.reshape(-1, 34)[:, 0:2].copy().view(np.float16).astype(np.float64)
+    amax = np.abs(ref.astype(np.float64)).reshape(-1, 32).max(-1, keepdims=True)
+    assert (np.abs(back - ref).reshape(-1, 32) <= d / 2 + amax * 2.0**-10).all()
+    # The operator's own k-quant decoders compute gguf.quants' float32 values bit for bit: requantizing
+    # gguf's dequantization gives the same bytes.
+    assert np.array_equal(blocks, _q8_0(np.ascontiguousarray(ref, dtype=np.float32)))
+
+
+@needs_op
+def test_the_operator_checks_its_arguments() -> None:
+    op = torch.ops.treeserve.gguf_convert
+    raw = torch.zeros(2, 144, dtype=torch.uint8)
+    assert op(raw, "Q4_K", 256, "Q4_1").shape == (2, 8 * 20)
+    with pytest.raises(ValueError, match="qtype must be"):
+        op(raw, "Q3_K", 256, "Q8_0")
+    with pytest.raises(ValueError, match="out must be 'Q8_0'"):
+        op(torch.zeros(2, 210, dtype=torch.uint8), "Q6_K", 256, "Q4_1")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        op(raw, "Q4_K", 128, "Q4_1")
+    with pytest.raises(ValueError, match=r"src must be \[N, 144\]"):
+        op(torch.zeros(2, 143, dtype=torch.uint8), "Q4_K", 256, "Q4_1")
+    with pytest.raises(TypeError, match="float32"):
+        op(torch.zeros(2, 64, dtype=torch.float64), "F32", 64, "Q8_0")
+    with pytest.raises(TypeError, match="uint8"):
+        op(torch.zeros(2, 144, dtype=torch.int8), "Q4_K", 256, "Q4_1")
 
 
 def test_which_types_convert_and_bad_tensors() -> None:
@@ -136,8 +179,6 @@ def test_which_types_convert_and_bad_tensors() -> None:
     kept = as_blocks(t, (2, 64))
     assert kept is not None and kept[1] is not None and np.shares_memory(kept[1], raw)  # the file's bytes
     assert as_blocks(t, (4, 32)) is not None and as_blocks(t, (2, 48)) is None  # K must be a multiple of 32
-    with pytest.raises(ValueError, match="multiple of 256"):
-        q4_1_from_q4_k(np.zeros((1, 72), np.uint8), 128)
 
 
 def test_the_q4_k_m_mixture_follows_llama_cpp(tmp_path: Path) -> None:
