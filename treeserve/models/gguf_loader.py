@@ -8,6 +8,9 @@ permuted for its interleaved RoPE; they are permuted back here to the rotate-hal
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -26,6 +29,8 @@ from treeserve.models.int8_cache import source_id
 from treeserve.models.quant import PACKABLE, Int4Planes, pack_model, planes_from_gguf
 from treeserve.models.vocab_codes import CodesEmbedding, CodesHead, head_from_codes
 from treeserve.models.weights import build_model, expected_hf_shapes, fused_names
+
+log = logging.getLogger("treeserve.models")
 
 __all__ = ["GGUFContents", "gguf_config", "load_gguf_model", "open_gguf", "unpermute_qk"]
 
@@ -313,6 +318,8 @@ def load_gguf_model(
                             for hf in sources[name + ".weight"]:  # fused, unpermuted or converted: a copy
                                 release_pages(by_hf[hf])
     vocab = _vocab_codes(config, by_hf, shapes) if codes else _VocabCodes(None, None)
+    if codes:
+        _log_conversions(g.path, by_hf.values())
     skip = {name + ".weight" for name in codes}
     if vocab.embedding is not None:
         skip.add("embed_tokens.weight")
@@ -327,6 +334,15 @@ def load_gguf_model(
     return pack_model(model, lambda name: codes[name] if name in codes else planes_for(name), quantization,
                       head_codes=head if isinstance(head, GGUFWeight) else None, unloaded=codes.keys(),
                       source=source_id(g.path))
+
+
+def _log_conversions(path: Path, tensors: Iterable[GGUFTensor]) -> None:
+    """One INFO line naming the tensor types of ``path`` the operator gets converted (``gguf_convert``)."""
+    names = (t.tensor_type.name for t in tensors)
+    counts = Counter(q for q in names if converted_type(q) not in (None, q))
+    if counts:
+        kinds = ", ".join(f"{n} {q} as {converted_type(q)}" for q, n in sorted(counts.items()))
+        log.info("%s: converted at load: %s (fused groups of mixed types as Q8_0)", path.name, kinds)
 
 
 def _file_view(w: GGUFWeight, t: GGUFTensor) -> bool:
