@@ -28,6 +28,7 @@ needs_op = pytest.mark.skipif(not (gguf_op_available() and convert_op_available(
                               reason="the C++ GGUF operators are not built here")
 # Widths that are multiples of 256, as the k-quants need.
 KSPEC = SyntheticSpec("llama", 8, 256, 4, 2, 512, 320, False, False, 500000.0, 256)
+QSPEC = SyntheticSpec("qwen2", 8, 256, 4, 2, 512, 320, True, True, 1000000.0, 256)  # tied head, q|k|v biases
 
 
 def _f16(values: np.ndarray) -> np.ndarray:
@@ -199,9 +200,11 @@ def test_the_q4_k_m_mixture_follows_llama_cpp(tmp_path: Path) -> None:
 
 
 @needs_op
-@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q6_K"])
-def test_k_quant_files_load_from_their_codes_alone(tmp_path: Path, qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = write_synthetic_gguf(tmp_path / "m.gguf", KSPEC, qtype, seed=1)
+@pytest.mark.parametrize(("qtype", "spec"), [("Q4_K_M", KSPEC), ("Q6_K", KSPEC), ("Q4_K_M", QSPEC)],
+                         ids=["llama-Q4_K_M", "llama-Q6_K", "qwen2-Q4_K_M"])
+def test_k_quant_files_load_from_their_codes_alone(tmp_path: Path, qtype: str, spec: SyntheticSpec,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec, qtype, seed=1)
     tensors = open_gguf(path).tensors
     monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "all")
     exact, _ = load(path, quantization=None)
@@ -228,7 +231,7 @@ def test_k_quant_files_load_from_their_codes_alone(tmp_path: Path, qtype: str, m
         for i, layer in enumerate(converted.layers):
             for sub in PACKABLE:
                 layer.get_submodule(sub).weight.copy_(lean.layers[i].get_submodule(sub).dequantized())
-        converted.embed_tokens.weight.copy_(lean.embed_tokens(torch.arange(KSPEC.vocab_size)))
+        converted.embed_tokens.weight.copy_(lean.embed_tokens(torch.arange(spec.vocab_size)))
         converted.lm_head.weight.copy_(lean.lm_head.weight)
     ids = list(range(260, 300))
     with torch.inference_mode():
