@@ -63,7 +63,9 @@ def _q4_1_from_q4_k(raw: np.ndarray, k: int) -> np.ndarray:
 
 
 def _q8_0(w: np.ndarray) -> np.ndarray:
-    return torch.ops.treeserve.gguf_convert(torch.from_numpy(w), "F32", w.shape[1], "Q8_0").numpy()
+    dst = torch.empty(w.shape[0], w.shape[1] // 32 * 34, dtype=torch.uint8)
+    torch.ops.treeserve.gguf_convert(torch.from_numpy(w), "F32", w.shape[1], "Q8_0", dst)
+    return dst.numpy()
 
 
 @needs_op
@@ -154,19 +156,37 @@ def test_other_types_become_q8_0_within_half_a_step(qtype: str) -> None:
 def test_the_operator_checks_its_arguments() -> None:
     op = torch.ops.treeserve.gguf_convert
     raw = torch.zeros(2, 144, dtype=torch.uint8)
-    assert op(raw, "Q4_K", 256, "Q4_1").shape == (2, 8 * 20)
+    q41 = torch.full((2, 8 * 20), 7, dtype=torch.uint8)
+    op(raw, "Q4_K", 256, "Q4_1", q41)
+    assert not (q41 == 7).any()  # every byte written (zero codes and scales; the minima -0.0)
+    q80 = torch.empty(2, 8 * 34, dtype=torch.uint8)
     with pytest.raises(ValueError, match="qtype must be"):
-        op(raw, "Q3_K", 256, "Q8_0")
+        op(raw, "Q3_K", 256, "Q8_0", q80)
     with pytest.raises(ValueError, match="out must be 'Q8_0'"):
-        op(torch.zeros(2, 210, dtype=torch.uint8), "Q6_K", 256, "Q4_1")
+        op(torch.zeros(2, 210, dtype=torch.uint8), "Q6_K", 256, "Q4_1", q41)
     with pytest.raises(ValueError, match="multiple of 256"):
-        op(raw, "Q4_K", 128, "Q4_1")
+        op(raw, "Q4_K", 128, "Q4_1", q41)
     with pytest.raises(ValueError, match=r"src must be \[N, 144\]"):
-        op(torch.zeros(2, 143, dtype=torch.uint8), "Q4_K", 256, "Q4_1")
+        op(torch.zeros(2, 143, dtype=torch.uint8), "Q4_K", 256, "Q4_1", q41)
     with pytest.raises(TypeError, match="float32"):
-        op(torch.zeros(2, 64, dtype=torch.float64), "F32", 64, "Q8_0")
+        op(torch.zeros(2, 64, dtype=torch.float64), "F32", 64, "Q8_0", torch.empty(2, 68, dtype=torch.uint8))
     with pytest.raises(TypeError, match="uint8"):
-        op(torch.zeros(2, 144, dtype=torch.int8), "Q4_K", 256, "Q4_1")
+        op(torch.zeros(2, 144, dtype=torch.int8), "Q4_K", 256, "Q4_1", q41)
+    with pytest.raises(ValueError, match=r"dst must be a contiguous \[2, 160\]"):
+        op(raw, "Q4_K", 256, "Q4_1", q80)  # Q8_0's width for a Q4_1 result
+    with pytest.raises(ValueError, match="dst must be a contiguous"):
+        op(raw, "Q4_K", 256, "Q4_1", torch.empty(160, 2, dtype=torch.uint8).t())
+    with pytest.raises(TypeError, match="dst must be a uint8"):
+        op(raw, "Q4_K", 256, "Q4_1", torch.empty(2, 160, dtype=torch.int8))
+    # as_blocks writes into a caller's rows (a fused buffer) and checks them
+    t = _tensor("Q4_K", _random_raw(1, "Q4_K", (3, 256), 1e-3), (3, 256))
+    into = torch.empty(3, 160, dtype=torch.uint8)
+    found = as_blocks(t, (3, 256), into=into)
+    alone = as_blocks(t, (3, 256))
+    assert found is not None and np.shares_memory(found[1], into.numpy()) and alone is not None
+    assert np.array_equal(into.numpy(), np.asarray(alone[1]))
+    with pytest.raises(ValueError, match=r"into must be uint8 \[3, 160\]"):
+        as_blocks(t, (3, 256), into=torch.empty(3, 159, dtype=torch.uint8))
 
 
 def test_which_types_convert_and_bad_tensors() -> None:

@@ -76,42 +76,52 @@ def converted_type(qtype: str) -> str | None:
     return "Q4_1" if qtype == "Q4_K" else "Q8_0"
 
 
-def as_blocks(t: GGUFTensor, shape: tuple[int, int], target: str | None = None) -> tuple[str, np.ndarray] | None:
+def as_blocks(t: GGUFTensor, shape: tuple[int, int], target: str | None = None,
+              into: torch.Tensor | None = None) -> tuple[str, np.ndarray] | None:
     """``t`` (of ``shape = (N, K)`` in numpy order) as ``(qtype, rows)``: ``rows`` uint8
     ``[N, K/32 * BLOCK_BYTES[qtype]]`` for the GGUF operator. ``target`` None: the type
     :func:`converted_type` names (the file's own bytes, no copy, where that is ``t``'s type);
     ``target="Q8_0"``: Q8_0 whatever ``t``'s type (exact from Q8_0 and Q4_0, requantized from the
-    others). None where ``t`` is not quantized, ``K`` is not a multiple of 32 (a k-quant tensor's K
-    is a multiple of 256), or a conversion is needed and ``treeserve::gguf_convert`` is not built."""
+    others). ``into``: a contiguous uint8 tensor of that shape (a fused buffer's rows) the rows are
+    written to (``rows`` is then its numpy view); else a converted tensor gets a buffer of its own.
+    None where ``t`` is not quantized, ``K`` is not a multiple of 32 (a k-quant tensor's K is a
+    multiple of 256), or a conversion is needed and ``treeserve::gguf_convert`` is not built."""
     qtype = t.tensor_type.name
     out = target or converted_type(qtype)
     n, k = shape
     if out is None or converted_type(qtype) is None or k % GROUP or n * k != t.n_elements:
         return None
     raw = np.asarray(t.data).view(np.ndarray).view(np.uint8).reshape(n, -1)
-    if out == qtype:
-        return qtype, raw
-    if qtype == "Q4_0" and out == "Q8_0":
-        return out, _q8_0_from_q4_0(raw, k)
-    if not convert_op_available():
+    if out != qtype and not (qtype == "Q4_0" and out == "Q8_0") and not convert_op_available():
         return None
-    if qtype in _NATIVE:
-        return out, _convert(raw, qtype, k, out)
-    result = np.empty((n, k // GROUP * BLOCK_BYTES["Q8_0"]), dtype=np.uint8)
-    rows = max(1, _CHUNK_WEIGHTS // k)
-    source = GGMLQuantizationType[qtype]
-    for start in range(0, n, rows):
-        part = np.asarray(dequantize(raw[start : start + rows], source), np.float32).reshape(-1, k)
-        result[start : start + rows] = _convert(part, "F32", k, "Q8_0")
-    return out, result
+    if out == qtype and into is None:
+        return qtype, raw
+    dst = into if into is not None else torch.empty(n, k // GROUP * BLOCK_BYTES[out], dtype=torch.uint8)
+    if tuple(dst.shape) != (n, k // GROUP * BLOCK_BYTES[out]) or dst.dtype != torch.uint8:
+        width = k // GROUP * BLOCK_BYTES[out]
+        raise ValueError(f"into must be uint8 [{n}, {width}], got {dst.dtype} {list(dst.shape)}")
+    if out == qtype:
+        dst.numpy()[:] = raw
+    elif qtype == "Q4_0":
+        dst.numpy()[:] = _q8_0_from_q4_0(raw, k)
+    elif qtype in _NATIVE:
+        _convert(raw, qtype, k, out, dst)
+    else:
+        rows = max(1, _CHUNK_WEIGHTS // k)
+        source = GGMLQuantizationType[qtype]
+        for start in range(0, n, rows):
+            part = np.asarray(dequantize(raw[start : start + rows], source), np.float32).reshape(-1, k)
+            _convert(part, "F32", k, "Q8_0", dst[start : start + rows])
+    return out, dst.numpy()
 
 
-def _convert(src: np.ndarray, qtype: str, k: int, out: str) -> np.ndarray:
-    """``treeserve::gguf_convert`` on ``src`` (a read-only map of the file is read, never written)."""
+def _convert(src: np.ndarray, qtype: str, k: int, out: str, dst: torch.Tensor) -> None:
+    """``treeserve::gguf_convert`` of ``src`` into ``dst`` (a read-only map of the file is read, never
+    written)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         tensor = torch.from_numpy(src)
-    return torch.ops.treeserve.gguf_convert(tensor, qtype, k, out).numpy()
+    torch.ops.treeserve.gguf_convert(tensor, qtype, k, out, dst)
 
 
 def _q8_0_from_q4_0(raw: np.ndarray, k: int) -> np.ndarray:

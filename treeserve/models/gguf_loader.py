@@ -276,22 +276,26 @@ def load_gguf_model(
             return None
         k = file_shape(hfs[0])[1]
         types = {converted_type(by_hf[hf].tensor_type.name) for hf in hfs}
-        target = "Q8_0" if len(types) > 1 else None
-        parts = [as_blocks(by_hf[hf], file_shape(hf), target) for hf in hfs]
-        if any(p is None for p in parts):
+        if None in types:
             return None
-        qtype, rows = parts[0][0], [p[1] for p in parts]  # type: ignore[index]
+        qtype = "Q8_0" if len(types) > 1 else types.pop()
+        target = qtype if len(hfs) > 1 or qtype != by_hf[hfs[0]].tensor_type.name else None
         if len(hfs) == 1 and heads_of(hfs[0]) is None:
-            return GGUFWeight.from_bytes(qtype, rows[0], (rows[0].shape[0], k))
-        out = torch.empty(sum(r.shape[0] for r in rows), rows[0].shape[1], dtype=torch.uint8)
+            found = as_blocks(by_hf[hfs[0]], file_shape(hfs[0]), target)
+            return None if found is None else GGUFWeight.from_bytes(found[0], found[1], (file_shape(hfs[0])[0], k))
+        # One buffer; each part converted (or copied) straight into its rows, or, where llama.cpp's Q/K row
+        # permutation must be undone, converted alone and unpermuted into them.
+        out = torch.empty(sum(file_shape(hf)[0] for hf in hfs), k // 32 * BLOCK_BYTES[qtype], dtype=torch.uint8)
         start = 0
-        for hf, part in zip(hfs, rows):
-            dest, heads = out[start : start + part.shape[0]].numpy(), heads_of(hf)
-            start += part.shape[0]
-            if heads is None:
-                np.copyto(dest, part)
-            else:
-                unpermute_into(dest, part, heads)
+        for hf in hfs:
+            rows, heads = file_shape(hf)[0], heads_of(hf)
+            dest = out[start : start + rows]
+            start += rows
+            found = as_blocks(by_hf[hf], file_shape(hf), qtype, into=dest if heads is None else None)
+            if found is None:
+                return None
+            if heads is not None:
+                unpermute_into(dest.numpy(), found[1], heads)
         return GGUFWeight.from_bytes(qtype, out, (out.shape[0], k))
 
     def planes_for(name: str) -> Int4Planes | GGUFWeight | None:

@@ -1,4 +1,5 @@
-// treeserve::gguf_convert(src, qtype, K, out): GGUF rows of another type as the blocks the GGUF operator
+// treeserve::gguf_convert(src, qtype, K, out, dst): GGUF rows of another type written into dst (uint8, contiguous
+// [N, K/32 * out's block bytes]: a fused buffer's rows, or a buffer of their own) as the blocks the GGUF operator
 // multiplies (treeserve/models/gguf_convert.py states the conversions and their error):
 // - qtype "Q4_K", out "Q4_1": uint8 [N, K/256 * 144] -> [N, K/32 * 20]: per 32-weight sub-block
 //   d' = f16(d sc), m' = f16(-dmin m) (float32 products rounded to nearest even, as numpy's astype
@@ -150,7 +151,7 @@ enum class Src { Q4_K, Q5_K, Q6_K, F32 };
 
 int64_t super_bytes(Src t) { return t == Src::Q4_K ? 144 : (t == Src::Q5_K ? 176 : 210); }
 
-at::Tensor gguf_convert(const at::Tensor& src, std::string qtype, int64_t K, std::string out_type) {
+void gguf_convert(const at::Tensor& src, std::string qtype, int64_t K, std::string out_type, const at::Tensor& dst) {
   TORCH_CHECK_VALUE(qtype == "Q4_K" || qtype == "Q5_K" || qtype == "Q6_K" || qtype == "F32",
                     "gguf_convert: qtype must be 'Q4_K', 'Q5_K', 'Q6_K' or 'F32', got '", qtype, "'");
   const Src t = qtype == "Q4_K" ? Src::Q4_K : qtype == "Q5_K" ? Src::Q5_K : qtype == "Q6_K" ? Src::Q6_K : Src::F32;
@@ -169,8 +170,11 @@ at::Tensor gguf_convert(const at::Tensor& src, std::string qtype, int64_t K, std
                     "] for K = ", K, ", got ", src.sizes());
   const at::Tensor in = src.contiguous();
   const int64_t N = in.size(0), blocks = K / GROUP, out_bytes = repack ? Q4_1_BYTES : Q8_0_BYTES;
-  at::Tensor out = at::empty({N, blocks * out_bytes}, in.options().dtype(at::kByte));
-  uint8_t* op = out.data_ptr<uint8_t>();
+  TORCH_CHECK_TYPE(dst.device().is_cpu() && dst.scalar_type() == at::kByte, "gguf_convert: dst must be a uint8 CPU "
+                   "tensor, got ", dst.scalar_type());
+  TORCH_CHECK_VALUE(dst.dim() == 2 && dst.size(0) == N && dst.size(1) == blocks * out_bytes && dst.is_contiguous(),
+                    "gguf_convert: dst must be a contiguous [", N, ", ", blocks * out_bytes, "], got ", dst.sizes());
+  uint8_t* op = dst.data_ptr<uint8_t>();
   std::atomic<bool> finite{true};
   at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
     bool ok = true;
@@ -201,11 +205,12 @@ at::Tensor gguf_convert(const at::Tensor& src, std::string qtype, int64_t K, std
     if (!ok) finite.store(false);
   });
   TORCH_CHECK_VALUE(finite.load(), "gguf_convert: the tensor holds a non-finite weight: the file is corrupt");
-  return out;
 }
 
 }  // namespace
 
-TREESERVE_FRAGMENT(TREESERVE_LIBRARY, m) { m.def("gguf_convert(Tensor src, str qtype, int K, str out) -> Tensor"); }
+TREESERVE_FRAGMENT(TREESERVE_LIBRARY, m) {
+  m.def("gguf_convert(Tensor src, str qtype, int K, str out, Tensor(a!) dst) -> ()");
+}
 
 TREESERVE_IMPL(TREESERVE_LIBRARY, CPU, m) { m.impl("gguf_convert", &gguf_convert); }
