@@ -260,3 +260,23 @@ def test_k_quant_files_load_from_their_codes_alone(tmp_path: Path, qtype: str, s
         far = PagedSequence(exact, 64, page_size=1).extend(ids, all_logits=True)
     assert rel_err(got, ref) < 1e-3
     assert rel_err(ref, far) < 0.05  # the conversion's own change, through 8 layers of random weights
+
+
+@needs_op
+@pytest.mark.slow
+def test_a_build_without_f16c_converts_bit_for_bit(tmp_path: Path) -> None:
+    """The operator built without AVX / F16C (``c10::Half``'s rounding of the Q4_K scales instead of
+    vcvtps2ph's, scalar loops) writes the same bytes as the native build (one build per process: a
+    library registers once)."""
+    from tests._isa_builds import build_variant
+    from treeserve.models import gguf_convert
+
+    scalar = build_variant(gguf_convert.SOURCE, "treeserve_convert_scalar", ["-O2", "-mno-avx", "-mno-f16c"], tmp_path)
+    for qtype in ("Q4_K", "Q5_K", "Q6_K"):
+        raw = torch.from_numpy(_random_raw(5, qtype, (6, 512), 3e-5))  # tiny scales: f16 subnormals too
+        out = "Q4_1" if qtype == "Q4_K" else "Q8_0"
+        width = 512 // 32 * (20 if out == "Q4_1" else 34)
+        native, other = (torch.empty(6, width, dtype=torch.uint8) for _ in range(2))
+        torch.ops.treeserve.gguf_convert(raw, qtype, 512, out, native)
+        scalar.gguf_convert(raw, qtype, 512, out, other)
+        assert torch.equal(native, other), qtype
