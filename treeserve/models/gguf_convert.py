@@ -11,9 +11,10 @@ would need ~30 GiB); converted at load they stay near their file size:
   ``d' = f16(d sc)`` and ``m' = f16(-dmin m)``: the same codes, each scale rounded once to f16
   (a relative 2^-11 of the scale: |w' - w| <= 2^-11 (|d sc q| + |dmin m|), against the 4-bit
   code's step ``d sc``).
-- **Q4_0 -> Q8_0** (where a fused group needs one type): ``d (q - 8)`` is Q8_0 with the same ``d``
-  and codes ``q - 8``: exact.
-- **Any other quantized type** (Q6_K, Q5_K, Q5_0, Q5_1, Q3_K, Q2_K, the IQ types, ...) **-> Q8_0,
+- **Q5_0 -> Q8_0**, and Q4_0 where a fused group needs one type: ``d (q - 16)`` (``d (q - 8)``) is
+  Q8_0 with the same ``d`` and codes ``q - 16`` (``q - 8``): exact. llama.cpp falls back to Q5_0
+  in its k-quant mixtures for rows whose width is not a multiple of 256 (SmolLM2's 576).
+- **Any other quantized type** (Q6_K, Q5_K, Q5_1, Q3_K, Q2_K, the IQ types, ...) **-> Q8_0,
   requantized** (8.5 bits a weight) from the tensor's float32 values (as ``gguf.quants`` decodes
   them), as llama.cpp's Q8_0 quantizer does but with the codes taken against the stored f16 scale:
   ``d = f16(max|w_b| / 127)``, ``q = round(w / d)`` (ties to even) clipped to +-127, so |w' - w| <= d / 2
@@ -50,6 +51,7 @@ PLAIN_TYPES = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"}
 
 SOURCE = Path(__file__).with_name("csrc") / "gguf_convert.cpp"
 _NATIVE = ("Q4_K", "Q5_K", "Q6_K")  # decoded by the operator itself; other types by gguf.quants first
+_EXACT_Q8_0 = {"Q4_0": 18, "Q5_0": 22}  # d (q - bias) types that are Q8_0 exactly: their block bytes
 _CHUNK_WEIGHTS = 1 << 20  # weights per chunk of the types gguf.quants decodes (4 MB of float32)
 
 
@@ -81,8 +83,8 @@ def as_blocks(t: GGUFTensor, shape: tuple[int, int], target: str | None = None,
     """``t`` (of ``shape = (N, K)`` in numpy order) as ``(qtype, rows)``: ``rows`` uint8
     ``[N, K/32 * BLOCK_BYTES[qtype]]`` for the GGUF operator. ``target`` None: the type
     :func:`converted_type` names (the file's own bytes, no copy, where that is ``t``'s type);
-    ``target="Q8_0"``: Q8_0 whatever ``t``'s type (exact from Q8_0 and Q4_0, requantized from the
-    others). ``into``: a contiguous uint8 tensor of that shape (a fused buffer's rows) the rows are
+    ``target="Q8_0"``: Q8_0 whatever ``t``'s type (exact from Q8_0, Q4_0 and Q5_0, requantized from
+    the others). ``into``: a contiguous uint8 tensor of that shape (a fused buffer's rows) the rows are
     written to (``rows`` is then its numpy view); else a converted tensor gets a buffer of its own.
     None where ``t`` is not quantized, ``K`` is not a multiple of 32 (a k-quant tensor's K is a
     multiple of 256), or a conversion is needed and ``treeserve::gguf_convert`` is not built."""
@@ -92,7 +94,7 @@ def as_blocks(t: GGUFTensor, shape: tuple[int, int], target: str | None = None,
     if out is None or converted_type(qtype) is None or k % GROUP or n * k != t.n_elements:
         return None
     raw = np.asarray(t.data).view(np.ndarray).view(np.uint8).reshape(n, -1)
-    if out != qtype and not (qtype == "Q4_0" and out == "Q8_0") and not convert_op_available():
+    if out != qtype and qtype not in _EXACT_Q8_0 and not convert_op_available():
         return None
     if out == qtype and into is None:
         return qtype, raw
@@ -102,8 +104,8 @@ def as_blocks(t: GGUFTensor, shape: tuple[int, int], target: str | None = None,
         raise ValueError(f"into must be uint8 [{n}, {width}], got {dst.dtype} {list(dst.shape)}")
     if out == qtype:
         dst.numpy()[:] = raw
-    elif qtype == "Q4_0":
-        dst.numpy()[:] = _q8_0_from_q4_0(raw, k)
+    elif qtype in _EXACT_Q8_0:
+        dst.numpy()[:] = _q8_0_exact(raw, qtype, k)
     elif qtype in _NATIVE:
         _convert(raw, qtype, k, out, dst)
     else:
@@ -124,14 +126,18 @@ def _convert(src: np.ndarray, qtype: str, k: int, out: str, dst: torch.Tensor) -
     torch.ops.treeserve.gguf_convert(tensor, qtype, k, out, dst)
 
 
-def _q8_0_from_q4_0(raw: np.ndarray, k: int) -> np.ndarray:
-    """Q4_0 rows as Q8_0, exactly: the same f16 ``d``, codes ``q - 8`` (element ``j`` is byte
-    ``j``'s low nibble, element ``j + 16`` its high one, in both layouts' element order)."""
-    n = raw.shape[0]
-    blocks = raw.reshape(n, k // GROUP, BLOCK_BYTES["Q4_0"])
-    nibbles = blocks[..., 2:]
+def _q8_0_exact(raw: np.ndarray, qtype: str, k: int) -> np.ndarray:
+    """Q4_0 or Q5_0 rows as Q8_0, exactly: the same f16 ``d``, codes ``q - 8`` / ``q - 16``. Element
+    ``j < 16`` is byte ``j``'s low nibble, ``j + 16`` its high one, in both layouts' order; Q5_0's
+    fifth bit of element ``i`` is bit ``i`` of the little-endian 32-bit word after ``d``."""
+    n, width = raw.shape[0], _EXACT_Q8_0[qtype]
+    blocks = raw.reshape(n, k // GROUP, width)
+    nibbles = blocks[..., width - 16 :]
+    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)
+    if qtype == "Q5_0":
+        high = blocks[..., 2:6].copy().view("<u4") >> np.arange(GROUP, dtype=np.uint32)
+        codes |= ((high & 1) << 4).astype(np.uint8)
     out = np.empty((n, k // GROUP, 2 + GROUP), dtype=np.uint8)
     out[..., :2] = blocks[..., :2]
-    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int8) - np.int8(8)
-    out[..., 2:] = codes.view(np.uint8)
+    out[..., 2:] = (codes.astype(np.int8) - np.int8(8 if qtype == "Q4_0" else 16)).view(np.uint8)
     return out.reshape(n, -1)
