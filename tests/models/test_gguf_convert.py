@@ -202,19 +202,22 @@ def test_which_types_convert_and_bad_tensors() -> None:
     assert as_blocks(t, (4, 32)) is not None and as_blocks(t, (2, 48)) is None  # K must be a multiple of 32
 
 
-def test_the_q4_k_m_mixture_follows_llama_cpp(tmp_path: Path) -> None:
-    path = write_synthetic_gguf(tmp_path / "m.gguf", KSPEC, "Q4_K_M", seed=2)
+@pytest.mark.parametrize("spec", [KSPEC, QSPEC], ids=["untied", "tied"])
+def test_the_q4_k_m_mixture_follows_llama_cpp(tmp_path: Path, spec: SyntheticSpec) -> None:
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec, "Q4_K_M", seed=2)
     tensors = open_gguf(path).tensors
     more = {0, 7, 3, 6}  # use_more_bits over 8 layers: the first and last eighth, then every third from 1
-    for name, shape in synthetic_tensor_shapes(KSPEC).items():
+    head = "token_embd.weight" if spec.tie_word_embeddings else "output.weight"  # the head's tensor: Q6_K
+    for name, shape in synthetic_tensor_shapes(spec).items():
         t = tensors[name]
         if len(shape) == 1:
             assert t.tensor_type.name == "F32"
             continue
         kind = name.split(".")[-2] if name.startswith("blk.") else name
         bumped = kind in ("attn_v", "ffn_down") and int(name.split(".")[1]) in more
-        want = "Q6_K" if name == "output.weight" or bumped else "Q4_K"
-        assert t.tensor_type.name == want == tensor_type(name, "Q4_K_M", KSPEC.num_layers), name
+        want = "Q6_K" if name == head or bumped else "Q4_K"
+        assert t.tensor_type.name == want, name
+        assert tensor_type(name, "Q4_K_M", spec.num_layers, spec.tie_word_embeddings) == want, name
         w = dequantize(np.asarray(t.data), t.tensor_type)
         assert np.isfinite(w).all() and 0.01 < w.std() < 0.04, (name, w.std())
 

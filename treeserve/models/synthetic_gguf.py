@@ -111,14 +111,14 @@ def _more_bits(layer: int, num_layers: int) -> bool:
     return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
-def tensor_type(name: str, qtype: str, num_layers: int) -> str:
+def tensor_type(name: str, qtype: str, num_layers: int, tied: bool = False) -> str:
     """The type of 2-D weight ``name`` (GGUF name) in a file of ``qtype``: ``qtype`` itself, or for
     ``"Q4_K_M"`` what llama.cpp's quantizer picks (simplified to the Llama tensors): Q6_K for the
-    output head and for ``attn_v`` / ``ffn_down`` in the layers of ``use_more_bits``, Q4_K
-    elsewhere."""
+    output head (the token embedding where the head is tied to it, ``tied``) and for ``attn_v`` /
+    ``ffn_down`` in the layers of ``use_more_bits``, Q4_K elsewhere."""
     if qtype != "Q4_K_M":
         return qtype
-    if name == "output.weight":
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
         return "Q6_K"
     parts = name.split(".")
     if len(parts) == 4 and parts[2] in ("attn_v", "ffn_down") and _more_bits(int(parts[1]), num_layers):
@@ -184,7 +184,7 @@ def write_synthetic_gguf(path: str | Path, spec: str | SyntheticSpec = "llama-3.
         if len(shape) == 1:
             w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
         else:
-            raw = GGMLQuantizationType[tensor_type(name, qtype, spec.num_layers)]
+            raw = GGMLQuantizationType[tensor_type(name, qtype, spec.num_layers, spec.tie_word_embeddings)]
             block, type_size = GGML_QUANT_SIZES[raw]
             byte_shape = (shape[0], shape[1] // block * type_size)
             w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], raw_dtype=raw)
@@ -193,6 +193,7 @@ def write_synthetic_gguf(path: str | Path, spec: str | SyntheticSpec = "llama-3.
     w.write_ti_data_to_file()
     for index, (name, shape) in enumerate(shapes.items()):
         rng = np.random.default_rng([seed, index])
-        w.write_tensor_data(_tensor(name, shape, tensor_type(name, qtype, spec.num_layers), rng))
+        kind = tensor_type(name, qtype, spec.num_layers, spec.tie_word_embeddings)
+        w.write_tensor_data(_tensor(name, shape, kind, rng))
     w.close()
     return path
