@@ -178,6 +178,13 @@ def test_the_operator_checks_its_arguments() -> None:
         op(raw, "Q4_K", 256, "Q4_1", torch.empty(160, 2, dtype=torch.uint8).t())
     with pytest.raises(TypeError, match="dst must be a uint8"):
         op(raw, "Q4_K", 256, "Q4_1", torch.empty(2, 160, dtype=torch.int8))
+    # a corrupt file's non-finite scale is refused on every path (the Q4_K repack too)
+    for bad_type, scale_at, out_type in (("Q4_K", 0, "Q4_1"), ("Q4_K", 2, "Q8_0"), ("Q6_K", 208, "Q8_0")):
+        bad = torch.from_numpy(_random_raw(2, bad_type, (2, 256), 1e-3))
+        bad[1, scale_at : scale_at + 2] = torch.from_numpy(_f16(np.array([np.inf])).reshape(-1))
+        width = 8 * (20 if out_type == "Q4_1" else 34)
+        with pytest.raises(ValueError, match="non-finite"):
+            op(bad, bad_type, 256, out_type, torch.empty(2, width, dtype=torch.uint8))
     # as_blocks writes into a caller's rows (a fused buffer) and checks them
     t = _tensor("Q4_K", _random_raw(1, "Q4_K", (3, 256), 1e-3), (3, 256))
     into = torch.empty(3, 160, dtype=torch.uint8)

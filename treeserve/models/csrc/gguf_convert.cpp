@@ -8,7 +8,8 @@
 // - qtype "Q4_K" / "Q5_K" / "Q6_K", out "Q8_0": each super-block decoded to float32 as gguf.quants
 //   does ((d sc) q - (dmin m), (d sc) q), then requantized as "F32" is;
 // - qtype "F32" (float32 [N, K]), out "Q8_0": d = f16(max|w| / 127), codes round(w / d) (to nearest,
-//   ties to even) clipped to +-127, an all-zero block d = 0; a non-finite weight is an error.
+//   ties to even) clipped to +-127, an all-zero block d = 0; a non-finite weight (or Q4_K d / dmin) is an
+//   error.
 // Parallel over rows. Every argument is checked before any byte is read.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -52,8 +53,8 @@ inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {
 
 // One Q4_K super-block (256 weights) as eight Q4_1 blocks: the eight scales and minima rounded to f16 at
 // once (F16C's vcvtps2ph, to nearest even as c10::Half rounds), the codes' nibbles moved a sub-block at a
-// time.
-void q4_1_from_q4_k(const uint8_t* in, uint8_t* out) {
+// time. False where d or dmin is not finite (a corrupt file, refused as the Q8_0 paths refuse one).
+bool q4_1_from_q4_k(const uint8_t* in, uint8_t* out) {
   const float d = half_at(in), dmin = half_at(in + 2);
   float scale[8], minimum[8];
   for (int j = 0; j < 8; ++j) {
@@ -83,6 +84,7 @@ void q4_1_from_q4_k(const uint8_t* in, uint8_t* out) {
     for (int i = 0; i < 16; ++i)
       o[4 + i] = static_cast<uint8_t>(((src[i] >> shift) & 15) | (((src[i + 16] >> shift) & 15) << 4));
   }
+  return std::isfinite(d) && std::isfinite(dmin);
 }
 
 // One Q4_K (high == nullptr) or Q5_K super-block as float32, in gguf.quants' arithmetic: (d sc) q - (dmin m);
@@ -190,7 +192,7 @@ void gguf_convert(const at::Tensor& src, std::string qtype, int64_t K, std::stri
       for (int64_t s = 0; s < K / SUPER; ++s) {
         const uint8_t* blk = irow + s * super_bytes(t);
         if (repack) {
-          q4_1_from_q4_k(blk, orow + s * 8 * Q4_1_BYTES);
+          ok &= q4_1_from_q4_k(blk, orow + s * 8 * Q4_1_BYTES);
           continue;
         }
         if (t == Src::Q6_K)
