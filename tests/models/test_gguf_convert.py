@@ -192,7 +192,7 @@ def test_the_operator_checks_its_arguments() -> None:
     alone = as_blocks(t, (3, 256))
     assert found is not None and np.shares_memory(found[1], into.numpy()) and alone is not None
     assert np.array_equal(into.numpy(), np.asarray(alone[1]))
-    with pytest.raises(ValueError, match=r"into must be uint8 \[3, 160\]"):
+    with pytest.raises(ValueError, match=r"into must be a contiguous uint8 \[3, 160\]"):
         as_blocks(t, (3, 256), into=torch.empty(3, 159, dtype=torch.uint8))
 
 

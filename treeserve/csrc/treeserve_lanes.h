@@ -1,8 +1,9 @@
 // The storage types of treeserve's CPU operators (float32, and the 16-bit bfloat16 and float16) as the
 // raw lanes treeserve_vec's loads and stores take: lanes(p) maps a c10 element pointer to its lane
 // pointer (float*, uint16_t* for bfloat16 bit patterns, treeserve_vec::fp16* for IEEE halves), so a
-// template over the element type picks the right conversion; to_float widens one element; by_storage
-// runs a generic function with the element type of a tensor's scalar type.
+// template over the element type picks the right conversion; to_float widens one element; half_at reads
+// an IEEE half at any byte address (a GGUF block's f16 scale); by_storage runs a generic function with
+// the element type of a tensor's scalar type.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -10,6 +11,11 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
+
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #include "treeserve_vec.h"
 
@@ -18,6 +24,17 @@ namespace treeserve_lanes {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// The IEEE half at p (any alignment) as float32, exactly (F16C's vcvtph2ps where compiled for it).
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
 
 inline const float* lanes(const float* p) { return p; }
 inline float* lanes(float* p) { return p; }

@@ -32,17 +32,16 @@ operator requantizes them, so the peak memory is the result plus a few MB. Witho
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from treeserve._cpp import cpp_op_loader, load_cpp_op
 from treeserve.models.gguf_file import GGUFTensor
-from treeserve.models.gguf_op import BLOCK_BYTES, GROUP
+from treeserve.models.gguf_op import BLOCK_BYTES, GROUP, shared_tensor
 
 __all__ = ["PLAIN_TYPES", "as_blocks", "convert_op_available", "converted_type", "load_gguf_convert_op"]
 
@@ -51,7 +50,7 @@ PLAIN_TYPES = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"}
 
 SOURCE = Path(__file__).with_name("csrc") / "gguf_convert.cpp"
 _NATIVE = ("Q4_K", "Q5_K", "Q6_K")  # decoded by the operator itself; other types by gguf.quants first
-_EXACT_Q8_0 = {"Q4_0": 18, "Q5_0": 22}  # d (q - bias) types that are Q8_0 exactly: their block bytes
+_EXACT_Q8_0 = ("Q4_0", "Q5_0")  # d (q - bias) types that are Q8_0 exactly
 _CHUNK_WEIGHTS = 1 << 20  # weights per chunk of the types gguf.quants decodes (4 MB of float32)
 
 
@@ -98,14 +97,14 @@ def as_blocks(t: GGUFTensor, shape: tuple[int, int], target: str | None = None,
         return None
     if out == qtype and into is None:
         return qtype, raw
-    dst = into if into is not None else torch.empty(n, k // GROUP * BLOCK_BYTES[out], dtype=torch.uint8)
-    if tuple(dst.shape) != (n, k // GROUP * BLOCK_BYTES[out]) or dst.dtype != torch.uint8:
-        width = k // GROUP * BLOCK_BYTES[out]
-        raise ValueError(f"into must be uint8 [{n}, {width}], got {dst.dtype} {list(dst.shape)}")
+    width = k // GROUP * BLOCK_BYTES[out]
+    dst = into if into is not None else torch.empty(n, width, dtype=torch.uint8)
+    if tuple(dst.shape) != (n, width) or dst.dtype != torch.uint8 or not dst.is_contiguous():
+        raise ValueError(f"into must be a contiguous uint8 [{n}, {width}], got {dst.dtype} {list(dst.shape)}")
     if out == qtype:
         dst.numpy()[:] = raw
     elif qtype in _EXACT_Q8_0:
-        dst.numpy()[:] = _q8_0_exact(raw, qtype, k)
+        _q8_0_exact(raw, qtype, k, dst.numpy())
     elif qtype in _NATIVE:
         _convert(raw, qtype, k, out, dst)
     else:
@@ -118,26 +117,23 @@ def as_blocks(t: GGUFTensor, shape: tuple[int, int], target: str | None = None,
 
 
 def _convert(src: np.ndarray, qtype: str, k: int, out: str, dst: torch.Tensor) -> None:
-    """``treeserve::gguf_convert`` of ``src`` into ``dst`` (a read-only map of the file is read, never
-    written)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.from_numpy(src)
-    torch.ops.treeserve.gguf_convert(tensor, qtype, k, out, dst)
+    """``treeserve::gguf_convert`` of ``src`` (a read-only map of the file is read, never written) into
+    ``dst``."""
+    torch.ops.treeserve.gguf_convert(shared_tensor(src), qtype, k, out, dst)
 
 
-def _q8_0_exact(raw: np.ndarray, qtype: str, k: int) -> np.ndarray:
-    """Q4_0 or Q5_0 rows as Q8_0, exactly: the same f16 ``d``, codes ``q - 8`` / ``q - 16``. Element
-    ``j < 16`` is byte ``j``'s low nibble, ``j + 16`` its high one, in both layouts' order; Q5_0's
-    fifth bit of element ``i`` is bit ``i`` of the little-endian 32-bit word after ``d``."""
-    n, width = raw.shape[0], _EXACT_Q8_0[qtype]
+def _q8_0_exact(raw: np.ndarray, qtype: str, k: int, dst: np.ndarray) -> None:
+    """Q4_0 or Q5_0 rows written into ``dst`` as Q8_0, exactly: the same f16 ``d``, codes ``q - 8`` /
+    ``q - 16``. Element ``j < 16`` is byte ``j``'s low nibble, ``j + 16`` its high one, in both
+    layouts' order; Q5_0's fifth bit of element ``i`` is bit ``i`` of the little-endian 32-bit word
+    after ``d``."""
+    n, width = raw.shape[0], GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
     blocks = raw.reshape(n, k // GROUP, width)
     nibbles = blocks[..., width - 16 :]
     codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)
     if qtype == "Q5_0":
         high = blocks[..., 2:6].copy().view("<u4") >> np.arange(GROUP, dtype=np.uint32)
         codes |= ((high & 1) << 4).astype(np.uint8)
-    out = np.empty((n, k // GROUP, 2 + GROUP), dtype=np.uint8)
+    out = dst.reshape(n, k // GROUP, 2 + GROUP)
     out[..., :2] = blocks[..., :2]
     out[..., 2:] = (codes.astype(np.int8) - np.int8(8 if qtype == "Q4_0" else 16)).view(np.uint8)
-    return out.reshape(n, -1)

@@ -24,7 +24,7 @@ from treeserve.models.gguf_convert import as_blocks, converted_type
 from treeserve.models.gguf_file import GGUFTensor, read_gguf, release_pages
 from treeserve.models.llama import LlamaForCausalLM
 from treeserve.models.parallel import TPShard, check_shard_quantization
-from treeserve.models.gguf_op import BLOCK_BYTES, GGUFWeight, gguf_op_available
+from treeserve.models.gguf_op import BLOCK_BYTES, GROUP, GGUFWeight, gguf_op_available
 from treeserve.models.int8_cache import source_id
 from treeserve.models.quant import PACKABLE, Int4Planes, pack_model, planes_from_gguf
 from treeserve.models.vocab_codes import CodesEmbedding, CodesHead, head_from_codes
@@ -279,13 +279,12 @@ def load_gguf_model(
         if None in types:
             return None
         qtype = "Q8_0" if len(types) > 1 else types.pop()
-        target = qtype if len(hfs) > 1 or qtype != by_hf[hfs[0]].tensor_type.name else None
         if len(hfs) == 1 and heads_of(hfs[0]) is None:
-            found = as_blocks(by_hf[hfs[0]], file_shape(hfs[0]), target)
+            found = as_blocks(by_hf[hfs[0]], file_shape(hfs[0]))
             return None if found is None else GGUFWeight.from_bytes(found[0], found[1], (file_shape(hfs[0])[0], k))
         # One buffer; each part converted (or copied) straight into its rows, or, where llama.cpp's Q/K row
         # permutation must be undone, converted alone and unpermuted into them.
-        out = torch.empty(sum(file_shape(hf)[0] for hf in hfs), k // 32 * BLOCK_BYTES[qtype], dtype=torch.uint8)
+        out = torch.empty(sum(file_shape(hf)[0] for hf in hfs), k // GROUP * BLOCK_BYTES[qtype], dtype=torch.uint8)
         start = 0
         for hf in hfs:
             rows, heads = file_shape(hf)[0], heads_of(hf)

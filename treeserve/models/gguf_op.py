@@ -35,11 +35,20 @@ import torch
 import torch.nn.functional as F
 from treeserve._cpp import cpp_op_loader, cpu_flags, load_cpp_op
 
-__all__ = ["BLOCK_BYTES", "GROUP", "GGUFWeight", "gguf_linear", "gguf_op_available", "load_gguf_linear_op", "q8_lanes"]
+__all__ = ["BLOCK_BYTES", "GROUP", "GGUFWeight", "gguf_linear", "gguf_op_available", "load_gguf_linear_op", "q8_lanes",
+           "shared_tensor"]
 
 GROUP = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 SOURCE = Path(__file__).with_name("csrc") / "gguf_linear.cpp"
+def shared_tensor(a: np.ndarray) -> torch.Tensor:
+    """``a`` as a tensor sharing its memory, no copy, whether or not it is writable (a read-only map of
+    a file: the caller never writes through the tensor; torch's warning about it is silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
 class GGUFWeight(NamedTuple):
     """A weight ``[N, K]`` as GGUF blocks: ``raw`` uint8 ``[N, K/32 * BLOCK_BYTES[qtype]]``."""
 
@@ -55,12 +64,7 @@ class GGUFWeight(NamedTuple):
         n, k = shape
         if k <= 0 or k % GROUP:
             raise ValueError(f"K (shape[1]) must be a positive multiple of {GROUP}, got shape {shape}")
-        if isinstance(raw, torch.Tensor):
-            data = raw
-        else:  # a read-only map of the file is shared, never written: no copy
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8))
+        data = raw if isinstance(raw, torch.Tensor) else shared_tensor(np.ascontiguousarray(raw).view(np.uint8))
         if data.dtype != torch.uint8:
             raise TypeError(f"raw must hold uint8 bytes, got {data.dtype}")
         width = k // GROUP * BLOCK_BYTES[qtype]

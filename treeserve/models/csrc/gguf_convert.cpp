@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "treeserve_library.h"
+#include "treeserve_lanes.h"
 
 #include <algorithm>
 #include <atomic>
@@ -34,11 +35,7 @@ namespace {
 constexpr int64_t GROUP = 32, SUPER = 256;
 constexpr int64_t Q4_1_BYTES = 20, Q8_0_BYTES = 34;
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
+using treeserve_lanes::half_at;
 
 // Sub-block j's 6-bit scale and minimum from a Q4_K / Q5_K super-block's 12 bytes (gguf's get_scale_min).
 inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {

@@ -19,6 +19,7 @@
 #include "treeserve_library.h"
 
 #include "treeserve_head.h"
+#include "treeserve_lanes.h"
 
 #include <algorithm>
 #include <cstring>
@@ -49,15 +50,7 @@ enum class QType { Q4_0, Q4_1, Q8_0 };
 
 inline int64_t block_bytes(QType t) { return t == QType::Q4_0 ? 18 : (t == QType::Q4_1 ? 20 : 34); }
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#ifdef __F16C__
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
+using treeserve_lanes::half_at;
 
 // Scalar decode of one block into w[32].
 inline void decode_scalar(QType t, const uint8_t* blk, float* w) {
