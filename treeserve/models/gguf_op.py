@@ -141,6 +141,7 @@ def load_gguf_linear_op() -> str | None:
                            ("gguf_linear_exact", "C++ GGUF linear (float32 activations)", _fake),
                            ("gguf_dequantize", "C++ GGUF dequantization", _dequantize_fake),
                            ("gguf_linear_q8", "C++ GGUF linear (int8 activations)", _fake),
+                           ("codes_row_norms", "C++ row norms of GGUF codes", None),  # eager only
                            ("codes_head_rescore", "C++ re-scoring of a head kept as codes", None)):  # eager only
         reason = load_cpp_op(SOURCE, op, what, fake)
         if reason is not None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -60,42 +59,22 @@ def head_from_codes(vocab_size: int, hidden_size: int) -> bool:
     return 4 * vocab_size * hidden_size > HEAD_CODES_MIN_BYTES
 
 
-def _byte_tables() -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per byte value: the sum of squares and the sum of the codes it holds, as ``row_norms`` reads them."""
-    b = np.arange(256, dtype=np.int32)
-    lo, hi, signed = b & 15, b >> 4, b.astype(np.uint8).view(np.int8).astype(np.int32)
-    return {
-        "Q4_0": ((lo - 8) ** 2 + (hi - 8) ** 2, lo + hi - 16),
-        "Q4_1": (lo**2 + hi**2, lo + hi),
-        "Q8_0": (signed**2, signed),
-    }
-
-
-_TABLES = _byte_tables()
+_NORM_WEIGHTS = 1 << 22
+"""Weights per chunk of rows where ``row_norms`` dequantizes through torch (no C++ operator)."""
 
 
 def row_norms(codes: GGUFWeight) -> torch.Tensor:
-    """``|W_j|`` of every row of the dequantized weight, float32 ``[N]``, from the codes in closed form
-    (per block ``d^2 sum q^2``, plus ``2 d m sum q + 32 m^2`` for Q4_1's offset; the code sums exact
-    integers from a per-byte table, the rest in float64, a chunk of rows at a time): within a few
-    float64 roundings of the norm of the float32 dequantization, without making it."""
+    """``|W_j|`` of every row of the dequantized weight, float32 ``[N]``: the squares of the float32
+    dequantization (bitwise gguf's) summed in float64, the root rounded once to float32. By
+    ``treeserve::codes_row_norms`` (parallel over rows, no dequantized matrix) where it is built, else
+    through torch a chunk of rows at a time."""
     n, k = codes.shape
-    nb = k // 32
-    squares, sums = (t.astype(np.uint16 if codes.qtype != "Q8_0" else np.int32) for t in _TABLES[codes.qtype])
-    code_bytes = 32 if codes.qtype == "Q8_0" else 16
-    raw = codes.raw.numpy()
-    step = max(1, (1 << 22) // k)
-    out = np.empty(n, np.float64)
-    for start in range(0, n, step):
-        blocks = raw[start : start + step].reshape(-1, nb, raw.shape[1] // nb)
-        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float64)
-        q = blocks[..., -code_bytes:]
-        sq = d * d * squares[q].sum(-1, dtype=np.int64)
-        if codes.qtype == "Q4_1":
-            m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float64)
-            sq += 2 * d * m * sums[q].sum(-1, dtype=np.int64) + 32 * m * m
-        out[start : start + step] = np.sqrt(sq.sum(1))
-    return torch.from_numpy(out.astype(np.float32))
+    if gguf_op_available():
+        return torch.ops.treeserve.codes_row_norms(codes.raw, codes.qtype, k)
+    step = max(1, _NORM_WEIGHTS // k)
+    parts = [GGUFWeight(codes.qtype, codes.raw[s : s + step], k).dequantize().double().norm(dim=1)
+             for s in range(0, n, step)]
+    return torch.cat(parts).float()
 
 
 class _Codes(nn.Module):
@@ -130,7 +109,7 @@ class CodesHead(_Codes):
 
     Requires the C++ GGUF operator (``gguf_op_available()``; ``RuntimeError`` otherwise: a loader
     without it keeps the float32 head). ``row_norms`` (``|W_j|``, float32 ``[V]``) are computed
-    once from the codes, a chunk of rows at a time.
+    once from the codes (:func:`row_norms`).
     """
 
     def __init__(self, codes: GGUFWeight) -> None:

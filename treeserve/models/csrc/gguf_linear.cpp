@@ -10,7 +10,8 @@
 //   to: |sum| < 2^24), then y += (d s_b) * sum in float32; Q4_1's offset adds m * sum(x) with the float32
 //   block sums of the unrounded x. Q4_0 codes are q - 8 in integers.
 // - gguf_linear_q8 (large batches of models whose codes serve every batch): int8 activations, below.
-// Parallel over N. Beside them: gguf_dequantize, and codes_head_rescore (CodesHead's exact re-scoring).
+// Parallel over N. Beside them: gguf_dequantize, codes_row_norms (CodesHead's |W_j|) and codes_head_rescore
+// (CodesHead's exact re-scoring).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -593,6 +594,34 @@ float codes_dot(QType t, const uint8_t* row, const float* x, int64_t nb) {
   return s;
 }
 
+// treeserve::codes_row_norms: |W_j| of every row of w [N, K/32 * block bytes] as float32 [N]: the squares of the
+// row's dequantized float32 weights (dequantize_block, bitwise gguf's) summed in float64, in block order, then
+// the square root rounded once to float32. Parallel over rows.
+at::Tensor codes_row_norms(const at::Tensor& w, std::string qtype, int64_t K) {
+  const QType t = parse_qtype(qtype);
+  TORCH_CHECK_VALUE(K > 0 && K % GROUP == 0, "codes_row_norms: K must be a positive multiple of 32, got ", K);
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / GROUP * block_bytes(t),
+                    "codes_row_norms: w must be uint8 [N, K/32 * block bytes] = [N, ", K / GROUP * block_bytes(t),
+                    "], got ", w.scalar_type(), " ", w.sizes());
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = w.size(0), nb = K / GROUP, bb = block_bytes(t);
+  at::Tensor out = at::empty({N}, w.options().dtype(at::kFloat));
+  const uint8_t* wp = wc.const_data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / K), [&](int64_t n0, int64_t n1) {
+    float v[GROUP];
+    for (int64_t n = n0; n < n1; ++n) {
+      double sum = 0.0;
+      for (int64_t b = 0; b < nb; ++b) {
+        dequantize_block(t, wp + (n * nb + b) * bb, v);
+        for (int i = 0; i < GROUP; ++i) sum += static_cast<double>(v[i]) * v[i];
+      }
+      op[n] = static_cast<float>(std::sqrt(sum));
+    }
+  });
+  return out;
+}
+
 // treeserve::codes_head_rescore: CodesHead's re-scoring after its first pass (gguf_linear or
 // gguf_linear_q8 on the head's codes w [V, K/32 * block bytes]), in place in logits [M, V] (float32):
 // with fx = bound[m] (the first pass's error bound per unit of |W_j|, CodesHead.row_bound) and
@@ -1148,6 +1177,7 @@ TREESERVE_FRAGMENT(TREESERVE_LIBRARY, m) {
   m.def("gguf_linear_exact(Tensor x, Tensor w, str qtype, int K) -> Tensor");
   m.def("gguf_dequantize(Tensor w, str qtype, int K) -> Tensor");
   m.def("gguf_linear_q8(Tensor x, Tensor w, str qtype, int K) -> Tensor");
+  m.def("codes_row_norms(Tensor w, str qtype, int K) -> Tensor");
   m.def("codes_head_rescore(Tensor(a!) logits, Tensor x, Tensor w, str qtype, int K, Tensor bound, "
         "Tensor row_norms) -> ()");
 }
@@ -1157,5 +1187,6 @@ TREESERVE_IMPL(TREESERVE_LIBRARY, CPU, m) {
   m.impl("gguf_linear_exact", &gguf_linear_exact);
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("gguf_linear_q8", &gguf_linear_q8);
+  m.impl("codes_row_norms", &codes_row_norms);
   m.impl("codes_head_rescore", &codes_head_rescore);
 }
