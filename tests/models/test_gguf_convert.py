@@ -209,9 +209,10 @@ def test_which_types_convert_and_bad_tensors() -> None:
     assert as_blocks(t, (4, 32)) is not None and as_blocks(t, (2, 48)) is None  # K must be a multiple of 32
 
 
+@pytest.mark.parametrize("mixture", ["Q4_K_M", "Q5_K_M"])
 @pytest.mark.parametrize("spec", [KSPEC, QSPEC], ids=["untied", "tied"])
-def test_the_q4_k_m_mixture_follows_llama_cpp(tmp_path: Path, spec: SyntheticSpec) -> None:
-    path = write_synthetic_gguf(tmp_path / "m.gguf", spec, "Q4_K_M", seed=2)
+def test_the_k_m_mixtures_follow_llama_cpp(tmp_path: Path, spec: SyntheticSpec, mixture: str) -> None:
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec, mixture, seed=2)
     tensors = open_gguf(path).tensors
     more = {0, 7, 3, 6}  # use_more_bits over 8 layers: the first and last eighth, then every third from 1
     head = "token_embd.weight" if spec.tie_word_embeddings else "output.weight"  # the head's tensor: Q6_K
@@ -222,16 +223,16 @@ def test_the_q4_k_m_mixture_follows_llama_cpp(tmp_path: Path, spec: SyntheticSpe
             continue
         kind = name.split(".")[-2] if name.startswith("blk.") else name
         bumped = kind in ("attn_v", "ffn_down") and int(name.split(".")[1]) in more
-        want = "Q6_K" if name == head or bumped else "Q4_K"
+        want = "Q6_K" if name == head or bumped else mixture[:4]
         assert t.tensor_type.name == want, name
-        assert tensor_type(name, "Q4_K_M", spec.num_layers, spec.tie_word_embeddings) == want, name
+        assert tensor_type(name, mixture, spec.num_layers, spec.tie_word_embeddings) == want, name
         w = dequantize(np.asarray(t.data), t.tensor_type)
         assert np.isfinite(w).all() and 0.01 < w.std() < 0.04, (name, w.std())
 
 
 @needs_op
-@pytest.mark.parametrize(("qtype", "spec"), [("Q4_K_M", KSPEC), ("Q6_K", KSPEC), ("Q4_K_M", QSPEC)],
-                         ids=["llama-Q4_K_M", "llama-Q6_K", "qwen2-Q4_K_M"])
+@pytest.mark.parametrize(("qtype", "spec"), [("Q4_K_M", KSPEC), ("Q6_K", KSPEC), ("Q4_K_M", QSPEC), ("Q5_K_M", KSPEC)],
+                         ids=["llama-Q4_K_M", "llama-Q6_K", "qwen2-Q4_K_M", "llama-Q5_K_M"])
 def test_k_quant_files_load_from_their_codes_alone(tmp_path: Path, qtype: str, spec: SyntheticSpec,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_synthetic_gguf(tmp_path / "m.gguf", spec, qtype, seed=1)

@@ -28,13 +28,15 @@ __all__ = ["QTYPES", "SPECS", "SyntheticSpec", "add_metadata", "synthetic_tensor
 
 _WEIGHT_STD = 0.02
 # Spread of each block's weight over its scale ``d`` (uniform random codes): Q4_0 ``q - 8``, Q4_1 ``q`` (centred
-# by its minimum), Q8_0 ``q`` (int8), Q4_K ``sc q - 7.5 m`` (6-bit sc, m; its dmin 7.5 d centres it), Q6_K
-# ``sc (q - 32)`` (int8 sc, 6-bit q).
-_CODE_STD = {"Q4_0": 4.61, "Q4_1": 4.61, "Q8_0": 73.9, "Q4_K": 258.0, "Q6_K": 1365.0}
+# by its minimum), Q8_0 ``q`` (int8), Q4_K ``sc q - 7.5 m`` (6-bit sc, m; its dmin 7.5 d centres it), Q5_K
+# ``sc q - 15.5 m`` (5-bit q, dmin 15.5 d), Q6_K ``sc (q - 32)`` (int8 sc, 6-bit q).
+_CODE_STD = {"Q4_0": 4.61, "Q4_1": 4.61, "Q8_0": 73.9, "Q4_K": 258.0, "Q5_K": 527.0, "Q6_K": 1365.0}
 _SCALE_AT = {"Q6_K": 208}  # byte offset of a block's f16 d (0 for the others)
-QTYPES = (*_CODE_STD, "Q4_K_M")
+_MIN_OVER_D = {"Q4_1": -7.5, "Q4_K": 7.5, "Q5_K": 15.5}  # the minimum (Q4_1's m, the k-quants' dmin) over d
+_MIXTURES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # llama.cpp's mixtures: their base type
+QTYPES = (*_CODE_STD, *_MIXTURES)
 """The ``qtype`` values :func:`write_synthetic_gguf` takes: one type for every 2-D weight, or
-``"Q4_K_M"``, llama.cpp's mixture of that name (:func:`tensor_type`)."""
+``"Q4_K_M"`` / ``"Q5_K_M"``, llama.cpp's mixtures of those names (:func:`tensor_type`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,17 +93,17 @@ def _vocabulary(size: int) -> list[str]:
 
 
 def _random_blocks(rng: np.random.Generator, qtype: str, shape: tuple[int, int]) -> np.ndarray:
-    """``shape`` weights as ``qtype`` blocks: uniform random code bytes (Q4_K's and Q6_K's sub-block
+    """``shape`` weights as ``qtype`` blocks: uniform random code bytes (the k-quants' sub-block
     scales included), f16 scales of about ``_WEIGHT_STD / code std`` (x0.5..1.5), Q4_1's and
-    Q4_K's minimum centring the codes."""
+    Q4_K's / Q5_K's minimum centring the codes."""
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     n_blocks = shape[0] * shape[1] // block
     blocks = np.frombuffer(bytearray(rng.bytes(n_blocks * type_size)), np.uint8).reshape(n_blocks, type_size)
     d = (_WEIGHT_STD / _CODE_STD[qtype] * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
     at = _SCALE_AT.get(qtype, 0)
     blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
-    if qtype in ("Q4_1", "Q4_K"):
-        m = (-7.5 if qtype == "Q4_1" else 7.5) * d.astype(np.float32)
+    if qtype in _MIN_OVER_D:
+        m = _MIN_OVER_D[qtype] * d.astype(np.float32)
         blocks[:, 2:4] = m.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return blocks.reshape(shape[0], -1)
 
@@ -113,17 +115,17 @@ def _more_bits(layer: int, num_layers: int) -> bool:
 
 def tensor_type(name: str, qtype: str, num_layers: int, tied: bool = False) -> str:
     """The type of 2-D weight ``name`` (GGUF name) in a file of ``qtype``: ``qtype`` itself, or for
-    ``"Q4_K_M"`` what llama.cpp's quantizer picks (simplified to the Llama tensors): Q6_K for the
-    output head (the token embedding where the head is tied to it, ``tied``) and for ``attn_v`` /
-    ``ffn_down`` in the layers of ``use_more_bits``, Q4_K elsewhere."""
-    if qtype != "Q4_K_M":
+    ``"Q4_K_M"`` / ``"Q5_K_M"`` what llama.cpp's quantizer picks (simplified to the Llama tensors): Q6_K
+    for the output head (the token embedding where the head is tied to it, ``tied``) and for ``attn_v``
+    / ``ffn_down`` in the layers of ``use_more_bits``, the base type (Q4_K / Q5_K) elsewhere."""
+    if qtype not in _MIXTURES:
         return qtype
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         return "Q6_K"
     parts = name.split(".")
     if len(parts) == 4 and parts[2] in ("attn_v", "ffn_down") and _more_bits(int(parts[1]), num_layers):
         return "Q6_K"
-    return "Q4_K"
+    return _MIXTURES[qtype]
 
 
 def _tensor(name: str, shape: tuple[int, ...], qtype: str, rng: np.random.Generator) -> np.ndarray:
@@ -159,9 +161,9 @@ def write_synthetic_gguf(path: str | Path, spec: str | SyntheticSpec = "llama-3.
                          seed: int = 0, num_layers: int | None = None) -> Path:
     """Write the synthetic GGUF file of ``spec`` (a name of ``SPECS`` or a ``SyntheticSpec``) to ``path``.
 
-    ``qtype``: one of :data:`QTYPES` (``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``, ``"Q4_K"``, ``"Q6_K"`` for every
-    2-D weight, or the ``"Q4_K_M"`` mixture; the k-quants need widths that are multiples of 256, as
-    every spec's are); ``seed``: the codes;
+    ``qtype``: one of :data:`QTYPES` (``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``, ``"Q4_K"``, ``"Q5_K"``, ``"Q6_K"``
+    for every 2-D weight, or the ``"Q4_K_M"`` / ``"Q5_K_M"`` mixtures; the k-quants need widths that are
+    multiples of 256, as every spec's are); ``seed``: the codes;
     ``num_layers``: keep only the first layers (a smaller file of the same widths). ``ValueError``
     names a bad ``spec``, ``qtype`` or ``num_layers``. Returns ``path``."""
     if isinstance(spec, str):
