@@ -25,6 +25,7 @@ from treeserve.models.gguf_file import GGUFTensor, read_gguf, release_pages
 from treeserve.models.llama import LlamaForCausalLM
 from treeserve.models.parallel import TPShard, check_shard_quantization
 from treeserve.models.gguf_op import BLOCK_BYTES, GROUP, GGUFWeight, gguf_op_available
+from treeserve.models.blocks_cache import cached_blocks
 from treeserve.models.int8_cache import source_id
 from treeserve.models.quant import PACKABLE, Int4Planes, pack_model, planes_from_gguf
 from treeserve.models.vocab_codes import CodesEmbedding, CodesHead, head_from_codes
@@ -202,6 +203,7 @@ def load_gguf_model(
     }
 
     use_op = quantization is not None and gguf_op_available()
+    source = source_id(g.path)  # the disk caches' key (int8 copies, built blocks), None where not cached
     shapes = expected_hf_shapes(config)
 
     def file_shape(hf: str) -> tuple[int, ...]:
@@ -271,7 +273,8 @@ def load_gguf_model(
         blocks the operator multiplies (``gguf_convert.as_blocks``: Q4_0 / Q4_1 / Q8_0 as shipped,
         Q4_K repacked as Q4_1, other quantized types requantized to Q8_0; a group whose tensors end
         in different types all Q8_0), its rows written once, unpermuted on the way, into one
-        buffer; a single shipped tensor without a permutation is the file's pages (no copy)."""
+        buffer, which ``blocks_cache`` keeps on disk and maps on the next load of the file; a
+        single shipped tensor without a permutation is the file's pages (no copy)."""
         if any(len(file_shape(hf)) != 2 for hf in hfs) or len({file_shape(hf)[1] for hf in hfs}) != 1:
             return None
         k = file_shape(hfs[0])[1]
@@ -279,23 +282,28 @@ def load_gguf_model(
         if None in types:
             return None
         qtype = "Q8_0" if len(types) > 1 else types.pop()
-        if len(hfs) == 1 and heads_of(hfs[0]) is None:
+        if len(hfs) == 1 and heads_of(hfs[0]) is None and by_hf[hfs[0]].tensor_type.name == qtype:
             found = as_blocks(by_hf[hfs[0]], file_shape(hfs[0]))
             return None if found is None else GGUFWeight.from_bytes(found[0], found[1], (file_shape(hfs[0])[0], k))
-        # One buffer; each part converted (or copied) straight into its rows, or, where llama.cpp's Q/K row
-        # permutation must be undone, converted alone and unpermuted into them.
-        out = torch.empty(sum(file_shape(hf)[0] for hf in hfs), k // GROUP * BLOCK_BYTES[qtype], dtype=torch.uint8)
-        start = 0
-        for hf in hfs:
-            rows, heads = file_shape(hf)[0], heads_of(hf)
-            dest = out[start : start + rows]
-            start += rows
-            found = as_blocks(by_hf[hf], file_shape(hf), qtype, into=dest if heads is None else None)
-            if found is None:
-                return None
-            if heads is not None:
-                unpermute_into(dest.numpy(), found[1], heads)
-        return GGUFWeight.from_bytes(qtype, out, (out.shape[0], k))
+
+        def build(out: torch.Tensor) -> bool:
+            """Each part converted (or copied) straight into its rows of ``out``, or, where llama.cpp's Q/K
+            row permutation must be undone, converted alone and unpermuted into them."""
+            start = 0
+            for hf in hfs:
+                rows, heads = file_shape(hf)[0], heads_of(hf)
+                dest = out[start : start + rows]
+                start += rows
+                found = as_blocks(by_hf[hf], file_shape(hf), qtype, into=dest if heads is None else None)
+                if found is None:
+                    return False
+                if heads is not None:
+                    unpermute_into(dest.numpy(), found[1], heads)
+            return True
+
+        rows = sum(file_shape(hf)[0] for hf in hfs)
+        out = cached_blocks(source, hfs, qtype, rows, k // GROUP * BLOCK_BYTES[qtype], build)
+        return None if out is None else GGUFWeight.from_bytes(qtype, out, (rows, k))
 
     def planes_for(name: str) -> Int4Planes | GGUFWeight | None:
         if use_op:
@@ -320,7 +328,7 @@ def load_gguf_model(
                         if not _file_view(found, by_hf[sources[name + ".weight"][0]]):
                             for hf in sources[name + ".weight"]:  # fused, unpermuted or converted: a copy
                                 release_pages(by_hf[hf])
-    vocab = _vocab_codes(config, by_hf, shapes) if codes else _VocabCodes(None, None)
+    vocab = _vocab_codes(config, by_hf, shapes, source) if codes else _VocabCodes(None, None)
     if codes:
         _log_conversions(g.path, by_hf.values())
     skip = {name + ".weight" for name in codes}
@@ -336,7 +344,7 @@ def load_gguf_model(
     head = codes_of(head_name) if use_op and head_name in by_hf and vocab.head is None else None
     return pack_model(model, lambda name: codes[name] if name in codes else planes_for(name), quantization,
                       head_codes=head if isinstance(head, GGUFWeight) else None, unloaded=codes.keys(),
-                      source=source_id(g.path))
+                      source=source)
 
 
 def _log_conversions(path: Path, tensors: Iterable[GGUFTensor]) -> None:
@@ -358,25 +366,32 @@ class _VocabCodes(NamedTuple):
     head: GGUFWeight | None
 
 
-def _vocab_codes(config: ModelConfig, by_hf: dict[str, GGUFTensor], shapes: dict[str, tuple[int, ...]]) -> _VocabCodes:
+def _vocab_codes(config: ModelConfig, by_hf: dict[str, GGUFTensor], shapes: dict[str, tuple[int, ...]],
+                 source: str | None) -> _VocabCodes:
     """The token embedding and LM head a CPU load with the GGUF operator keeps as the file's blocks
     (``treeserve.models.vocab_codes``): the head when ``head_from_codes`` says so, the embedding
-    unless it is also the float32 head (tied), as the blocks ``gguf_convert.as_blocks`` gives. Either
-    is None where its tensor is not quantized or not of the expected shape (``build_model`` then
-    loads it, or reports the bad shape)."""
+    unless it is also the float32 head (tied), as the blocks ``gguf_convert.as_blocks`` gives (a
+    converted tensor's kept by ``blocks_cache`` for the file ``source``). Either is None where its
+    tensor is not quantized or not of the expected shape (``build_model`` then loads it, or reports
+    the bad shape)."""
 
     def codes(hf: str) -> GGUFWeight | None:
         t = by_hf.get(hf)
         if t is None:
             return None
         shape = tuple(int(d) for d in reversed(t.shape))
-        blocks = as_blocks(t, shape) if shape == shapes[hf] else None  # type: ignore[arg-type]
-        if blocks is None:
+        qtype = converted_type(t.tensor_type.name)
+        if shape != shapes[hf] or qtype is None or len(shape) != 2:
             return None
-        w = GGUFWeight.from_bytes(blocks[0], blocks[1], shape)  # type: ignore[arg-type]
-        if not _file_view(w, t):
-            release_pages(t)
-        return w
+        if qtype == t.tensor_type.name:  # the file's pages
+            found = as_blocks(t, shape)  # type: ignore[arg-type]
+            return None if found is None else GGUFWeight.from_bytes(qtype, found[1], shape)  # type: ignore[arg-type]
+        built = cached_blocks(source, [hf], qtype, shape[0], shape[1] // GROUP * BLOCK_BYTES[qtype],
+                              lambda out: as_blocks(t, shape, qtype, into=out) is not None)  # type: ignore[arg-type]
+        if built is None:
+            return None
+        release_pages(t)
+        return GGUFWeight.from_bytes(qtype, built, shape)  # type: ignore[arg-type]
 
     embedding = codes("model.embed_tokens.weight")
     head_hf = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"

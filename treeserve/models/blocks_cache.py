@@ -1,0 +1,145 @@
+"""GGUF blocks built at load kept on disk per source file, mapped back on a warm start (issue 33).
+
+A k-quant file's tensors are converted at load into the blocks the GGUF operator multiplies
+(``gguf_convert``), and fused projections whose parts are permuted or converted are written into
+one buffer (``gguf_loader``): on Llama-3.2-1B shapes in llama.cpp's ``Q4_K_M`` ~1.3 s of a warm
+``LLM()`` (Zen 4), most of it the conversion and the first touch of fresh memory. ``cached_blocks``
+keeps each such result as one file under ``cache_dir()/blocks/`` and maps it read-only on the next
+load, as the GGUF file itself is mapped: no conversion, no copy, pages read as decode touches them.
+
+- Entry: a 4 KiB header (JSON: version, key, rows, width; zero-padded), then the ``rows x width``
+  bytes. Key: the source file's identity (``int8_cache.source_id``: resolved path, size, mtime, inode;
+  ``None`` past ``CACHE_MAX_FILE_BYTES`` or with ``TREESERVE_INT8_CACHE=0``, which turn this cache off
+  too), the tensors' names, the block type, and a hash of the code that decides the bytes
+  (``gguf_convert.py``, ``gguf_loader.py``, ``csrc/gguf_convert.cpp`` and the shared headers).
+- An entry is written through a temporary file and ``os.replace``; one that cannot be read, holds
+  another key or has the wrong size is built again and rewritten; a folder that cannot be written
+  costs the build at every start, never an error.
+- Disk use: the converted tensors' blocks, about 1.1-1.5x their share of the file. When an entry is
+  written, entries whose source file is gone or has changed are deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from treeserve._cpp import INCLUDE
+from treeserve._tuning import cache_dir, write_entry
+from treeserve.models.gguf_op import shared_tensor
+
+__all__ = ["HEADER_BYTES", "cached_blocks"]
+
+HEADER_BYTES = 4096
+"""Bytes of an entry's header; the blocks follow it (page-aligned: they are mapped in place)."""
+_VERSION = 1
+
+
+@lru_cache(maxsize=1)
+def _code_hash() -> str:
+    """A hash of the code an entry's bytes depend on (module docstring)."""
+    here = Path(__file__).parent
+    sources = [here / "gguf_convert.py", here / "gguf_loader.py", here / "csrc" / "gguf_convert.cpp",
+               *sorted(INCLUDE.glob("*.h"))]
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _folder() -> Path:
+    return cache_dir() / "blocks"
+
+
+def _header(path: Path) -> dict | None:
+    """An entry's parsed header, or None where it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+        entry = json.loads(head.rstrip(b"\0"))
+    except (OSError, ValueError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _read(path: Path, key: list[str], rows: int, width: int) -> torch.Tensor | None:
+    entry = _header(path)
+    if entry is None or entry.get("version") != _VERSION or entry.get("key") != key:
+        return None
+    if entry.get("rows") != rows or entry.get("width") != width:
+        return None
+    try:
+        if path.stat().st_size != HEADER_BYTES + rows * width:
+            return None
+        blocks = np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(rows, width))
+    except (OSError, ValueError):
+        return None
+    return shared_tensor(blocks)  # read-only map: the operator never writes its weights
+
+
+def _stale(entry: dict | None) -> bool:
+    """Whether an entry's source file is gone or has changed (its identity is the key's first item)."""
+    if entry is None or not isinstance(entry.get("key"), list) or not entry["key"]:
+        return True
+    source = str(entry["key"][0])
+    path = source.rsplit(":", 3)[0]
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return True
+    return source != f"{path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+_swept: set[Path] = set()
+
+
+def _remove_stale(folder: Path, keep: Path) -> None:
+    """Delete the entries (other than ``keep``) whose source file is gone or has changed: once per
+    folder and process, at its first write."""
+    if folder in _swept:
+        return
+    _swept.add(folder)
+    try:
+        entries = list(folder.glob("*.blocks"))
+    except OSError:
+        return
+    for path in entries:
+        if path != keep and _stale(_header(path)):
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+
+def cached_blocks(source: str | None, names: list[str], qtype: str, rows: int, width: int,
+                  build: Callable[[torch.Tensor], bool]) -> torch.Tensor | None:
+    """The uint8 ``[rows, width]`` blocks of ``names`` (one tensor or a fused group) of the file
+    ``source`` (``int8_cache.source_id``) as ``qtype``: mapped from the cache, else written by
+    ``build(out)`` into a new buffer ``out`` (``build`` returns False where it cannot: None is
+    returned and nothing stored), stored, and returned. ``source=None``: built, not cached."""
+    key = [str(k) for k in (source, "|".join(names), qtype, rows, width, _code_hash())]
+    path = _folder() / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]}.blocks"
+    if source is not None:
+        found = _read(path, key, rows, width)
+        if found is not None:
+            return found
+    out = torch.empty(rows, width, dtype=torch.uint8)
+    if not build(out):
+        return None
+    header = json.dumps({"version": _VERSION, "key": key, "rows": rows, "width": width}).encode()
+    if source is not None and len(header) <= HEADER_BYTES:  # a longer key (a path of ~4k characters): not cached
+
+        def write(f) -> None:  # type: ignore[no-untyped-def]
+            f.write(header.ljust(HEADER_BYTES, b"\0"))
+            f.write(memoryview(out.numpy()).cast("B"))
+
+        write_entry(path, write, "converted blocks cache: converting at every start")
+        _remove_stale(path.parent, path)
+    return out
