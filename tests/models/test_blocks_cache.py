@@ -11,10 +11,9 @@ import torch
 
 from tests.models.test_gguf_convert import KSPEC
 from treeserve.models import blocks_cache, gguf_convert, load
-from treeserve.models.blocks_cache import HEADER_BYTES, cached_blocks
+from treeserve.models.blocks_cache import HEADER_BYTES, MAX_FILE_BYTES, cached_blocks, source_id
 from treeserve.models.gguf_convert import convert_op_available
 from treeserve.models.gguf_op import gguf_op_available
-from treeserve.models.int8_cache import source_id
 from treeserve.models.synthetic_gguf import write_synthetic_gguf
 from treeserve.runner import PagedSequence
 
@@ -95,6 +94,11 @@ def test_no_source_a_failed_build_and_an_unwritable_folder_store_nothing(tmp_pat
     monkeypatch.setenv("TREESERVE_INT8_CACHE", "0")  # turns the weight caches off: no source identity
     assert source_id(src) is None
     monkeypatch.setenv("TREESERVE_INT8_CACHE", "1")
+    monkeypatch.setenv("TREESERVE_BLOCKS_CACHE_MAX_GB", "0")  # this cache's own limit: 0 turns it off
+    assert source_id(src) is None
+    monkeypatch.delenv("TREESERVE_BLOCKS_CACHE_MAX_GB")
+    monkeypatch.setenv("TREESERVE_INT8_CACHE_MAX_GB", "0")  # the int8 cache's limit is not this one's
+    assert source_id(src) is not None and MAX_FILE_BYTES == 16 << 30
     cache.parent.mkdir(parents=True)
     cache.write_bytes(b"a file where the folder would be")  # the folder cannot be made
     got = cached_blocks(source_id(src), ["a"], "Q8_0", 1, 34, _filler(0, calls))

@@ -93,6 +93,17 @@ def test_source_identity_and_its_limits(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("TREESERVE_INT8_CACHE", "yes")
     with pytest.raises(ValueError, match="TREESERVE_INT8_CACHE must be '0' or '1'"):
         source_id(src)
+    monkeypatch.delenv("TREESERVE_INT8_CACHE")
+    monkeypatch.setenv("TREESERVE_INT8_CACHE_MAX_GB", "0")  # another limit: nothing is small enough
+    assert source_id(src) is None and source_id(src, limit=1) is not None  # a cache's own limit wins
+    monkeypatch.setenv("TREESERVE_INT8_CACHE_MAX_GB", "1e-9")  # 1 byte
+    assert source_id(src) is not None and source_id(tmp_path / "missing.gguf") is None
+    src.write_bytes(b"xx")
+    assert source_id(src) is None
+    for bad in ("-1", "inf", "nan", "big"):
+        monkeypatch.setenv("TREESERVE_INT8_CACHE_MAX_GB", bad)
+        with pytest.raises(ValueError, match="TREESERVE_INT8_CACHE_MAX_GB must be a number of GiB >= 0"):
+            source_id(src)
 
 
 def test_no_source_builds_without_writing(cache: Path) -> None:

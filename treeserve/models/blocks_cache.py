@@ -8,22 +8,23 @@ keeps each such result as one file under ``cache_dir()/blocks/`` and maps it rea
 load, as the GGUF file itself is mapped: no conversion, no copy, pages read as decode touches them.
 
 - Entry: a 4 KiB header (JSON: version, key, rows, width; zero-padded), then the ``rows x width``
-  bytes. Key: the source file's identity (``int8_cache.source_id``: resolved path, size, mtime, inode;
-  ``None`` past ``CACHE_MAX_FILE_BYTES`` or with ``TREESERVE_INT8_CACHE=0``, which turn this cache off
-  too), the tensors' names, the block type, and a hash of the code that decides the bytes
+  bytes. Key: the source file's identity (``source_id``: resolved path, size, mtime, inode; ``None``
+  for files above ``MAX_FILE_BYTES`` (16 GiB; ``TREESERVE_BLOCKS_CACHE_MAX_GB`` sets another limit,
+  ``0`` turns this cache off) or with ``TREESERVE_INT8_CACHE=0``, which turns both weight caches off),
+  the tensors' names, the block type, and a hash of the code that decides the bytes
   (``gguf_convert.py``, ``gguf_loader.py``, ``csrc/gguf_convert.cpp`` and the shared headers).
 - An entry is written through a temporary file and ``os.replace``; one that cannot be read, holds
   another key or has the wrong size is built again and rewritten; a folder that cannot be written
   costs the build at every start, never an error.
-- Disk use: the converted tensors' blocks, about 1.1-1.5x their share of the file. When an entry is
-  written, entries whose source file is gone or has changed are deleted.
+- Disk use: the built blocks, about 1.1-1.5x the share of the file they come from (0.9 GB for a
+  ``Q4_K_M`` Llama-3.2-1B, 5.5 GB for a ``Q4_K_M`` Llama-3-8B). When an entry is written, entries
+  whose source file is gone or has changed are deleted.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -34,12 +35,21 @@ import torch
 from treeserve._cpp import INCLUDE
 from treeserve._tuning import cache_dir, write_entry
 from treeserve.models.gguf_op import shared_tensor
+from treeserve.models.int8_cache import max_file_bytes
+from treeserve.models.int8_cache import source_id as file_identity
 
-__all__ = ["HEADER_BYTES", "cached_blocks"]
+__all__ = ["HEADER_BYTES", "MAX_FILE_BYTES", "cached_blocks", "source_id"]
 
 HEADER_BYTES = 4096
 """Bytes of an entry's header; the blocks follow it (page-aligned: they are mapped in place)."""
 _VERSION = 1
+MAX_FILE_BYTES = 16 << 30
+"""Source files larger than this (unless ``TREESERVE_BLOCKS_CACHE_MAX_GB`` says otherwise) are not cached."""
+
+
+def source_id(path: str | Path) -> str | None:
+    """``int8_cache.source_id`` of ``path`` under this cache's size limit (module docstring)."""
+    return file_identity(path, max_file_bytes("TREESERVE_BLOCKS_CACHE_MAX_GB", MAX_FILE_BYTES))
 
 
 @lru_cache(maxsize=1)
@@ -121,7 +131,7 @@ def _remove_stale(folder: Path, keep: Path) -> None:
 def cached_blocks(source: str | None, names: list[str], qtype: str, rows: int, width: int,
                   build: Callable[[torch.Tensor], bool]) -> torch.Tensor | None:
     """The uint8 ``[rows, width]`` blocks of ``names`` (one tensor or a fused group) of the file
-    ``source`` (``int8_cache.source_id``) as ``qtype``: mapped from the cache, else written by
+    ``source`` (:func:`source_id`) as ``qtype``: mapped from the cache, else written by
     ``build(out)`` into a new buffer ``out`` (``build`` returns False where it cannot: None is
     returned and nothing stored), stored, and returned. ``source=None``: built, not cached."""
     key = [str(k) for k in (source, "|".join(names), qtype, rows, width, _code_hash())]

@@ -26,6 +26,7 @@ from treeserve.models.llama import LlamaForCausalLM
 from treeserve.models.parallel import TPShard, check_shard_quantization
 from treeserve.models.gguf_op import BLOCK_BYTES, GROUP, GGUFWeight, gguf_op_available
 from treeserve.models.blocks_cache import cached_blocks
+from treeserve.models.blocks_cache import source_id as blocks_source
 from treeserve.models.int8_cache import source_id
 from treeserve.models.quant import PACKABLE, Int4Planes, pack_model, planes_from_gguf
 from treeserve.models.vocab_codes import CodesEmbedding, CodesHead, head_from_codes
@@ -203,7 +204,7 @@ def load_gguf_model(
     }
 
     use_op = quantization is not None and gguf_op_available()
-    source = source_id(g.path)  # the disk caches' key (int8 copies, built blocks), None where not cached
+    built = blocks_source(g.path)  # the built blocks' cache key, None where not cached
     shapes = expected_hf_shapes(config)
 
     def file_shape(hf: str) -> tuple[int, ...]:
@@ -302,7 +303,7 @@ def load_gguf_model(
             return True
 
         rows = sum(file_shape(hf)[0] for hf in hfs)
-        out = cached_blocks(source, hfs, qtype, rows, k // GROUP * BLOCK_BYTES[qtype], build)
+        out = cached_blocks(built, hfs, qtype, rows, k // GROUP * BLOCK_BYTES[qtype], build)
         return None if out is None else GGUFWeight.from_bytes(qtype, out, (rows, k))
 
     def planes_for(name: str) -> Int4Planes | GGUFWeight | None:
@@ -328,7 +329,7 @@ def load_gguf_model(
                         if not _file_view(found, by_hf[sources[name + ".weight"][0]]):
                             for hf in sources[name + ".weight"]:  # fused, unpermuted or converted: a copy
                                 release_pages(by_hf[hf])
-    vocab = _vocab_codes(config, by_hf, shapes, source) if codes else _VocabCodes(None, None)
+    vocab = _vocab_codes(config, by_hf, shapes, built) if codes else _VocabCodes(None, None)
     if codes:
         _log_conversions(g.path, by_hf.values())
     skip = {name + ".weight" for name in codes}
@@ -344,7 +345,7 @@ def load_gguf_model(
     head = codes_of(head_name) if use_op and head_name in by_hf and vocab.head is None else None
     return pack_model(model, lambda name: codes[name] if name in codes else planes_for(name), quantization,
                       head_codes=head if isinstance(head, GGUFWeight) else None, unloaded=codes.keys(),
-                      source=source)
+                      source=source_id(g.path))
 
 
 def _log_conversions(path: Path, tensors: Iterable[GGUFTensor]) -> None:

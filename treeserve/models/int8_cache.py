@@ -15,9 +15,10 @@ prepack only): bitwise the weight ``from_dense`` makes.
 - an entry is written through a temporary file and ``os.replace``; one that cannot be read, holds
   another key, or tensors of the wrong dtype or shape is built again and rewritten; a folder that
   cannot be written costs the build at every start, never an error;
-- sources above ``CACHE_MAX_FILE_BYTES`` (2 GiB) are not cached (the entries take 1 byte per
-  projection weight on disk: 0.1 GB for SmolLM2-135M, 7 GB for an 8B model);
-  ``TREESERVE_INT8_CACHE=0`` turns the cache off.
+- sources above ``CACHE_MAX_FILE_BYTES`` (2 GiB; ``TREESERVE_INT8_CACHE_MAX_GB`` sets another limit, in
+  GiB) are not cached (the entries take 1 byte per projection weight on disk: 0.1 GB for
+  SmolLM2-135M, 7 GB for an 8B model); ``TREESERVE_INT8_CACHE=0`` turns the cache off, and
+  ``blocks_cache`` with it (``source_id`` keys both, each with its own size limit).
 """
 
 from __future__ import annotations
@@ -34,17 +35,33 @@ import torch
 from treeserve._tuning import cache_dir, host_key, write_entry
 from treeserve.models.int8_op import Int8Weight, round_rotated
 
-__all__ = ["CACHE_MAX_FILE_BYTES", "int8_weight", "source_id"]
+__all__ = ["CACHE_MAX_FILE_BYTES", "max_file_bytes", "int8_weight", "source_id"]
 
 CACHE_MAX_FILE_BYTES = 2 << 30
 """Sources larger than this are not cached (see the module docstring)."""
 _VERSION = 1
 
 
-def source_id(path: str | Path) -> str | None:
+def max_file_bytes(variable: str, default: int) -> int:
+    """The largest source file a weight cache keeps entries for: the environment ``variable`` (GiB, a
+    number >= 0; ``ValueError`` naming it otherwise) where set, else ``default`` bytes."""
+    text = os.environ.get(variable)
+    if text is None:
+        return default
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = float("nan")
+    if not 0 <= gib < float("inf"):
+        raise ValueError(f"{variable} must be a number of GiB >= 0, got {text!r}")
+    return int(gib * 2**30)
+
+
+def source_id(path: str | Path, limit: int | None = None) -> str | None:
     """The identity of the file at ``path`` for cache keys (resolved path, size, mtime in ns, inode),
-    or None when it is larger than ``CACHE_MAX_FILE_BYTES``, cannot be read, or ``TREESERVE_INT8_CACHE``
-    is ``0`` (``ValueError`` for a value other than ``0`` / ``1``)."""
+    or None when it is larger than ``limit`` bytes (default: the int8 cache's,
+    ``max_file_bytes("TREESERVE_INT8_CACHE_MAX_GB", CACHE_MAX_FILE_BYTES)``), cannot be read, or
+    ``TREESERVE_INT8_CACHE`` is ``0`` (``ValueError`` for a value other than ``0`` / ``1``)."""
     env = os.environ.get("TREESERVE_INT8_CACHE")
     if env not in (None, "0", "1"):
         raise ValueError(f"TREESERVE_INT8_CACHE must be '0' or '1', got {env!r}")
@@ -53,7 +70,9 @@ def source_id(path: str | Path) -> str | None:
         st = resolved.stat()
     except OSError:
         return None
-    if env == "0" or st.st_size > CACHE_MAX_FILE_BYTES:
+    if limit is None:
+        limit = max_file_bytes("TREESERVE_INT8_CACHE_MAX_GB", CACHE_MAX_FILE_BYTES)
+    if env == "0" or st.st_size > limit:
         return None
     return f"{resolved}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
 
