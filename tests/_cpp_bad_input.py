@@ -106,6 +106,13 @@ CASES: dict[str, tuple[Callable[[], str | None], dict[str, Callable[[], object]]
         "block bytes": lambda: ops.gguf_linear_q8(z(1, 32), z(4, 33, dtype=torch.uint8), "Q4_0", 32),
         "x shape": lambda: ops.gguf_linear_q8(z(1, 64), z(4, 18, dtype=torch.uint8), "Q4_0", 32),
     }),
+    "codes_row_norms": (load_gguf_linear_op, {
+        "unknown qtype": lambda: ops.codes_row_norms(z(4, 34, dtype=torch.uint8), "Q5_K", 32),
+        "K not a multiple of 32": lambda: ops.codes_row_norms(z(4, 34, dtype=torch.uint8), "Q8_0", 16),
+        "block bytes": lambda: ops.codes_row_norms(z(4, 33, dtype=torch.uint8), "Q8_0", 32),
+        "w dtype": lambda: ops.codes_row_norms(z(4, 34, dtype=torch.int8), "Q8_0", 32),
+        "w rank": lambda: ops.codes_row_norms(z(136, dtype=torch.uint8), "Q8_0", 32),
+    }),
     "int8_linear": (lambda: None if int8_available() else "oneDNN quantized linear unavailable", {
         "x dtype": lambda: ops.int8_linear(z(1, 64, dtype=torch.float64), z(4, 64, dtype=torch.int8), z(4), z(4), z(1, 1)),
         "K not a multiple of 64": lambda: ops.int8_linear(z(1, 32), z(4, 32, dtype=torch.int8), z(4), z(4), z(1, 1)),

@@ -205,6 +205,26 @@ def test_a_cache_that_cannot_be_written_still_measures(tmp_path: Path, monkeypat
     clear_memo()
 
 
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_an_interrupted_write_leaves_no_temporary_file(tmp_path: Path, failure: BaseException) -> None:
+    """``write_entry``: a write that fails part-way (a full disk: logged, the entry not written; an
+    interrupt: raised) removes its temporary file; the folder holds what it held before."""
+    target = tmp_path / "entries" / "e.json"
+
+    def write(f) -> None:  # type: ignore[no-untyped-def]
+        f.write(b"partial")
+        raise failure
+
+    if isinstance(failure, OSError):
+        _tuning.write_entry(target, write, "test cache")
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            _tuning.write_entry(target, write, "test cache")
+    assert list(target.parent.iterdir()) == []
+    _tuning.write_entry(target, lambda f: f.write(b"whole"), "test cache")
+    assert target.read_bytes() == b"whole" and list(target.parent.iterdir()) == [target]
+
+
 def test_bad_arguments_name_the_field(cache: Path) -> None:
     with pytest.raises(ValueError, match="kind"):
         measured("a b", (), int, Counter(1))

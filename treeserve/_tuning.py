@@ -27,6 +27,7 @@ Results are also memoized in the process, so a key is read from disk at most onc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -145,16 +146,23 @@ def _read(path: Path, kind: str, key: list[str], value_type: type) -> _Entry | N
 
 def write_entry(path: Path, write: Callable[[IO[bytes]], object], what: str) -> None:
     """Write a cache entry at ``path`` through ``write(binary file)``, atomically (a temporary file in
-    the same folder, then ``os.replace``); a folder that cannot be written is logged once
-    (``what``: the cache's name and the consequence), never raised."""
+    the same folder, then ``os.replace``); a folder that cannot be written (or a full disk) is logged
+    once (``what``: the cache's name and the consequence), never raised. The temporary file is removed
+    whatever stops the write (an error, an interrupt: re-raised)."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)
+        tmp = None
     except OSError as exc:
         log_once(f"treeserve: {what} ({path.parent} not writable: {exc})")
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _write(path: Path, kind: str, key: list[str], entry: _Entry) -> None:

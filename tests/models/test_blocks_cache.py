@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,8 @@ from treeserve.runner import PagedSequence
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("TREESERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("TREESERVE_INT8_CACHE", raising=False)
+    for name in ("TREESERVE_INT8_CACHE", "TREESERVE_INT8_CACHE_MAX_GB", "TREESERVE_BLOCKS_CACHE_MAX_GB"):
+        monkeypatch.delenv(name, raising=False)
     blocks_cache._swept.clear()
     return tmp_path / "cache" / "blocks"
 
@@ -105,20 +107,32 @@ def test_no_source_a_failed_build_and_an_unwritable_folder_store_nothing(tmp_pat
     assert got is not None and calls == [1, 1] and cache.is_file()
 
 
-def test_entries_of_gone_or_changed_sources_are_swept(tmp_path: Path, cache: Path) -> None:
+def test_entries_no_load_can_match_and_old_temporary_files_are_swept(tmp_path: Path, cache: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a process's first written entry: entries of a source file gone or changed, or written by other
+    code (another code hash), are deleted, and temporary files older than an hour; the rest stay."""
     calls: list[int] = []
-    files = [tmp_path / f"{i}.gguf" for i in range(3)]
+    files = [tmp_path / f"{i}.gguf" for i in range(4)]
     for f in files:
         f.write_bytes(b"z" * 10)
-    for f in files:
+    for f in files[:3]:
         cached_blocks(source_id(f), ["t"], "Q8_0", 1, 34, _filler(0, calls))
-    assert len(list(cache.glob("*.blocks"))) == 3
+    with monkeypatch.context() as mp:
+        mp.setattr(blocks_cache, "_code_hash", lambda: "other code")
+        cached_blocks(source_id(files[3]), ["t"], "Q8_0", 1, 34, _filler(0, calls))
+    assert len(list(cache.glob("*.blocks"))) == 4
+    old, fresh = cache / "a.blocks123.tmp", cache / "b.blocks456.tmp"
+    old.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    os.utime(old, (time.time() - 2 * blocks_cache.TMP_MAX_AGE_S,) * 2)
     files[0].unlink()
     files[1].write_bytes(b"w" * 11)  # changed: another identity
     blocks_cache._swept.clear()  # a new process
     cached_blocks(source_id(files[2]), ["u"], "Q8_0", 1, 34, _filler(0, calls))
-    kept = {blocks_cache._header(p)["key"][0] for p in cache.glob("*.blocks")}  # type: ignore[index]
-    assert kept == {source_id(files[2])}
+    kept = sorted((blocks_cache._header(p)["key"][0], blocks_cache._header(p)["key"][1])  # type: ignore[index]
+                  for p in cache.glob("*.blocks"))
+    assert kept == [(source_id(files[2]), "t"), (source_id(files[2]), "u")]
+    assert not old.exists() and fresh.exists()
 
 
 @pytest.mark.skipif(not (gguf_op_available() and convert_op_available()), reason="the C++ GGUF operators are not built")

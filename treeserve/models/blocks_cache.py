@@ -1,8 +1,8 @@
 """GGUF blocks built at load kept on disk per source file, mapped back on a warm start (issue 33).
 
 A k-quant file's tensors are converted at load into the blocks the GGUF operator multiplies
-(``gguf_convert``), and fused projections whose parts are permuted or converted are written into
-one buffer (``gguf_loader``): on Llama-3.2-1B shapes in llama.cpp's ``Q4_K_M`` ~1.3 s of a warm
+(``gguf_convert``), and fused projections (q|k|v, gate|up) are written into one buffer, their parts
+converted or unpermuted on the way (``gguf_loader``): on Llama-3.2-1B shapes in llama.cpp's ``Q4_K_M`` ~1.3 s of a warm
 ``LLM()`` (Zen 4), most of it the conversion and the first touch of fresh memory. ``cached_blocks``
 keeps each such result as one file under ``cache_dir()/blocks/`` and maps it read-only on the next
 load, as the GGUF file itself is mapped: no conversion, no copy, pages read as decode touches them.
@@ -11,21 +11,28 @@ load, as the GGUF file itself is mapped: no conversion, no copy, pages read as d
   bytes. Key: the source file's identity (``source_id``: resolved path, size, mtime, inode; ``None``
   for files above ``MAX_FILE_BYTES`` (16 GiB; ``TREESERVE_BLOCKS_CACHE_MAX_GB`` sets another limit,
   ``0`` turns this cache off) or with ``TREESERVE_INT8_CACHE=0``, which turns both weight caches off),
-  the tensors' names, the block type, and a hash of the code that decides the bytes
-  (``gguf_convert.py``, ``gguf_loader.py``, ``csrc/gguf_convert.cpp`` and the shared headers).
+  the tensors' names, the block type, and a hash of what decides the bytes (``gguf_convert.py``,
+  ``gguf_loader.py``, ``gguf_file.py``, ``csrc/gguf_convert.cpp``, the shared headers and the ``gguf``
+  package's version, whose decoders serve the rarer types). The host is not in it: the conversion
+  operator writes the same bytes on every build (tests/models/test_gguf_convert.py).
 - An entry is written through a temporary file and ``os.replace``; one that cannot be read, holds
   another key or has the wrong size is built again and rewritten; a folder that cannot be written
   costs the build at every start, never an error.
 - Disk use: the built blocks, about 1.1-1.5x the share of the file they come from (0.9 GB for a
-  ``Q4_K_M`` Llama-3.2-1B, 5.5 GB for a ``Q4_K_M`` Llama-3-8B). When an entry is written, entries
-  whose source file is gone or has changed are deleted.
+  ``Q4_K_M`` Llama-3.2-1B, 5.5 GB for a ``Q4_K_M`` Llama-3-8B). At a process's first written entry,
+  entries whose source file is gone or has changed, or written by other code or another version
+  (keys no load can match again), are deleted, and so are temporary files an interrupted write of
+  another process left over an hour ago.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import time
 from collections.abc import Callable
+from importlib import metadata
 from functools import lru_cache
 from pathlib import Path
 
@@ -56,9 +63,13 @@ def source_id(path: str | Path) -> str | None:
 def _code_hash() -> str:
     """A hash of the code an entry's bytes depend on (module docstring)."""
     here = Path(__file__).parent
-    sources = [here / "gguf_convert.py", here / "gguf_loader.py", here / "csrc" / "gguf_convert.cpp",
-               *sorted(INCLUDE.glob("*.h"))]
-    digest = hashlib.sha256()
+    sources = [here / "gguf_convert.py", here / "gguf_loader.py", here / "gguf_file.py",
+               here / "csrc" / "gguf_convert.cpp", *sorted(INCLUDE.glob("*.h"))]
+    try:
+        version = metadata.version("gguf")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    digest = hashlib.sha256(version.encode())
     for path in sources:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -95,8 +106,11 @@ def _read(path: Path, key: list[str], rows: int, width: int) -> torch.Tensor | N
 
 
 def _stale(entry: dict | None) -> bool:
-    """Whether an entry's source file is gone or has changed (its identity is the key's first item)."""
-    if entry is None or not isinstance(entry.get("key"), list) or not entry["key"]:
+    """Whether no load can match an entry again: another version or code hash (the key's last item),
+    or its source file (the key's first item) gone or changed."""
+    if entry is None or entry.get("version") != _VERSION or not isinstance(entry.get("key"), list):
+        return True
+    if not entry["key"] or entry["key"][-1] != _code_hash():
         return True
     source = str(entry["key"][0])
     path = source.rsplit(":", 3)[0]
@@ -110,22 +124,30 @@ def _stale(entry: dict | None) -> bool:
 _swept: set[Path] = set()
 
 
+TMP_MAX_AGE_S = 3600.0
+"""A temporary file older than this is an interrupted write (a whole entry takes seconds) and is deleted."""
+
+
 def _remove_stale(folder: Path, keep: Path) -> None:
-    """Delete the entries (other than ``keep``) whose source file is gone or has changed: once per
-    folder and process, at its first write."""
+    """Delete the entries (other than ``keep``) that no load can match again (:func:`_stale`) and old
+    temporary files: once per folder and process, at its first written entry."""
     if folder in _swept:
         return
     _swept.add(folder)
     try:
         entries = list(folder.glob("*.blocks"))
+        temporary = list(folder.glob("*.tmp"))
     except OSError:
         return
+    now = time.time()
     for path in entries:
         if path != keep and _stale(_header(path)):
-            try:
+            with contextlib.suppress(OSError):
                 path.unlink()
-            except OSError:
-                pass
+    for path in temporary:
+        with contextlib.suppress(OSError):
+            if now - path.stat().st_mtime > TMP_MAX_AGE_S:
+                path.unlink()
 
 
 def cached_blocks(source: str | None, names: list[str], qtype: str, rows: int, width: int,
@@ -151,5 +173,6 @@ def cached_blocks(source: str | None, names: list[str], qtype: str, rows: int, w
             f.write(memoryview(out.numpy()).cast("B"))
 
         write_entry(path, write, "converted blocks cache: converting at every start")
-        _remove_stale(path.parent, path)
+        if path.exists():
+            _remove_stale(path.parent, path)
     return out

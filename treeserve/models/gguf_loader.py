@@ -216,11 +216,12 @@ def load_gguf_model(
             return None
         return next((h for proj, h in permute_heads.items() if f".{proj}." in hf), None)
 
-    def codes_of(hf: str) -> Int4Planes | GGUFWeight | None:
-        """One tensor's shipped codes (rows unpermuted): its blocks as they are for the C++ operator,
-        else int4 planes for torch's kernel; None for another type."""
+    def codes_of(hf: str, keep: bool = True) -> Int4Planes | GGUFWeight | None:
+        """One tensor's shipped codes (rows unpermuted): its blocks as they are for the C++ operator
+        (``keep=False``: only to be dequantized, so never stored in the blocks cache), else int4 planes
+        for torch's kernel; None for another type."""
         if use_op:
-            return blocks_for([hf])
+            return blocks_for([hf], keep)
         t = by_hf[hf]
         qtype = GGMLQuantizationType(t.tensor_type).name
         if qtype not in BLOCK_BYTES:
@@ -248,7 +249,7 @@ def load_gguf_model(
         # type's (gguf_convert) only where the model keeps codes beside the dense weight (CPU), elsewhere exact.
         shipped = by_hf[hf].tensor_type.name in BLOCK_BYTES or torch.device(device).type == "cpu"
         if use_op and rows is None and shipped and file_shape(hf) == shapes.get(hf):
-            codes = codes_of(hf)
+            codes = codes_of(hf, keep=False)
             if isinstance(codes, GGUFWeight):
                 return codes.dequantize()
         w = _dequantize(by_hf[hf], rows)
@@ -269,13 +270,14 @@ def load_gguf_model(
 
     sources = dict(fused_names(config))
 
-    def blocks_for(hfs: list[str]) -> GGUFWeight | None:
+    def blocks_for(hfs: list[str], keep: bool = True) -> GGUFWeight | None:
         """The fused codes of ``hfs`` (one K) for the C++ operator, else None: each tensor as the
         blocks the operator multiplies (``gguf_convert.as_blocks``: Q4_0 / Q4_1 / Q8_0 as shipped,
         Q4_K repacked as Q4_1, other quantized types requantized to Q8_0; a group whose tensors end
         in different types all Q8_0), its rows written once, unpermuted on the way, into one
-        buffer, which ``blocks_cache`` keeps on disk and maps on the next load of the file; a
-        single shipped tensor without a permutation is the file's pages (no copy)."""
+        buffer, which ``blocks_cache`` keeps on disk and maps on the next load of the file (unless
+        ``keep`` is False: blocks only dequantized); a single shipped tensor without a permutation is
+        the file's pages (no copy)."""
         if any(len(file_shape(hf)) != 2 for hf in hfs) or len({file_shape(hf)[1] for hf in hfs}) != 1:
             return None
         k = file_shape(hfs[0])[1]
@@ -303,7 +305,7 @@ def load_gguf_model(
             return True
 
         rows = sum(file_shape(hf)[0] for hf in hfs)
-        out = cached_blocks(built, hfs, qtype, rows, k // GROUP * BLOCK_BYTES[qtype], build)
+        out = cached_blocks(built if keep else None, hfs, qtype, rows, k // GROUP * BLOCK_BYTES[qtype], build)
         return None if out is None else GGUFWeight.from_bytes(qtype, out, (rows, k))
 
     def planes_for(name: str) -> Int4Planes | GGUFWeight | None:

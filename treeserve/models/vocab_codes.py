@@ -59,22 +59,14 @@ def head_from_codes(vocab_size: int, hidden_size: int) -> bool:
     return 4 * vocab_size * hidden_size > HEAD_CODES_MIN_BYTES
 
 
-_NORM_WEIGHTS = 1 << 22
-"""Weights per chunk of rows where ``row_norms`` dequantizes through torch (no C++ operator)."""
-
-
 def row_norms(codes: GGUFWeight) -> torch.Tensor:
     """``|W_j|`` of every row of the dequantized weight, float32 ``[N]``: the squares of the float32
-    dequantization (bitwise gguf's) summed in float64, the root rounded once to float32. By
-    ``treeserve::codes_row_norms`` (parallel over rows, no dequantized matrix) where it is built, else
-    through torch a chunk of rows at a time."""
-    n, k = codes.shape
-    if gguf_op_available():
-        return torch.ops.treeserve.codes_row_norms(codes.raw, codes.qtype, k)
-    step = max(1, _NORM_WEIGHTS // k)
-    parts = [GGUFWeight(codes.qtype, codes.raw[s : s + step], k).dequantize().double().norm(dim=1)
-             for s in range(0, n, step)]
-    return torch.cat(parts).float()
+    dequantization (bitwise gguf's) summed in float64, the root rounded once to float32, by
+    ``treeserve::codes_row_norms`` (parallel over rows, no dequantized matrix). Needs the C++ GGUF
+    operator, as ``CodesHead`` does (``RuntimeError`` otherwise)."""
+    if not gguf_op_available():
+        raise RuntimeError("row_norms needs the C++ GGUF operator (treeserve::codes_row_norms), which is not built")
+    return torch.ops.treeserve.codes_row_norms(codes.raw, codes.qtype, codes.shape[1])
 
 
 class _Codes(nn.Module):

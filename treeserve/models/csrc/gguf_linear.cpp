@@ -598,6 +598,8 @@ float codes_dot(QType t, const uint8_t* row, const float* x, int64_t nb) {
 // row's dequantized float32 weights (dequantize_block, bitwise gguf's) summed in float64, in block order, then
 // the square root rounded once to float32. Parallel over rows.
 at::Tensor codes_row_norms(const at::Tensor& w, std::string qtype, int64_t K) {
+  TORCH_CHECK_VALUE(qtype == "Q4_0" || qtype == "Q4_1" || qtype == "Q8_0",
+                    "codes_row_norms: qtype must be Q4_0, Q4_1 or Q8_0, got ", qtype);
   const QType t = parse_qtype(qtype);
   TORCH_CHECK_VALUE(K > 0 && K % GROUP == 0, "codes_row_norms: K must be a positive multiple of 32, got ", K);
   TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / GROUP * block_bytes(t),
