@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -204,7 +204,7 @@ def load_gguf_model(
     }
 
     use_op = quantization is not None and gguf_op_available()
-    built = blocks_source(g.path)  # the built blocks' cache key, None where not cached
+    cache_source = blocks_source(g.path)  # the built blocks' cache key, None where not cached
     shapes = expected_hf_shapes(config)
 
     def file_shape(hf: str) -> tuple[int, ...]:
@@ -305,7 +305,7 @@ def load_gguf_model(
             return True
 
         rows = sum(file_shape(hf)[0] for hf in hfs)
-        out = cached_blocks(built if keep else None, hfs, qtype, rows, k // GROUP * BLOCK_BYTES[qtype], build)
+        out = cached_blocks(cache_source if keep else None, hfs, qtype, rows, k // GROUP * BLOCK_BYTES[qtype], build)
         return None if out is None else GGUFWeight.from_bytes(qtype, out, (rows, k))
 
     def planes_for(name: str) -> Int4Planes | GGUFWeight | None:
@@ -331,7 +331,7 @@ def load_gguf_model(
                         if not _file_view(found, by_hf[sources[name + ".weight"][0]]):
                             for hf in sources[name + ".weight"]:  # fused, unpermuted or converted: a copy
                                 release_pages(by_hf[hf])
-    vocab = _vocab_codes(config, by_hf, shapes, built) if codes else _VocabCodes(None, None)
+    vocab = _vocab_codes(config, by_hf, shapes, blocks_for) if codes else _VocabCodes(None, None)
     if codes:
         _log_conversions(g.path, by_hf.values())
     skip = {name + ".weight" for name in codes}
@@ -370,31 +370,21 @@ class _VocabCodes(NamedTuple):
 
 
 def _vocab_codes(config: ModelConfig, by_hf: dict[str, GGUFTensor], shapes: dict[str, tuple[int, ...]],
-                 source: str | None) -> _VocabCodes:
+                 blocks_for: Callable[[list[str]], GGUFWeight | None]) -> _VocabCodes:
     """The token embedding and LM head a CPU load with the GGUF operator keeps as the file's blocks
     (``treeserve.models.vocab_codes``): the head when ``head_from_codes`` says so, the embedding
-    unless it is also the float32 head (tied), as the blocks ``gguf_convert.as_blocks`` gives (a
-    converted tensor's kept by ``blocks_cache`` for the file ``source``). Either is None where its
-    tensor is not quantized or not of the expected shape (``build_model`` then loads it, or reports
-    the bad shape)."""
+    unless it is also the float32 head (tied), as the load's ``blocks_for`` gives them (the file's
+    pages, or a converted tensor kept by ``blocks_cache``). Either is None where its tensor is not
+    quantized or not of the expected shape (``build_model`` then loads it, or reports the bad shape)."""
 
     def codes(hf: str) -> GGUFWeight | None:
         t = by_hf.get(hf)
-        if t is None:
+        if t is None or tuple(int(d) for d in reversed(t.shape)) != shapes[hf]:
             return None
-        shape = tuple(int(d) for d in reversed(t.shape))
-        qtype = converted_type(t.tensor_type.name)
-        if shape != shapes[hf] or qtype is None or len(shape) != 2:
-            return None
-        if qtype == t.tensor_type.name:  # the file's pages
-            found = as_blocks(t, shape)  # type: ignore[arg-type]
-            return None if found is None else GGUFWeight.from_bytes(qtype, found[1], shape)  # type: ignore[arg-type]
-        built = cached_blocks(source, [hf], qtype, shape[0], shape[1] // GROUP * BLOCK_BYTES[qtype],
-                              lambda out: as_blocks(t, shape, qtype, into=out) is not None)  # type: ignore[arg-type]
-        if built is None:
-            return None
-        release_pages(t)
-        return GGUFWeight.from_bytes(qtype, built, shape)  # type: ignore[arg-type]
+        w = blocks_for([hf])
+        if w is not None and not _file_view(w, t):
+            release_pages(t)
+        return w
 
     embedding = codes("model.embed_tokens.weight")
     head_hf = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
