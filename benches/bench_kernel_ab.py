@@ -35,6 +35,7 @@ HARNESS = r"""
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include "treeserve_head.h"
+#include "treeserve_lanes.h"
 #include <algorithm>
 #include <chrono>
 #include <cmath>
