@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.models.test_gguf_convert import KSPEC
-from treeserve.models import blocks_cache, gguf_convert, load
+from treeserve.models import blocks_cache, gguf_convert, load, weight_cache
 from treeserve.models.blocks_cache import HEADER_BYTES, MAX_FILE_BYTES, cached_blocks, source_id
 from treeserve.models.gguf_convert import convert_op_available
 from treeserve.models.gguf_op import gguf_op_available
@@ -24,7 +24,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("TREESERVE_CACHE_DIR", str(tmp_path / "cache"))
     for name in ("TREESERVE_INT8_CACHE", "TREESERVE_INT8_CACHE_MAX_GB", "TREESERVE_BLOCKS_CACHE_MAX_GB"):
         monkeypatch.delenv(name, raising=False)
-    blocks_cache._swept.clear()
+    weight_cache._swept.clear()
     return tmp_path / "cache" / "blocks"
 
 
@@ -124,10 +124,10 @@ def test_entries_no_load_can_match_and_old_temporary_files_are_swept(tmp_path: P
     old, fresh = cache / "a.blocks123.tmp", cache / "b.blocks456.tmp"
     old.write_bytes(b"partial")
     fresh.write_bytes(b"partial")
-    os.utime(old, (time.time() - 2 * blocks_cache.TMP_MAX_AGE_S,) * 2)
+    os.utime(old, (time.time() - 2 * weight_cache.TMP_MAX_AGE_S,) * 2)
     files[0].unlink()
     files[1].write_bytes(b"w" * 11)  # changed: another identity
-    blocks_cache._swept.clear()  # a new process
+    weight_cache._swept.clear()  # a new process
     cached_blocks(source_id(files[2]), ["u"], "Q8_0", 1, 34, _filler(0, calls))
     kept = sorted((blocks_cache._header(p)["key"][0], blocks_cache._header(p)["key"][1])  # type: ignore[index]
                   for p in cache.glob("*.blocks"))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treeserve.models import resolve_model_path
-from treeserve.models import gguf_file
+from treeserve.models import gguf_file, weight_cache
 from treeserve.models.gguf_file import read_gguf
 
 
@@ -131,3 +131,10 @@ def test_the_header_cache_parses_once_and_rebuilds_a_bad_or_stale_entry(tmp_path
     data[data.index(b"x.count") + len(b"x.count") + 4] = 9  # the uint32 7 -> 9, same size
     path.write_bytes(bytes(data))
     assert read_gguf(path)[0]["x.count"] == 9 and len(parses) == 3
+    assert len(list(entry.parent.iterdir())) == 2  # this process swept before the file changed
+    weight_cache._swept.clear()  # a new process: its first written entry sweeps the stale one
+    other = tmp_path / "other.gguf"
+    other.write_bytes(path.read_bytes())
+    read_gguf(other)
+    assert len(list(entry.parent.iterdir())) == 2 and len(parses) == 4
+    assert read_gguf(path)[0]["x.count"] == 9 and len(parses) == 4  # the current entry stayed

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from treeserve.models import int8_cache, load
+from treeserve.models import int8_cache, load, weight_cache
 from treeserve.models.int8_cache import CACHE_MAX_FILE_BYTES, int8_weight, source_id
 from treeserve.models.int8_op import Int8Weight, int8_available, int8_linear
 from treeserve.models.quant import PackedLinear
@@ -22,6 +22,7 @@ requires_int8 = pytest.mark.skipif(not int8_available(), reason="oneDNN's quanti
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("TREESERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TREESERVE_INT8_CACHE", raising=False)
+    weight_cache._swept.clear()
     return tmp_path / "cache" / "int8"
 
 
@@ -74,6 +75,34 @@ def test_a_bad_entry_is_built_again(cache: Path, tmp_path: Path, damage: str) ->
         os.replace(new, entry)
     got = int8_weight(source_id(src), "p", (16, 64), dense)
     assert dense.calls == 2 and _same(got, Int8Weight.from_dense(dense.w))
+
+
+@requires_int8
+def test_entries_no_load_can_match_are_swept_at_a_process_first_write(cache: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries of a source file gone or changed, or of other rounding code, are deleted at a process's
+    first written entry; those of another host key (other settings on this machine) and a damaged
+    entry's rebuild stay."""
+    files = [tmp_path / f"{i}.gguf" for i in range(5)]
+    for f in files:
+        f.write_bytes(b"z")
+    w = torch.randn(16, 64)
+    for f in files[:3]:
+        int8_weight(source_id(f), "p", (16, 64), Dense(w))
+    with monkeypatch.context() as mp:
+        mp.setattr(int8_cache, "_rounding_hash", lambda: "other rounding")
+        int8_weight(source_id(files[3]), "p", (16, 64), Dense(w))
+    with monkeypatch.context() as mp:
+        mp.setattr(int8_cache, "host_key", lambda: ["another host key"])
+        int8_weight(source_id(files[2]), "p", (16, 64), Dense(w))
+    assert len(list(cache.glob("*.pt"))) == 5
+    files[0].unlink()
+    files[1].write_bytes(b"zz")  # changed: another identity
+    weight_cache._swept.clear()  # a new process
+    int8_weight(source_id(files[4]), "p", (16, 64), Dense(w))
+    kept = sorted((e["key"][0], e["key"][4]) for e in map(int8_cache._entry, cache.glob("*.pt")))
+    assert kept == sorted([(source_id(files[2]), str(int8_cache.host_key()[0])), (source_id(files[2]), "another host key"),
+                           (source_id(files[4]), str(int8_cache.host_key()[0]))])
 
 
 def test_source_identity_and_its_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,15 +22,13 @@ load, as the GGUF file itself is mapped: no conversion, no copy, pages read as d
   ``Q4_K_M`` Llama-3.2-1B, 5.5 GB for a ``Q4_K_M`` Llama-3-8B). At a process's first written entry,
   entries whose source file is gone or has changed, or written by other code or another version
   (keys no load can match again), are deleted, and so are temporary files an interrupted write of
-  another process left over an hour ago.
+  another process left over an hour ago (``weight_cache.sweep_once``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import time
 from collections.abc import Callable
 from importlib import metadata
 from functools import lru_cache
@@ -42,8 +40,7 @@ import torch
 from treeserve._cpp import INCLUDE
 from treeserve._tuning import cache_dir, write_entry
 from treeserve.models.gguf_op import shared_tensor
-from treeserve.models.int8_cache import max_file_bytes
-from treeserve.models.int8_cache import source_id as file_identity
+from treeserve.models.weight_cache import file_identity, max_file_bytes, source_changed, sweep_once
 
 __all__ = ["HEADER_BYTES", "MAX_FILE_BYTES", "cached_blocks", "source_id"]
 
@@ -55,7 +52,7 @@ MAX_FILE_BYTES = 16 << 30
 
 
 def source_id(path: str | Path) -> str | None:
-    """``int8_cache.source_id`` of ``path`` under this cache's size limit (module docstring)."""
+    """``weight_cache.file_identity`` of ``path`` under this cache's size limit (module docstring)."""
     return file_identity(path, max_file_bytes("TREESERVE_BLOCKS_CACHE_MAX_GB", MAX_FILE_BYTES))
 
 
@@ -105,49 +102,14 @@ def _read(path: Path, key: list[str], rows: int, width: int) -> torch.Tensor | N
     return shared_tensor(blocks)  # read-only map: the operator never writes its weights
 
 
-def _stale(entry: dict | None) -> bool:
-    """Whether no load can match an entry again: another version or code hash (the key's last item),
-    or its source file (the key's first item) gone or changed."""
+def _stale(path: Path) -> bool:
+    """Whether no load can match the entry at ``path`` again: unreadable or of another version, written
+    by other code (the key's last item: the code hash), or its source file (the first) gone or changed."""
+    entry = _header(path)
     if entry is None or entry.get("version") != _VERSION or not isinstance(entry.get("key"), list):
         return True
-    if not entry["key"] or entry["key"][-1] != _code_hash():
-        return True
-    source = str(entry["key"][0])
-    path = source.rsplit(":", 3)[0]
-    try:
-        st = Path(path).stat()
-    except OSError:
-        return True
-    return source != f"{path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-
-
-_swept: set[Path] = set()
-
-
-TMP_MAX_AGE_S = 3600.0
-"""A temporary file older than this is an interrupted write (a whole entry takes seconds) and is deleted."""
-
-
-def _remove_stale(folder: Path, keep: Path) -> None:
-    """Delete the entries (other than ``keep``) that no load can match again (:func:`_stale`) and old
-    temporary files: once per folder and process, at its first written entry."""
-    if folder in _swept:
-        return
-    _swept.add(folder)
-    try:
-        entries = list(folder.glob("*.blocks"))
-        temporary = list(folder.glob("*.tmp"))
-    except OSError:
-        return
-    now = time.time()
-    for path in entries:
-        if path != keep and _stale(_header(path)):
-            with contextlib.suppress(OSError):
-                path.unlink()
-    for path in temporary:
-        with contextlib.suppress(OSError):
-            if now - path.stat().st_mtime > TMP_MAX_AGE_S:
-                path.unlink()
+    key = entry["key"]
+    return not key or key[-1] != _code_hash() or source_changed(key[0])
 
 
 def cached_blocks(source: str | None, names: list[str], qtype: str, rows: int, width: int,
@@ -174,5 +136,5 @@ def cached_blocks(source: str | None, names: list[str], qtype: str, rows: int, w
 
         write_entry(path, write, "converted blocks cache: converting at every start")
         if path.exists():
-            _remove_stale(path.parent, path)
+            sweep_once(path.parent, "*.blocks", path, _stale)
     return out

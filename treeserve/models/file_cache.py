@@ -12,7 +12,9 @@ what ``gguf_file`` parses (metadata, tensor infos, data start) as one JSON file 
   one that cannot be read, holds another key or values of the wrong types is parsed again and
   rewritten; a folder that cannot be written costs the parse at every start, never an error.
 
-Disk use: the header's size as JSON (1.6 MB for SmolLM2-135M, ~10 MB for a Llama-3 vocabulary).
+Disk use: the header's size as JSON (1.6 MB for SmolLM2-135M, ~10 MB for a Llama-3 vocabulary). At a
+process's first written entry, entries of a source file gone or changed, or of another parser, are
+deleted (``weight_cache.sweep_once``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from treeserve._tuning import cache_dir, write_entry
+from treeserve.models.weight_cache import source_changed, sweep_once
 
 __all__ = ["cached_header"]
 
@@ -63,6 +66,18 @@ def _read(entry_path: Path, key: list[object]) -> Header | None:
     return entry["metadata"], infos, entry["start"]
 
 
+def _stale(entry_path: Path) -> bool:
+    """Whether no load can match the entry at ``entry_path`` again: unreadable, of another version or
+    parser (the key's first and last items), or its source file gone or changed."""
+    try:
+        key = json.loads(entry_path.read_bytes())["key"]
+        if key[0] != _VERSION or key[-1] != _parser_hash():
+            return True
+        return source_changed(":".join(str(k) for k in key[1:5]))
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return True
+
+
 def cached_header(path: Path, data: bytes | memoryview | Any, parse: Callable[[], Header]) -> Header:
     """The header of the GGUF file at ``path`` (its bytes ``data``, e.g. the mapped file): from the
     cache, else ``parse()``, stored (see the module docstring)."""
@@ -80,4 +95,6 @@ def cached_header(path: Path, data: bytes | memoryview | Any, parse: Callable[[]
                  "start": start}
         write_entry(entry_path, lambda f: f.write(json.dumps(entry, ensure_ascii=False).encode()),
                     "GGUF header cache: parsing the header at every start")
+        if entry_path.exists():
+            sweep_once(entry_path.parent, "*.json", entry_path, _stale)
     return found

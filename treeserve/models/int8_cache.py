@@ -19,13 +19,15 @@ prepack only): bitwise the weight ``from_dense`` makes.
   GiB) are not cached (the entries take 1 byte per projection weight on disk: 0.1 GB for
   SmolLM2-135M, 7 GB for an 8B model); ``TREESERVE_INT8_CACHE=0`` turns the cache off, and
   ``blocks_cache`` with it (``source_id`` keys both, each with its own size limit).
+- At a process's first written entry, entries whose source file is gone or has changed, or written
+  by other rounding code (keys no load can match again), are deleted (``weight_cache.sweep_once``).
+  Entries of another host key stay: the same file may be served with other settings on this machine.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -34,47 +36,21 @@ import torch
 
 from treeserve._tuning import cache_dir, host_key, write_entry
 from treeserve.models.int8_op import Int8Weight, round_rotated
+from treeserve.models.weight_cache import file_identity, max_file_bytes, source_changed, sweep_once
 
-__all__ = ["CACHE_MAX_FILE_BYTES", "max_file_bytes", "int8_weight", "source_id"]
+__all__ = ["CACHE_MAX_FILE_BYTES", "int8_weight", "source_id"]
 
 CACHE_MAX_FILE_BYTES = 2 << 30
 """Sources larger than this are not cached (see the module docstring)."""
 _VERSION = 1
 
 
-def max_file_bytes(variable: str, default: int) -> int:
-    """The largest source file a weight cache keeps entries for: the environment ``variable`` (GiB, a
-    number >= 0; ``ValueError`` naming it otherwise) where set, else ``default`` bytes."""
-    text = os.environ.get(variable)
-    if text is None:
-        return default
-    try:
-        gib = float(text)
-    except ValueError:
-        gib = float("nan")
-    if not 0 <= gib < float("inf"):
-        raise ValueError(f"{variable} must be a number of GiB >= 0, got {text!r}")
-    return int(gib * 2**30)
-
-
 def source_id(path: str | Path, limit: int | None = None) -> str | None:
-    """The identity of the file at ``path`` for cache keys (resolved path, size, mtime in ns, inode),
-    or None when it is larger than ``limit`` bytes (default: the int8 cache's,
-    ``max_file_bytes("TREESERVE_INT8_CACHE_MAX_GB", CACHE_MAX_FILE_BYTES)``), cannot be read, or
-    ``TREESERVE_INT8_CACHE`` is ``0`` (``ValueError`` for a value other than ``0`` / ``1``)."""
-    env = os.environ.get("TREESERVE_INT8_CACHE")
-    if env not in (None, "0", "1"):
-        raise ValueError(f"TREESERVE_INT8_CACHE must be '0' or '1', got {env!r}")
-    try:
-        resolved = Path(path).resolve()
-        st = resolved.stat()
-    except OSError:
-        return None
+    """``weight_cache.file_identity`` of ``path`` under ``limit`` bytes (default: the int8 cache's,
+    ``max_file_bytes("TREESERVE_INT8_CACHE_MAX_GB", CACHE_MAX_FILE_BYTES)``)."""
     if limit is None:
         limit = max_file_bytes("TREESERVE_INT8_CACHE_MAX_GB", CACHE_MAX_FILE_BYTES)
-    if env == "0" or st.st_size > limit:
-        return None
-    return f"{resolved}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    return file_identity(path, limit)
 
 
 @lru_cache(maxsize=1)
@@ -87,12 +63,26 @@ def _rounding_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def _read(path: Path, key: list[str], shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _entry(path: Path) -> dict | None:
+    """An entry's contents (the codes mapped, not read), or None where it cannot be loaded."""
     try:
         entry = torch.load(path, weights_only=True, mmap=True)  # the codes stay the file's pages until prepacked
     except Exception:  # missing, truncated or not a torch file: build it again
         return None
-    if not isinstance(entry, dict) or entry.get("version") != _VERSION or entry.get("key") != key:
+    return entry if isinstance(entry, dict) and entry.get("version") == _VERSION else None
+
+
+def _stale(path: Path) -> bool:
+    """Whether no load can match the entry at ``path`` again: unreadable or of another version, written
+    by other rounding code (the key's fourth item), or its source file (the first) gone or changed."""
+    entry = _entry(path)
+    key = entry.get("key") if entry is not None else None
+    return not (isinstance(key, list) and len(key) > 3) or key[3] != _rounding_hash() or source_changed(key[0])
+
+
+def _read(path: Path, key: list[str], shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    entry = _entry(path)
+    if entry is None or entry.get("key") != key:
         return None
     codes, scales = entry.get("codes"), entry.get("scales")
     if not (isinstance(codes, torch.Tensor) and codes.dtype == torch.int8 and tuple(codes.shape) == shape
@@ -118,4 +108,6 @@ def int8_weight(source: str | None, name: str, shape: tuple[int, int], dense: Ca
         found = round_rotated(weight)
         entry = {"version": _VERSION, "key": key, "codes": found[0], "scales": found[1]}
         write_entry(path, lambda f: torch.save(entry, f), "int8 weight cache: building at every start")
+        if path.exists():
+            sweep_once(path.parent, "*.pt", path, _stale)
     return Int8Weight.from_codes(*found)
