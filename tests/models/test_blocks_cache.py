@@ -163,3 +163,29 @@ def test_a_k_quant_model_loads_its_converted_blocks_from_the_cache(tmp_path: Pat
         b = PagedSequence(second, 64, page_size=1).extend(ids, all_logits=True)
     assert torch.equal(a, b)
     assert os.path.getsize(entries[0]) > HEADER_BYTES and np.isfinite(a.numpy()).all()
+
+
+@pytest.mark.skipif(not (gguf_op_available() and convert_op_available()), reason="the C++ GGUF operators are not built")
+def test_a_file_replaced_during_a_load_keys_the_entries_by_the_bytes_mapped(tmp_path: Path, cache: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The entries are keyed by the mapped file's own stat: a file put at the path after it was opened
+    (a download finishing) is not served the blocks built from the old one; it builds its own."""
+    from treeserve.models.gguf_loader import load_gguf_model, open_gguf
+
+    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "all")
+    path = write_synthetic_gguf(tmp_path / "m.gguf", KSPEC, "Q4_K_M", seed=3)
+    other = write_synthetic_gguf(tmp_path / "n.gguf", KSPEC, "Q4_K_M", seed=4)
+    opened = open_gguf(path)
+    os.replace(other, path)  # the path now names another file (another inode), the old one stays mapped
+    first = load_gguf_model(opened, quantization="auto")
+    keys = {blocks_cache._header(p)["key"][0] for p in cache.glob("*.blocks")}  # type: ignore[index]
+    assert keys == {source_id(tmp_path / "m.gguf", opened.stat)} and all(map(weight_cache.source_changed, keys))
+    second = load_gguf_model(open_gguf(path), quantization="auto")  # the new file: its own entries
+    assert len({blocks_cache._header(p)["key"][0] for p in cache.glob("*.blocks")}) == 2  # type: ignore[index]
+    ids = list(range(260, 290))
+    with torch.inference_mode():
+        a = PagedSequence(first, 64, page_size=1).extend(ids, all_logits=True)
+        b = PagedSequence(second, 64, page_size=1).extend(ids, all_logits=True)
+        fresh, _ = load(path, quantization="auto")
+        c = PagedSequence(fresh, 64, page_size=1).extend(ids, all_logits=True)
+    assert not torch.equal(a, b) and torch.equal(b, c)

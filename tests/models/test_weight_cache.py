@@ -36,6 +36,19 @@ def test_an_identity_changes_with_the_file_and_goes_with_it(tmp_path: Path) -> N
     assert file_identity(tmp_path, -1) is None  # over the limit
 
 
+def test_an_identity_from_an_open_descriptor_names_the_bytes_it_holds(tmp_path: Path) -> None:
+    src, new = tmp_path / "m.gguf", tmp_path / "new.gguf"
+    src.write_bytes(b"old")
+    new.write_bytes(b"newer")
+    with open(src, "rb") as f:
+        os.replace(new, src)  # replaced after the open: the descriptor still holds the old file
+        st = os.fstat(f.fileno())
+    held = file_identity(src, 10, st)
+    assert held is not None and held != file_identity(src, 10) and source_changed(held)
+    assert held.startswith(f"{src.resolve()}:3:")
+    assert file_identity(src, 4, st) == held and file_identity(src, 4) is None  # the limit reads the held size
+
+
 @settings(max_examples=40, deadline=None)
 @given(stale=st.lists(st.booleans(), min_size=1, max_size=8), keep=st.integers(0, 7),
        ages=st.lists(st.sampled_from([0.0, 0.5, 2.0]), max_size=4))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from importlib import metadata
 from functools import lru_cache
@@ -51,9 +52,10 @@ MAX_FILE_BYTES = 16 << 30
 """Source files larger than this (unless ``TREESERVE_BLOCKS_CACHE_MAX_GB`` says otherwise) are not cached."""
 
 
-def source_id(path: str | Path) -> str | None:
-    """``weight_cache.file_identity`` of ``path`` under this cache's size limit (module docstring)."""
-    return file_identity(path, max_file_bytes("TREESERVE_BLOCKS_CACHE_MAX_GB", MAX_FILE_BYTES))
+def source_id(path: str | Path, st: os.stat_result | None = None) -> str | None:
+    """``weight_cache.file_identity`` of ``path`` (as ``st`` says, where given) under this cache's size
+    limit (module docstring)."""
+    return file_identity(path, max_file_bytes("TREESERVE_BLOCKS_CACHE_MAX_GB", MAX_FILE_BYTES), st)
 
 
 @lru_cache(maxsize=1)

@@ -13,6 +13,7 @@ next multiple of ``general.alignment`` (default 32).
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -147,7 +148,15 @@ def _parse_header(buf: memoryview, path: Path) -> tuple[dict[str, Any], list[_In
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
-    """``(metadata, tensors by name)`` of the GGUF file at ``path`` (tensor data not read yet).
+    """``(metadata, tensors by name)`` of the GGUF file at ``path`` (``map_gguf`` without the stat)."""
+    metadata, tensors, _ = map_gguf(path)
+    return metadata, tensors
+
+
+def map_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor], os.stat_result]:
+    """``(metadata, tensors by name, stat)`` of the GGUF file at ``path`` (tensor data not read yet);
+    ``stat`` is the mapped file's own (``fstat`` of the descriptor it was mapped from), so a cache
+    keyed on it names the bytes the tensors hold even if the path is replaced meanwhile.
 
     The parsed header is kept in the cache folder per file (``file_cache``: a warm start reads it as
     JSON instead of walking a vocabulary and its merges string by string); the tensors are checked
@@ -156,7 +165,8 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     """
     path = Path(path)
     with path.open("rb") as f:
-        size = path.stat().st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
         if size < 24:
             raise ValueError(f"{path} is too short ({size} bytes) to be a GGUF file")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -185,7 +195,7 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
                 raise ValueError(f"{path}: tensor {name!r} rows of {np_shape[-1]} are not whole {ggml_type.name} blocks")
             data = raw.reshape(*np_shape[:-1], np_shape[-1] // block * type_size) if np_shape else raw
         tensors[name] = GGUFTensor(name, ggml_type, dims, n_elements, n_bytes, begin, data)
-    return metadata, tensors
+    return metadata, tensors, st
 
 
 def release_pages(t: GGUFTensor) -> None:

@@ -9,6 +9,7 @@ permuted for its interleaved RoPE; they are permuted back here to the rotate-hal
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -21,7 +22,7 @@ from gguf.quants import dequantize
 
 from treeserve.models.config import ModelConfig
 from treeserve.models.gguf_convert import as_blocks, converted_type
-from treeserve.models.gguf_file import GGUFTensor, read_gguf, release_pages
+from treeserve.models.gguf_file import GGUFTensor, map_gguf, release_pages
 from treeserve.models.llama import LlamaForCausalLM
 from treeserve.models.parallel import TPShard, check_shard_quantization
 from treeserve.models.gguf_op import BLOCK_BYTES, GROUP, GGUFWeight, gguf_op_available
@@ -61,11 +62,13 @@ _GLOBAL_NAMES = {
 
 
 class GGUFContents(NamedTuple):
-    """An opened GGUF file: its metadata as plain Python values and its tensors by GGUF name."""
+    """An opened GGUF file: its metadata as plain Python values, its tensors by GGUF name, and the
+    mapped file's stat (the weight caches' keys: the bytes mapped, whatever replaces ``path`` later)."""
 
     path: Path
     metadata: dict[str, Any]
     tensors: dict[str, GGUFTensor]
+    stat: os.stat_result | None = None
 
 
 def open_gguf(path: str | Path) -> GGUFContents:
@@ -78,10 +81,10 @@ def open_gguf(path: str | Path) -> GGUFContents:
     if not path.is_file():
         raise ValueError(f"GGUF file {path} does not exist")
     try:
-        metadata, tensors = read_gguf(path)
+        metadata, tensors, st = map_gguf(path)
     except ValueError as exc:
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
-    return GGUFContents(path, metadata, tensors)
+    return GGUFContents(path, metadata, tensors, st)
 
 
 def gguf_config(g: GGUFContents) -> ModelConfig:
@@ -204,7 +207,7 @@ def load_gguf_model(
     }
 
     use_op = quantization is not None and gguf_op_available()
-    cache_source = blocks_source(g.path)  # the built blocks' cache key, None where not cached
+    cache_source = blocks_source(g.path, g.stat)  # the built blocks' cache key, None where not cached
     shapes = expected_hf_shapes(config)
 
     def file_shape(hf: str) -> tuple[int, ...]:
@@ -347,7 +350,7 @@ def load_gguf_model(
     head = codes_of(head_name) if use_op and head_name in by_hf and vocab.head is None else None
     return pack_model(model, lambda name: codes[name] if name in codes else planes_for(name), quantization,
                       head_codes=head if isinstance(head, GGUFWeight) else None, unloaded=codes.keys(),
-                      source=source_id(g.path))
+                      source=source_id(g.path, st=g.stat))
 
 
 def _log_conversions(path: Path, tensors: Iterable[GGUFTensor]) -> None:

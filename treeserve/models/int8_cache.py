@@ -8,10 +8,10 @@ scales of ``round_rotated``, in one ``torch.save`` file per projection under
 prepack only): bitwise the weight ``from_dense`` makes.
 
 - key: the source file's identity (``source_id``: resolved path, size, modification time and
-  inode; a file rewritten in place is a new key), the projection's name and shape, a hash of
-  ``int8_op.py`` (the rounding) and ``gguf_convert.py`` (the weights of GGUF types converted at
-  load) and ``treeserve._tuning.host_key()`` (CPU, torch version, threads,
-  operator sources);
+  inode, from the mapped file's ``fstat`` where the loader has it; a file rewritten in place is a
+  new key), the projection's name and shape, a hash of ``int8_op.py`` (the rounding) and
+  ``gguf_convert.py`` (the weights of GGUF types converted at load) and
+  ``treeserve._tuning.host_key()`` (CPU, torch version, threads, operator sources);
 - an entry is written through a temporary file and ``os.replace``; one that cannot be read, holds
   another key, or tensors of the wrong dtype or shape is built again and rewritten; a folder that
   cannot be written costs the build at every start, never an error;
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -45,12 +46,12 @@ CACHE_MAX_FILE_BYTES = 2 << 30
 _VERSION = 1
 
 
-def source_id(path: str | Path, limit: int | None = None) -> str | None:
-    """``weight_cache.file_identity`` of ``path`` under ``limit`` bytes (default: the int8 cache's,
-    ``max_file_bytes("TREESERVE_INT8_CACHE_MAX_GB", CACHE_MAX_FILE_BYTES)``)."""
+def source_id(path: str | Path, limit: int | None = None, st: os.stat_result | None = None) -> str | None:
+    """``weight_cache.file_identity`` of ``path`` (as ``st`` says, where given) under ``limit`` bytes
+    (default: the int8 cache's, ``max_file_bytes("TREESERVE_INT8_CACHE_MAX_GB", CACHE_MAX_FILE_BYTES)``)."""
     if limit is None:
         limit = max_file_bytes("TREESERVE_INT8_CACHE_MAX_GB", CACHE_MAX_FILE_BYTES)
-    return file_identity(path, limit)
+    return file_identity(path, limit, st)
 
 
 @lru_cache(maxsize=1)

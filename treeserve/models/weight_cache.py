@@ -43,16 +43,19 @@ def _identity(resolved: Path, st: os.stat_result) -> str:
     return f"{resolved}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
 
 
-def file_identity(path: str | Path, limit: int) -> str | None:
+def file_identity(path: str | Path, limit: int, st: os.stat_result | None = None) -> str | None:
     """The identity of the file at ``path`` for cache keys (module docstring), or None when it is larger
     than ``limit`` bytes, cannot be read, or ``TREESERVE_INT8_CACHE`` is ``0`` (``ValueError`` for a
-    value other than ``0`` / ``1``)."""
+    value other than ``0`` / ``1``). ``st``: the file's stat as the caller opened it (``fstat`` of the
+    descriptor its data was read or mapped from; the path is stat'ed otherwise): the identity of the
+    bytes the caller holds, not of a file that replaced them at ``path`` since."""
     env = os.environ.get("TREESERVE_INT8_CACHE")
     if env not in (None, "0", "1"):
         raise ValueError(f"TREESERVE_INT8_CACHE must be '0' or '1', got {env!r}")
     try:
         resolved = Path(path).resolve()
-        st = resolved.stat()
+        if st is None:
+            st = resolved.stat()
     except OSError:
         return None
     if env == "0" or st.st_size > limit:
