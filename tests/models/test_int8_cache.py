@@ -101,8 +101,9 @@ def test_entries_no_load_can_match_are_swept_at_a_process_first_write(cache: Pat
     weight_cache._swept.clear()  # a new process
     int8_weight(source_id(files[4]), "p", (16, 64), Dense(w))
     kept = sorted((e["key"][0], e["key"][4]) for e in map(int8_cache._entry, cache.glob("*.pt")))
-    assert kept == sorted([(source_id(files[2]), str(int8_cache.host_key()[0])), (source_id(files[2]), "another host key"),
-                           (source_id(files[4]), str(int8_cache.host_key()[0]))])
+    host = str(int8_cache.host_key()[0])
+    assert kept == sorted([(source_id(files[2]), host), (source_id(files[2]), "another host key"),
+                           (source_id(files[4]), host)])
 
 
 def test_source_identity_and_its_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
