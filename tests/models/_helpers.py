@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -84,10 +84,12 @@ def write_gguf(
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     architecture: str | None = None,
     drop: Sequence[str] = (),
+    extra: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """Write ``model`` the way llama.cpp's converter would (Q/K permuted for ``llama``); 2-D
-    weights in ``qtype``, norms/biases in F32. ``drop`` omits GGUF tensors by name. The
-    tokenizer metadata is ``tiny_vocab`` with the single merge ``a b``."""
+    weights in ``qtype``, norms/biases in F32. ``drop`` omits GGUF tensors by name; ``extra``
+    adds tensors by GGUF name, as they are (e.g. ``rope_freqs.weight``). The tokenizer metadata is
+    ``tiny_vocab`` with the single merge ``a b``."""
     cfg = model.config
     arch = architecture or ("qwen2" if cfg.architecture == "qwen2" else "llama")
     w = GGUFWriter(str(path), arch)
@@ -107,6 +109,8 @@ def write_gguf(
             w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, np.ascontiguousarray(arr))
+    for name, arr in (extra or {}).items():
+        w.add_tensor(name, np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

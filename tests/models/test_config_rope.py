@@ -61,6 +61,11 @@ def test_from_hf_formats():
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling.rope_type must be one of"),
         ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor must be a number > 0"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor"),
+        ({"rope_scaling": {"rope_type": "freq_factors"}}, r"rope_scaling.factors must be \d+ numbers > 0"),
+        ({"rope_scaling": {"rope_type": "freq_factors", "factors": [1.0]}}, "rope_scaling.factors must be"),
+        ({"rope_scaling": {"rope_type": "freq_factors", "factors": [0.0] * 8}}, "rope_scaling.factors must be"),
+        ({"rope_scaling": {"rope_type": "freq_factors", "factors": [float("inf")] * 8}}, "factors must be"),
+        ({"rope_scaling": {"rope_type": "freq_factors", "factors": ["1"] * 8}}, "rope_scaling.factors must be"),
     ],
 )
 def test_config_rejects_bad_values(changes, message):

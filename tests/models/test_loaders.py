@@ -24,7 +24,12 @@ from treeserve.models import (
     save_hf_dir,
     tiny_config,
 )
-from treeserve.models.gguf_loader import unpermute_qk
+from treeserve.models.gguf_loader import gguf_config, unpermute_qk
+from treeserve.models.rope import inv_frequencies
+
+
+def open_gguf_config(path):  # type: ignore[no-untyped-def]
+    return gguf_config(open_gguf(path))
 
 IDS = list(range(3, 27))
 
@@ -49,6 +54,30 @@ def test_gguf_f32_round_trip_is_exact(tiny, tmp_path):
     assert loaded.config.replace(rms_norm_eps=tiny.config.rms_norm_eps) == tiny.config
     for (name, a), b in zip(tiny.state_dict().items(), loaded.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
+def test_gguf_rope_freqs_are_the_llama3_scaling_they_were_written_from(tmp_path):
+    """``rope_freqs.weight`` (how llama.cpp's converter writes Llama 3.1+'s llama3 scaling: each
+    frequency's divisor) loads as those factors: the llama3 config's inverse frequencies to float32
+    rounding and its logits, far from the unscaled model's; a factor table of the wrong size is refused."""
+    params = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    model = random_model(tiny_config("llama", vocab_size=64).replace(rope_scaling=params), seed=3, init_std=0.1)
+    plain = inv_frequencies(model.config.replace(rope_scaling=None))
+    factors = (plain / inv_frequencies(model.config)).numpy().astype(np.float32)
+    assert factors.max() == 8.0 and factors.min() == 1.0 and len(set(factors.tolist())) > 2  # some in between
+    loaded = load_gguf_model(open_gguf(write_gguf(model, tmp_path / "m.gguf", extra={"rope_freqs.weight": factors})))
+    assert loaded.config.rope_scaling == {"rope_type": "freq_factors", "factors": factors.tolist()}
+    torch.testing.assert_close(inv_frequencies(loaded.config), inv_frequencies(model.config), rtol=2e-7, atol=0)
+    ids = list(range(3, 63))  # 60 positions
+    ours = paged_logits(loaded, ids, [40, 20], 4)
+    assert rel_err(ours, paged_logits(model, ids, [40, 20], 4)) < 1e-5
+    unscaled = random_model(model.config.replace(rope_scaling=None), seed=3, init_std=0.1)
+    assert rel_err(ours, paged_logits(unscaled, ids, [40, 20], 4)) > 1e-3
+    with pytest.raises(ValueError, match="rope_freqs.weight must be 8 F32 factors"):
+        open_gguf_config(write_gguf(model, tmp_path / "bad.gguf", extra={"rope_freqs.weight": factors[:3]}))
+    with pytest.raises(ValueError, match="rope_scaling of type 'freq_factors' .* has no HF config form"):
+        loaded.config.to_hf()
 
 
 def test_gguf_q8_0_close_to_source(tiny, tmp_path):

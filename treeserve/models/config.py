@@ -7,6 +7,7 @@ they differ only in QKV bias, RoPE parameters and embedding tying.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,16 +20,19 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "tiny_config"]
 # ``general.architecture``. Mistral GGUF files say "llama" (llama.cpp converts them as such).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
     """Hyper-parameters of a Llama-family decoder; validated on construction.
 
-    ``rope_scaling`` is ``None`` or a dict with ``rope_type`` in ``("default", "linear", "llama3")``
-    plus that type's fields (``factor``; for llama3 also ``low_freq_factor``, ``high_freq_factor``,
-    ``original_max_position_embeddings``). ``eos_token_ids`` lists every token that ends a turn.
+    ``rope_scaling`` is ``None`` or a dict with ``rope_type`` in ``("default", "linear", "llama3",
+    "freq_factors")`` plus that type's fields (``factor``; for llama3 also ``low_freq_factor``,
+    ``high_freq_factor``, ``original_max_position_embeddings``; for ``freq_factors``, a GGUF file's
+    ``rope_freqs.weight`` (how llama.cpp's converter writes Llama 3.1+'s llama3 scaling), ``factors``:
+    ``head_dim // 2`` numbers > 0 that divide the inverse frequencies). ``eos_token_ids`` lists every
+    token that ends a turn.
     """
 
     architecture: str
@@ -72,7 +76,7 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        _check_rope_scaling(self.rope_scaling)
+        _check_rope_scaling(self.rope_scaling, self.head_dim)
         for tok in self.eos_token_ids:
             if not 0 <= tok < self.vocab_size:
                 raise ValueError(f"eos_token_ids must lie in [0, {self.vocab_size}), got {tok}")
@@ -175,17 +179,26 @@ class ModelConfig:
         if self.architecture != "qwen2":
             out["attention_bias"] = self.attention_bias
         if self.rope_scaling is not None:
+            if self.rope_scaling["rope_type"] == "freq_factors":
+                raise ValueError("rope_scaling of type 'freq_factors' (a GGUF file's rope_freqs) has no HF config form")
             out["rope_scaling"] = dict(self.rope_scaling)
         return out
 
 
-def _check_rope_scaling(rs: dict[str, Any] | None) -> None:
+def _check_rope_scaling(rs: dict[str, Any] | None, head_dim: int) -> None:
     if rs is None:
         return
     kind = rs.get("rope_type")
     if kind not in _ROPE_TYPES:
         raise ValueError(f"rope_scaling.rope_type must be one of {_ROPE_TYPES}, got {kind!r}")
     if kind == "default":
+        return
+    if kind == "freq_factors":
+        factors = rs.get("factors")
+        if (not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2
+                or not all(isinstance(f, (int, float)) and 0 < f < math.inf for f in factors)):  # fmt: skip
+            raise ValueError(f"rope_scaling.factors must be {head_dim // 2} numbers > 0 (head_dim // 2), "
+                             f"got {factors!r:.80}")
         return
     factor = rs.get("factor")
     if not isinstance(factor, (int, float)) or factor <= 0:

@@ -113,6 +113,14 @@ def gguf_config(g: GGUFContents) -> ModelConfig:
         {"rope_type": "linear", "factor": float(md[f"{arch}.rope.scaling.factor"])}
         if scaling_type == "linear" else None
     )
+    freqs = g.tensors.get("rope_freqs.weight")  # Llama 3.1+'s llama3 scaling, as llama.cpp's converter writes it
+    if freqs is not None:
+        if rope_scaling is not None:
+            raise ValueError(f"{g.path}: rope_freqs.weight with {arch}.rope.scaling.type 'linear' is not supported")
+        if freqs.tensor_type != GGMLQuantizationType.F32 or freqs.n_elements != head_dim // 2:
+            raise ValueError(f"{g.path}: rope_freqs.weight must be {head_dim // 2} F32 factors (head_dim // 2), "
+                             f"got {freqs.n_elements} {freqs.tensor_type.name}")
+        rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in freqs.data.reshape(-1)]}
     eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
     return ModelConfig(
         architecture=arch,
@@ -198,8 +206,6 @@ def load_gguf_model(
     """
     check_shard_quantization(shard, quantization)
     config = gguf_config(g)
-    if "rope_freqs.weight" in g.tensors:
-        raise ValueError(f"{g.path}: per-frequency RoPE factors (rope_freqs.weight) are not supported")
     by_hf = {hf: t for name, t in g.tensors.items() if (hf := _hf_name(name)) is not None}
     permute_heads = {
         "self_attn.q_proj": config.num_heads,

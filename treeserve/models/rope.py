@@ -1,4 +1,5 @@
-"""Rotary position embedding: inverse frequencies (default / linear / llama3 scaling) and a cos/sin table.
+"""Rotary position embedding: inverse frequencies (default / linear / llama3 scaling, or a GGUF file's
+per-frequency factors) and a cos/sin table.
 
 The table is precomputed for every position below ``max_position_embeddings`` and gathered by the
 ``positions`` tensor, so applying RoPE has no data-dependent control flow (compile / CUDA-graph safe).
@@ -27,6 +28,8 @@ def inv_frequencies(config: ModelConfig) -> torch.Tensor:
     rs = config.rope_scaling
     if rs is None or rs["rope_type"] == "default":
         return inv
+    if rs["rope_type"] == "freq_factors":  # llama.cpp's rope_freqs: each frequency divided by its factor
+        return inv / torch.tensor(rs["factors"], dtype=torch.float32)
     factor = float(rs["factor"])
     if rs["rope_type"] == "linear":
         return inv / factor

@@ -15,8 +15,10 @@ window are not written (the loader supports neither).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
@@ -135,10 +137,8 @@ def _tensor(name: str, shape: tuple[int, ...], qtype: str, rng: np.random.Genera
     return _random_blocks(rng, qtype, shape)  # type: ignore[arg-type]
 
 
-def add_metadata(w: GGUFWriter, spec: SyntheticSpec, rms_norm_eps: float, tokens: list[str], merges: list[str],
-                 token_types: list[int], bos: int, eos: int) -> None:
-    """Add the metadata ``gguf_config`` and ``Tokenizer.from_gguf_metadata`` read (model shape, RoPE
-    base, norm epsilon, a byte-level BPE vocabulary, BOS / EOS) to ``w``, as llama.cpp's converter names it."""
+def _add_model(w: GGUFWriter, spec: SyntheticSpec, rms_norm_eps: float) -> None:
+    """The model's shape, RoPE base and norm epsilon, as llama.cpp's converter names them."""
     w.add_block_count(spec.num_layers)
     w.add_context_length(spec.context_length)
     w.add_embedding_length(spec.hidden_size)
@@ -148,6 +148,13 @@ def add_metadata(w: GGUFWriter, spec: SyntheticSpec, rms_norm_eps: float, tokens
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(rms_norm_eps)
     w.add_vocab_size(spec.vocab_size)
+
+
+def add_metadata(w: GGUFWriter, spec: SyntheticSpec, rms_norm_eps: float, tokens: list[str], merges: list[str],
+                 token_types: list[int], bos: int, eos: int) -> None:
+    """Add the metadata ``gguf_config`` and ``Tokenizer.from_gguf_metadata`` read (model shape, RoPE
+    base, norm epsilon, a byte-level BPE vocabulary, BOS / EOS) to ``w``, as llama.cpp's converter names it."""
+    _add_model(w, spec, rms_norm_eps)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -157,15 +164,47 @@ def add_metadata(w: GGUFWriter, spec: SyntheticSpec, rms_norm_eps: float, tokens
     w.add_eos_token_id(eos)
 
 
+# The tokenizer keys ``write_synthetic_gguf(tokenizer=...)`` writes, each by the writer's method for its type.
+_TOKENIZER_KEYS: dict[str, Callable[[GGUFWriter, Any], None]] = {
+    "tokenizer.ggml.model": GGUFWriter.add_tokenizer_model,
+    "tokenizer.ggml.pre": GGUFWriter.add_tokenizer_pre,
+    "tokenizer.ggml.tokens": GGUFWriter.add_token_list,
+    "tokenizer.ggml.scores": GGUFWriter.add_token_scores,
+    "tokenizer.ggml.token_type": GGUFWriter.add_token_types,
+    "tokenizer.ggml.merges": GGUFWriter.add_token_merges,
+    "tokenizer.ggml.bos_token_id": GGUFWriter.add_bos_token_id,
+    "tokenizer.ggml.eos_token_id": GGUFWriter.add_eos_token_id,
+    "tokenizer.ggml.unknown_token_id": GGUFWriter.add_unk_token_id,
+    "tokenizer.ggml.padding_token_id": GGUFWriter.add_pad_token_id,
+    "tokenizer.ggml.add_bos_token": GGUFWriter.add_add_bos_token,
+    "tokenizer.ggml.add_space_prefix": GGUFWriter.add_add_space_prefix,
+    "tokenizer.chat_template": GGUFWriter.add_chat_template,
+}
+
+
+def _check_tokenizer(tokenizer: Mapping[str, Any], vocab_size: int) -> None:
+    unknown = sorted(set(tokenizer) - set(_TOKENIZER_KEYS))
+    if unknown:
+        raise ValueError(f"tokenizer keys must be among {sorted(_TOKENIZER_KEYS)}, got {unknown}")
+    tokens = tokenizer.get("tokenizer.ggml.tokens")
+    if "tokenizer.ggml.model" not in tokenizer or tokens is None or len(tokens) != vocab_size:
+        got = "none" if tokens is None else len(tokens)
+        raise ValueError(f"tokenizer must give tokenizer.ggml.model and {vocab_size} tokenizer.ggml.tokens, got {got}")
+
+
 def write_synthetic_gguf(path: str | Path, spec: str | SyntheticSpec = "llama-3.2-1b", qtype: str = "Q4_0",
-                         seed: int = 0, num_layers: int | None = None) -> Path:
+                         seed: int = 0, num_layers: int | None = None,
+                         tokenizer: Mapping[str, Any] | None = None) -> Path:
     """Write the synthetic GGUF file of ``spec`` (a name of ``SPECS`` or a ``SyntheticSpec``) to ``path``.
 
     ``qtype``: one of :data:`QTYPES` (``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``, ``"Q4_K"``, ``"Q5_K"``, ``"Q6_K"``
     for every 2-D weight, or the ``"Q4_K_M"`` / ``"Q5_K_M"`` mixtures; the k-quants need widths that are
     multiples of 256, as every spec's are); ``seed``: the codes;
-    ``num_layers``: keep only the first layers (a smaller file of the same widths). ``ValueError``
-    names a bad ``spec``, ``qtype`` or ``num_layers``. Returns ``path``."""
+    ``num_layers``: keep only the first layers (a smaller file of the same widths); ``tokenizer``: the
+    ``tokenizer.*`` keys to write instead of the byte-level BPE stand-in (e.g. a SentencePiece
+    vocabulary's ``tokenizer.ggml.model``, ``tokens``, ``scores``, ``token_type``, its token ids;
+    ``spec.vocab_size`` tokens). ``ValueError`` names a bad ``spec``, ``qtype``, ``num_layers`` or
+    ``tokenizer``. Returns ``path``."""
     if isinstance(spec, str):
         if spec not in SPECS:
             raise ValueError(f"spec must be one of {sorted(SPECS)} or a SyntheticSpec, got {spec!r}")
@@ -176,11 +215,19 @@ def write_synthetic_gguf(path: str | Path, spec: str | SyntheticSpec = "llama-3.
         if not 1 <= num_layers <= spec.num_layers:
             raise ValueError(f"num_layers must be in [1, {spec.num_layers}], got {num_layers}")
         spec = SyntheticSpec(**{**{f: getattr(spec, f) for f in SyntheticSpec.__slots__}, "num_layers": num_layers})
+    if tokenizer is not None:
+        _check_tokenizer(tokenizer, spec.vocab_size)
     path = Path(path)
     w = GGUFWriter(str(path), spec.architecture)
     w.add_name(f"synthetic-{spec.architecture}-{qtype}-seed{seed}")
-    add_metadata(w, spec, 1e-5 if spec.architecture == "llama" else 1e-6, _vocabulary(spec.vocab_size), ["a b"],
-                 [1] * spec.vocab_size, bos=spec.vocab_size - 2, eos=spec.vocab_size - 1)
+    eps = 1e-5 if spec.architecture == "llama" else 1e-6
+    if tokenizer is None:
+        add_metadata(w, spec, eps, _vocabulary(spec.vocab_size), ["a b"], [1] * spec.vocab_size,
+                     bos=spec.vocab_size - 2, eos=spec.vocab_size - 1)
+    else:
+        _add_model(w, spec, eps)
+        for key, value in tokenizer.items():
+            _TOKENIZER_KEYS[key](w, value)
     shapes = synthetic_tensor_shapes(spec)
     for name, shape in shapes.items():
         if len(shape) == 1:

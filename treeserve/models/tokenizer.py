@@ -1,8 +1,19 @@
 """``Tokenizer``: text <-> token ids, chat template, special tokens; built from HF files or GGUF.
 
-Backed by the ``tokenizers`` library. From a GGUF file the byte-level BPE is rebuilt from
-``tokenizer.ggml.tokens``/``merges``/``token_type`` the way transformers rebuilds it (control
-tokens become special added tokens, user-defined ones plain added tokens), so both encode alike.
+Backed by the ``tokenizers`` library. From a GGUF file:
+
+- ``tokenizer.ggml.model == "gpt2"``: the byte-level BPE is rebuilt from
+  ``tokenizer.ggml.tokens``/``merges``/``token_type`` the way transformers rebuilds it;
+- ``"llama"`` (SentencePiece BPE: Llama 1/2, Mistral, TinyLlama and their fine-tunes): the pieces and
+  ``tokenizer.ggml.scores`` become a BPE whose merges are every split of a piece into two pieces,
+  ranked by the joined piece's score (``_spm_merges``), so that merging the highest-ranked adjacent
+  pair first joins the pair whose piece scores highest, as SentencePiece and llama.cpp do; spaces are
+  ``▁``, one is put before the text and after each special token (``tokenizer.ggml.add_space_prefix``,
+  default on), characters outside the pieces fall back to their ``<0xXX>`` byte tokens, and decoding
+  drops the one leading space, as transformers' Llama tokenizer does.
+
+Either way control tokens become special added tokens and user-defined ones plain added tokens, so
+transformers, llama.cpp and this class encode alike.
 ``StreamDecoder`` turns a growing id list into text chunks that never split a UTF-8 character.
 """
 
@@ -13,14 +24,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
 from treeserve.models.chat_template import render_chat_template
 
 __all__ = ["StreamDecoder", "Tokenizer"]
 
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+_SPACE = "\u2581"  # SentencePiece's visible space
 
 # Pre-tokenizer split patterns for GGUF ``tokenizer.ggml.pre`` values whose merges were learned
 # on a split other than GPT-2's default.
@@ -96,11 +108,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens written in the text map to their ids.
 
-        ``add_special_tokens`` applies the tokenizer's post-processor (e.g. a leading BOS).
+        ``add_special_tokens`` applies the tokenizer's post-processor (e.g. a leading BOS), except that
+        a text that already starts with the BOS token (a rendered chat template writes it) gets no
+        second one, as llama.cpp strips it from a rendered chat.
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.bos_token_id
+        if add_special_tokens and bos is not None and ids[:2] == [bos, bos] and text.startswith(self.bos_token or ""):
+            del ids[0]
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids`` (invalid UTF-8 byte sequences become U+FFFD)."""
@@ -122,63 +140,46 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, md: Mapping[str, Any], extra_eos_token_ids: Sequence[int] = ()) -> Tokenizer:
-        """Build from GGUF ``tokenizer.*`` metadata (``tokenizer.ggml.model == "gpt2"`` only).
+        """Build from GGUF ``tokenizer.*`` metadata: ``tokenizer.ggml.model`` ``"gpt2"`` (byte-level BPE)
+        or ``"llama"`` (SentencePiece BPE; module docstring).
 
-        Raises ``ValueError`` for another tokenizer model, an unknown pre-tokenizer, or missing keys.
+        Raises ``ValueError`` for another tokenizer model, an unknown pre-tokenizer, or missing or
+        inconsistent keys.
         """
         kind = md.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer.ggml.model must be 'gpt2' (byte-level BPE), got {kind!r}")
-        pre = md.get("tokenizer.ggml.pre", "default")
-        if pre not in _GGUF_SPLITS:
-            raise ValueError(f"GGUF tokenizer.ggml.pre must be one of {sorted(_GGUF_SPLITS)}, got {pre!r}")
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-            if key not in md:
-                raise ValueError(f"GGUF metadata is missing {key!r}")
+        if kind not in ("gpt2", "llama"):
+            raise ValueError("GGUF tokenizer.ggml.model must be 'gpt2' (byte-level BPE) or 'llama' "
+                             f"(SentencePiece BPE), got {kind!r}")
+        if "tokenizer.ggml.tokens" not in md:
+            raise ValueError("GGUF metadata is missing 'tokenizer.ggml.tokens'")
         tokens: list[str] = md["tokenizer.ggml.tokens"]
-        types: list[int] = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        alphabet = _byte_alphabet()
-        letters = set(alphabet.values())
-        # Tokens not spelled in the byte alphabet (e.g. raw special tokens) are re-spelled so the
-        # BPE model can hold them; transformers does the same.
-        vocab = {
-            t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")): i
-            for i, t in enumerate(tokens)
-        }
-        merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
-        try:
-            bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
-        except Exception as exc:  # tokenizers raises a bare Exception for inconsistent merges
-            raise ValueError(f"GGUF tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {exc}") from exc
-        backend = _Backend(bpe)
-        split = _GGUF_SPLITS[pre]
-        backend.pre_tokenizer = (
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-            if split is None
-            else pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])
-        )
-        backend.decoder = decoders.ByteLevel()
+        types: list[int] = md.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+        if len(types) < len(tokens):  # entries past the tokens are never read (llama.cpp reads them by index)
+            raise ValueError(f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        backend, spelled = (_bpe_backend if kind == "gpt2" else _spm_backend)(md, tokens, types)
 
         def token(key: str) -> str | None:
             tid = md.get(f"tokenizer.ggml.{key}_token_id")
-            return None if tid is None else tokens[int(tid)]
+            if tid is None:
+                return None
+            if not 0 <= int(tid) < len(tokens):
+                raise ValueError(f"GGUF tokenizer.ggml.{key}_token_id must lie in [0, {len(tokens)}), got {tid}")
+            return tokens[int(tid)]
 
         bos, eos = token("bos"), token("eos")
         named = {t for t in (bos, eos, token("unknown"), token("padding")) if t is not None}
-        special = [t for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= letters]
+        special = [t for t, ty in zip(tokens, types) if ty == _CONTROL and t in spelled]
         backend.add_special_tokens(
             [AddedToken(t, special=True, normalized=False) for t in dict.fromkeys([*special, *named])]
         )
         backend.add_tokens(
             [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
-             if ty == _USER_DEFINED and t in vocab]
+             if ty == _USER_DEFINED and t in spelled]
         )
-        if md.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        # llama.cpp puts BOS first where the file says so, and by default for SentencePiece vocabularies.
+        if md.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
             backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, vocab[bos])]
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, spelled[bos])]
             )
         return cls(backend, md.get("tokenizer.chat_template"), bos, eos, extra_eos_token_ids)
 
@@ -206,6 +207,81 @@ class Tokenizer:
             return value.get("content") if isinstance(value, dict) else value
 
         return cls(backend, template, token("bos_token"), token("eos_token"), extra_eos_token_ids)
+
+
+def _bpe_backend(md: Mapping[str, Any], tokens: list[str], types: list[int]) -> tuple[_Backend, dict[str, int]]:
+    """The byte-level BPE of a ``gpt2`` GGUF vocabulary and its ``{token: id}`` (as spelled in the model)."""
+    pre = md.get("tokenizer.ggml.pre", "default")
+    if pre not in _GGUF_SPLITS:
+        raise ValueError(f"GGUF tokenizer.ggml.pre must be one of {sorted(_GGUF_SPLITS)}, got {pre!r}")
+    if "tokenizer.ggml.merges" not in md:
+        raise ValueError("GGUF metadata is missing 'tokenizer.ggml.merges'")
+    alphabet = _byte_alphabet()
+    letters = set(alphabet.values())
+    # Tokens not spelled in the byte alphabet (e.g. raw special tokens) are re-spelled so the
+    # BPE model can hold them; transformers does the same.
+    vocab = {
+        t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")): i
+        for i, t in enumerate(tokens)
+    }
+    merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    except Exception as exc:  # tokenizers raises a bare Exception for inconsistent merges
+        raise ValueError(f"GGUF tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {exc}") from exc
+    backend = _Backend(bpe)
+    split = _GGUF_SPLITS[pre]
+    backend.pre_tokenizer = (
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if split is None
+        else pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend, {t: i for t, i in vocab.items() if set(t) <= letters and tokens[i] == t}
+
+
+def _spm_merges(tokens: list[str], types: list[int], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """Every split of a normal piece into two normal pieces, the joined piece's score highest first
+    (ties: the lower id, then the shorter left part): a BPE that applies them in this order merges, of
+    the adjacent pairs that form a piece, the one whose piece scores highest, as SentencePiece's BPE
+    and llama.cpp do (both break ties between equal scores by position, which ranks here cannot: real
+    vocabularies give every normal piece its own score)."""
+    normal = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _NORMAL}
+    ranked = []
+    for piece, i in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-float(scores[i]), i, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _spm_backend(md: Mapping[str, Any], tokens: list[str], types: list[int]) -> tuple[_Backend, dict[str, int]]:
+    """The BPE of a ``llama`` (SentencePiece) GGUF vocabulary and its ``{token: id}`` (module docstring)."""
+    scores = md.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) < len(tokens):
+        got = "none" if scores is None else f"{len(scores)}"
+        raise ValueError(f"GGUF tokenizer.ggml.scores must hold one score per token ({len(tokens)}), got {got}")
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # a repeated piece: its first id, as llama.cpp's lookup finds it
+    unk_id = md.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    bpe = models.BPE(vocab=vocab, merges=_spm_merges(tokens, types, scores), unk_token=unk, fuse_unk=True,
+                     byte_fallback=True)
+    backend = _Backend(bpe)
+    prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend(_SPACE)] if prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
+    backend.decoder = decoders.Sequence([
+        decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+        *([decoders.Strip(" ", 1, 0)] if prefix else []),
+    ])
+    return backend, vocab
 
 
 class StreamDecoder:
