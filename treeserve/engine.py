@@ -78,6 +78,10 @@ from treeserve.scheduler import (
 
 Prompt = str | Sequence[int]
 
+_TEXT_CONTEXT = 4
+"""Prompt tokens an output's text is decoded after (``StreamDecoder(context=...)``): the output's first
+token keeps the space a SentencePiece piece starts with, as vLLM and llama.cpp return it."""
+
 CPU_SPECULATIVE_MAX_BATCH = 8
 """On CPU, steps with more decoding requests than this draft nothing: a batch is compute-bound
 there, and scoring rejected draft nodes costs about what the steps accepted ones save (issue 6
@@ -991,7 +995,8 @@ class LLM:
             from treeserve.models import StreamDecoder
 
             for req in reqs:
-                req.text_state = TextState(StreamDecoder(self.tokenizer, skip_special_tokens=True), params.stop)
+                decoder = StreamDecoder(self.tokenizer, skip_special_tokens=True, context=ids[-_TEXT_CONTEXT:])
+                req.text_state = TextState(decoder, params.stop)
         if params.structured is not None:
             for req in reqs:  # one matcher per sample, fed by the commit path
                 req.grammar = self.grammar_compiler().new_state(params.structured)

@@ -85,6 +85,20 @@ def test_encode_and_decode_are_sentencepiece(pair, text: str) -> None:  # type: 
     assert "".join(stream.push([i]) for i in ids) + stream.finish() == sp.decode(ids)
 
 
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.sampled_from(CORPUS), reply=st.sampled_from(CORPUS), cut=st.integers(1, 6))
+def test_a_stream_after_a_context_adds_what_follows_it(pair, prompt, reply, cut):  # type: ignore[no-untyped-def]
+    """Decoded after the prompt's last tokens, an output keeps the space its first piece starts with
+    (SentencePiece's text of prompt + output, past the prompt's); alone, the space is dropped."""
+    sp, tok = pair
+    context, ids = sp.encode(prompt)[-cut:], sp.encode(reply)
+    stream = StreamDecoder(tok, context=context)
+    text = "".join(stream.push([i]) for i in ids) + stream.finish()
+    assert text == sp.decode(context + ids)[len(sp.decode(context)):] == " " + sp.decode(ids)
+    alone = StreamDecoder(tok)
+    assert "".join(alone.push([i]) for i in ids) + alone.finish() == sp.decode(ids)
+
+
 def test_special_and_user_defined_tokens_split_out_with_a_space_after_them(pair):  # type: ignore[no-untyped-def]
     """Control and user-defined tokens written in the text are their ids; the text after one starts
     with a space, as llama.cpp tokenizes (a fragment after a special token gets the space prefix)."""
@@ -146,7 +160,9 @@ def test_a_gguf_model_with_a_sentencepiece_vocabulary_generates_and_chats(tmp_pa
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     (out,) = llm.generate(["hello world"], params, use_tqdm=False)
     assert out.prompt_token_ids == [sp.bos_id(), *sp.encode("hello world")]
-    assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+    context, got = out.prompt_token_ids[-4:], out.outputs[0].token_ids
+    tok = llm.tokenizer
+    assert len(got) == 6 and out.outputs[0].text == tok.decode(context + got, True)[len(tok.decode(context, True)):]
     (chat,) = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)
     assert chat.prompt_token_ids == [sp.bos_id(), *sp.encode("[INST] hi [/INST]")]  # one BOS: the template's
     # structured output over this vocabulary (xgrammar reads it as byte fallback with the space prefix)

@@ -292,16 +292,24 @@ class StreamDecoder:
     so that merges across token boundaries (leading spaces, multi-byte characters) come out as a
     full decode would. ``finish()`` returns whatever is still held. The concatenation of all
     returned chunks equals ``tokenizer.decode(all_ids)``.
+
+    ``context``: ids that come before the pushed ones (a prompt's last tokens), decoded with them but
+    never returned: the chunks then add up to the text the pushed ids add after the context, e.g.
+    the space a SentencePiece output token starts with, which a decode of the output alone drops (as
+    vLLM's incremental detokenizer seeds itself with the prompt). A context whose text ends in an
+    incomplete character is not used.
     """
 
     __slots__ = ("_tok", "_skip", "_ids", "_prefix", "_read")
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False, context: Sequence[int] = ()) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = []
+        self._ids: list[int] = [int(i) for i in context]
+        if self._ids and tokenizer.decode(self._ids, skip_special_tokens).endswith("\ufffd"):
+            self._ids = []
         self._prefix = 0  # start of the decoding window
-        self._read = 0  # ids before this have been emitted
+        self._read = len(self._ids)  # ids before this have been emitted (or are the context)
 
     def push(self, ids: Sequence[int]) -> str:
         """Append ``ids``; return the text they complete (possibly empty)."""
