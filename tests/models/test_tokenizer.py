@@ -158,3 +158,23 @@ def test_load_hf_dir_with_tokenizer(hf_smol_tokenizer, tmp_path):
     model, tokenizer = load(tmp_path)
     assert model.config == config
     assert tokenizer.eos_token_ids == (2, 0)  # the tokenizer's EOS first, then the config's others
+
+
+def test_llama_cpp_names_of_a_split_load_and_an_unknown_one_falls_back(caplog):
+    """``tokenizer.ggml.pre`` under any name llama.cpp gives a split (e.g. DeepSeek-R1's Qwen distills'
+    ``deepseek-r1-qwen``) splits as that one; an unknown name loads with GPT-2's split and a warning."""
+    import logging
+
+    from treeserve.models import open_gguf, resolve_model_path
+
+    md = open_gguf(resolve_model_path("smollm2-135m-instruct")).metadata
+    text = "numbers 1234567890, words\n\n  and spaces   "
+
+    def ids(pre: str) -> list[int]:
+        return Tokenizer.from_gguf_metadata({**md, "tokenizer.ggml.pre": pre}).encode(text)
+
+    assert ids("deepseek-r1-qwen") == ids("qwen2") and ids("falcon3") == ids("llama-bpe") == ids("llama3")
+    assert ids("gpt-2") == ids("default")
+    with caplog.at_level(logging.WARNING, logger="treeserve.models"):
+        assert ids("a-model-of-2030") == ids("default")
+    assert "'a-model-of-2030' is not one of" in caplog.text

@@ -20,6 +20,7 @@ transformers, llama.cpp and this class encode alike.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from treeserve.models.chat_template import render_chat_template
 
 __all__ = ["StreamDecoder", "Tokenizer"]
 
+_log = logging.getLogger("treeserve.models")
+
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 _SPACE = "\u2581"  # SentencePiece's visible space
 
@@ -41,10 +44,13 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# The names llama.cpp gives each (its llama-vocab.cpp groups them by pre-tokenizer type), so that the
+# files of those models (DeepSeek-R1's Qwen distills, Falcon 3, Pixtral, ...) load; None: GPT-2's split.
 _GGUF_SPLITS: dict[str, str | None] = {
-    "default": None, "gpt2": None, "smollm": None,
-    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
+    **dict.fromkeys(("default", "gpt2", "gpt-2", "phi-2", "smollm", "exaone4", "mellum", "a.x-4.0"), None),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "falcon-h1", "pixtral", "lfm2",
+                     "midm-2.0"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez"), _QWEN2_SPLIT),
 }
 
 
@@ -143,8 +149,8 @@ class Tokenizer:
         """Build from GGUF ``tokenizer.*`` metadata: ``tokenizer.ggml.model`` ``"gpt2"`` (byte-level BPE)
         or ``"llama"`` (SentencePiece BPE; module docstring).
 
-        Raises ``ValueError`` for another tokenizer model, an unknown pre-tokenizer, or missing or
-        inconsistent keys.
+        Raises ``ValueError`` for another tokenizer model, or missing or inconsistent keys; an unknown
+        ``tokenizer.ggml.pre`` loads with GPT-2's split and a warning, as llama.cpp does.
         """
         kind = md.get("tokenizer.ggml.model")
         if kind not in ("gpt2", "llama"):
@@ -212,8 +218,10 @@ class Tokenizer:
 def _bpe_backend(md: Mapping[str, Any], tokens: list[str], types: list[int]) -> tuple[_Backend, dict[str, int]]:
     """The byte-level BPE of a ``gpt2`` GGUF vocabulary and its ``{token: id}`` (as spelled in the model)."""
     pre = md.get("tokenizer.ggml.pre", "default")
-    if pre not in _GGUF_SPLITS:
-        raise ValueError(f"GGUF tokenizer.ggml.pre must be one of {sorted(_GGUF_SPLITS)}, got {pre!r}")
+    if pre not in _GGUF_SPLITS:  # as llama.cpp does: load with the default split, and say so
+        _log.warning("GGUF tokenizer.ggml.pre %r is not one of %s: splitting text as GPT-2 does; the ids may "
+                     "differ from this model's own tokenizer's", pre, sorted(_GGUF_SPLITS))
+        pre = "default"
     if "tokenizer.ggml.merges" not in md:
         raise ValueError("GGUF metadata is missing 'tokenizer.ggml.merges'")
     alphabet = _byte_alphabet()
@@ -268,7 +276,7 @@ def _spm_backend(md: Mapping[str, Any], tokens: list[str], types: list[int]) -> 
         raise ValueError(f"GGUF tokenizer.ggml.scores must hold one score per token ({len(tokens)}), got {got}")
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)  # a repeated piece: its first id, as llama.cpp's lookup finds it
+        vocab.setdefault(t, i)  # a repeated piece (llama.cpp refuses such a file): its first id
     unk_id = md.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
     bpe = models.BPE(vocab=vocab, merges=_spm_merges(tokens, types, scores), unk_token=unk, fuse_unk=True,
