@@ -64,6 +64,8 @@ _GGUF_BLOCK = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -91,11 +93,12 @@ def write_gguf(
     adds tensors by GGUF name, as they are (e.g. ``rope_freqs.weight``). The tokenizer metadata is
     ``tiny_vocab`` with the single merge ``a b``."""
     cfg = model.config
-    arch = architecture or ("qwen2" if cfg.architecture == "qwen2" else "llama")
+    arch = architecture or (cfg.architecture if cfg.architecture in ("qwen2", "qwen3") else "llama")
     w = GGUFWriter(str(path), arch)
     spec = SyntheticSpec(arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size,
                          cfg.vocab_size, cfg.tie_word_embeddings, cfg.attention_bias, cfg.rope_theta,
-                         cfg.max_position_embeddings)
+                         cfg.max_position_embeddings,
+                         None if cfg.head_dim == cfg.hidden_size // cfg.num_heads else cfg.head_dim)
     add_metadata(w, spec, cfg.rms_norm_eps, tiny_vocab(cfg.vocab_size), ["a b"], [3] * 4 + [1] * (cfg.vocab_size - 4),
                  bos=cfg.bos_token_id or 1, eos=cfg.eos_token_ids[0] if cfg.eos_token_ids else 2)
     for hf, t in hf_state_dict(model).items():

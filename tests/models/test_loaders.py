@@ -34,9 +34,11 @@ def open_gguf_config(path):  # type: ignore[no-untyped-def]
 IDS = list(range(3, 27))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tiny(request):
-    return random_model(tiny_config(request.param, vocab_size=64), seed=3, init_std=0.1)
+    # Qwen3 with head_dim 128 != hidden / heads: transformers' GGUF loader assumes Qwen3's 128
+    head_dim = {"head_dim": 128} if request.param == "qwen3" else {}
+    return random_model(tiny_config(request.param, vocab_size=64, **head_dim), seed=3, init_std=0.1)
 
 
 @given(heads=st.integers(1, 4), half=st.integers(1, 4), cols=st.integers(0, 3))

@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen2 / Mistral models: our paged forward vs transformers on the same weights."""
+"""Tiny random Llama / Qwen2 / Qwen3 / Mistral models: our paged forward vs transformers on the same weights."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ CONFIGS = {
     # llama: llama3 RoPE scaling (with a short original context so it matters) + tied embeddings
     "llama": tiny_config("llama", rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True),
     "qwen2": tiny_config("qwen2", rope_theta=1_000_000.0),
+    # qwen3: per-head query / key RMS norms before RoPE, no QKV bias, tied embeddings
+    "qwen3": tiny_config("qwen3", rope_theta=1_000_000.0, tie_word_embeddings=True),
     "mistral": tiny_config("mistral", num_kv_heads=1),
 }
 

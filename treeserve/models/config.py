@@ -18,7 +18,7 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "tiny_config"]
 
 # Architecture names as they appear in HF ``config.json`` ``model_type`` and in GGUF
 # ``general.architecture``. Mistral GGUF files say "llama" (llama.cpp converts them as such).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 _ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
@@ -84,6 +84,11 @@ class ModelConfig:
             raise ValueError(f"bos_token_id must lie in [0, {self.vocab_size}), got {self.bos_token_id}")
 
     @property
+    def qk_norm(self) -> bool:
+        """Whether each query and key head is RMS-normalized over ``head_dim`` before RoPE (Qwen3)."""
+        return self.architecture == "qwen3"
+
+    @property
     def q_size(self) -> int:
         """Width of the query projection (``num_heads * head_dim``)."""
         return self.num_heads * self.head_dim
@@ -130,7 +135,7 @@ class ModelConfig:
         bias = arch == "qwen2" or bool(cfg.get("attention_bias", False))
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         window = cfg.get("sliding_window")
-        if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
             window = None
         if window is not None and int(window) < max_pos:
             # Sequences no longer than the window attend identically with full attention.
@@ -157,7 +162,8 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The HF ``config.json`` dict describing this model (``from_hf`` inverts it)."""
-        hf_arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        hf_arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                   "qwen3": "Qwen3ForCausalLM"}
         out: dict[str, Any] = {
             "architectures": [hf_arch[self.architecture]],
             "model_type": self.architecture,
@@ -212,7 +218,7 @@ def _check_rope_scaling(rs: dict[str, Any] | None, head_dim: int) -> None:
 
 
 def tiny_config(arch: str = "llama", **overrides: Any) -> ModelConfig:
-    """A small configuration of ``arch`` (``"llama"``, ``"qwen2"`` or ``"mistral"``) for fast tests.
+    """A small configuration of ``arch`` (``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"mistral"``) for fast tests.
 
     2 layers, hidden 64, 4 query heads over 2 KV heads (GQA), vocab 256; Qwen2 gets QKV bias.
     Any field can be overridden by keyword.

@@ -37,7 +37,7 @@ log = logging.getLogger("treeserve.models")
 
 __all__ = ["GGUFContents", "gguf_config", "load_gguf_model", "open_gguf", "unpermute_qk"]
 
-_GGUF_ARCHITECTURES = ("llama", "qwen2")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 # GGUF tensor-name suffix per block -> HF name suffix.
 _BLOCK_NAMES = {
@@ -49,6 +49,8 @@ _BLOCK_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",

@@ -98,6 +98,9 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size)
+        # Qwen3: each query and key head RMS-normalized over head_dim before RoPE.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -111,8 +114,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         qk, v = self.qkv_proj(x).split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
+            qk = torch.cat((q, k), dim=1)
         # Q and K heads are adjacent in the fused projection: rotate them in one pass.
-        qk = apply_rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         # A cache narrower than the model (bf16 KV under float32 activations) stores K/V rounded to
         # it and attends with q rounded to it; the output comes back in the model's dtype.

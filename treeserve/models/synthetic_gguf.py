@@ -45,7 +45,7 @@ QTYPES = (*_CODE_STD, *_MIXTURES)
 class SyntheticSpec:
     """The shapes of one architecture, as its GGUF metadata states them."""
 
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # "llama", "qwen2" or "qwen3"
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -56,10 +56,11 @@ class SyntheticSpec:
     attention_bias: bool
     rope_theta: float
     context_length: int = 8192
+    key_length: int | None = None  # head_dim where it is not hidden_size // num_heads (Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.key_length or self.hidden_size // self.num_heads
 
 
 SPECS: dict[str, SyntheticSpec] = {
@@ -80,6 +81,8 @@ def synthetic_tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
                    p + "attn_v.weight": (kv, h)}
         if spec.attention_bias:
             shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+        if spec.architecture == "qwen3":  # per-head query / key norms
+            shapes |= {p + "attn_q_norm.weight": (spec.head_dim,), p + "attn_k_norm.weight": (spec.head_dim,)}
         shapes |= {p + "attn_output.weight": (h, q), p + "ffn_norm.weight": (h,), p + "ffn_gate.weight": (i, h),
                    p + "ffn_up.weight": (i, h), p + "ffn_down.weight": (h, i)}
     shapes["output_norm.weight"] = (h,)
@@ -145,6 +148,9 @@ def _add_model(w: GGUFWriter, spec: SyntheticSpec, rms_norm_eps: float) -> None:
     w.add_feed_forward_length(spec.intermediate_size)
     w.add_head_count(spec.num_heads)
     w.add_head_count_kv(spec.num_kv_heads)
+    if spec.architecture == "qwen3" or spec.key_length is not None:  # as llama.cpp's converter writes them
+        w.add_key_length(spec.head_dim)
+        w.add_value_length(spec.head_dim)
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(rms_norm_eps)
     w.add_vocab_size(spec.vocab_size)

@@ -77,7 +77,11 @@ def uses_triton_layers(model: torch.nn.Module) -> bool:
     if choice == "triton":
         if not triton_usable(device):
             raise ValueError(f"layer_kernels='triton' needs a CUDA model or TRITON_INTERPRET=1 (device {device})")
+        if model.config.qk_norm:
+            raise ValueError("layer_kernels='triton' has no per-head query / key norms (Qwen3): use 'torch' or 'auto'")
         return True
+    if model.config.qk_norm:  # the fused layers lack Qwen3's per-head norms: the torch layers serve it
+        return False
     return device.type == "cuda" and triton_usable(device) and getattr(model, "batch_invariant_tile", None) is None
 
 

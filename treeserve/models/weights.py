@@ -50,6 +50,8 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         }
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,), p + "self_attn.k_norm.weight": (config.head_dim,)}
         if config.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q,),
@@ -73,6 +75,9 @@ def fused_names(config: ModelConfig) -> Iterable[tuple[str, tuple[str, ...]]]:
         yield dst + "self_attn.qkv_proj.weight", tuple(attn + f"{x}_proj.weight" for x in "qkv")
         if config.attention_bias:
             yield dst + "self_attn.qkv_proj.bias", tuple(attn + f"{x}_proj.bias" for x in "qkv")
+        if config.qk_norm:
+            yield dst + "self_attn.q_norm.weight", (attn + "q_norm.weight",)
+            yield dst + "self_attn.k_norm.weight", (attn + "k_norm.weight",)
         yield dst + "self_attn.o_proj.weight", (attn + "o_proj.weight",)
         yield dst + "mlp.gate_up_proj.weight", (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight")
         yield dst + "mlp.down_proj.weight", (src + "mlp.down_proj.weight",)
