@@ -1,5 +1,5 @@
-"""A Qwen3 GGUF (per-head query / key RMS norms before RoPE) through the engine: the torch layers
-serve it (the fused decode operators have no such norms), batches and speculation included."""
+"""A Qwen3 GGUF (per-head query / key RMS norms before RoPE) through the engine, on the fused C++
+decode layers (which normalize the heads as the torch layers do), batches and speculation included."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ SPEC = SyntheticSpec("qwen3", 2, 128, 4, 2, 192, 320, True, False, 1_000_000.0, 
 def test_a_qwen3_gguf_decodes_batches_and_speculates_as_plain_decoding(tmp_path: Path, qtype: str) -> None:
     path = write_synthetic_gguf(tmp_path / "q3.gguf", SPEC, qtype, seed=5)
     model, _ = load(path, quantization="auto")
-    assert model.config.qk_norm and model.config.head_dim == 64 and model.decode_plan() is None
+    plan = model.decode_plan()
+    assert model.config.qk_norm and model.config.head_dim == 64 and plan is not None and len(plan.norms) == 4 * 2
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     prompts = repetitive_prompts(8, 3)
     plain = LLM((model, None), speculative=None).generate(prompts, params, use_tqdm=False)

@@ -109,10 +109,11 @@ def assert_same(ref, got) -> None:  # type: ignore[no-untyped-def]
     large=st.sampled_from(LARGE),
     kv_dtype=st.sampled_from(KV_DTYPES),  # 16-bit: KV stored rounded, q rounded to attend
     seed=st.integers(0, 2**16),
+    arch=st.sampled_from(["llama", "qwen3"]),  # qwen3: per-head query / key norms
 )
 def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_rows: int, large: str,
-                                  kv_dtype: torch.dtype, seed: int) -> None:
-    model = gguf_model(seed=seed % 3, max_rows=max_rows, large=large)
+                                  kv_dtype: torch.dtype, seed: int, arch: str) -> None:
+    model = gguf_model(seed=seed % 3, max_rows=max_rows, large=large, arch=arch)
     ctx = np.random.default_rng(seed).integers(1, max_ctx + 1, batch).tolist()
     ref = decode_step(model, ctx, page_size, seed, fused=False, kv_dtype=kv_dtype)
     got = decode_step(model, ctx, page_size, seed, fused=True, kv_dtype=kv_dtype)
@@ -130,15 +131,16 @@ def test_fused_equals_python_path(batch: int, page_size: int, max_ctx: int, max_
     large=st.sampled_from(LARGE),
     kv_dtype=st.sampled_from(KV_DTYPES),
     seed=st.integers(0, 2**16),
+    arch=st.sampled_from(["llama", "qwen3"]),
 )
 def test_verify_step_fused_equals_python_path(trees: list[list[int]], page_size: int, max_ctx: int, max_rows: int,
-                                              large: str, kv_dtype: torch.dtype, seed: int) -> None:
+                                              large: str, kv_dtype: torch.dtype, seed: int, arch: str) -> None:
     """A verify step (the pending token plus draft-tree nodes per request, positions prefix_len +
     depth) through ``decode_layers`` equals the Python layers bit for bit, logits and caches; a
     step the query view cannot list (a tree with a gap on pages larger than one token) stays
     in Python, and the fused operator serves every other."""
     trees = [[min(p, k - 1) for k, p in enumerate(t)] for t in trees]  # parent before child
-    model = gguf_model(seed=seed % 3, max_rows=max_rows, large=large)
+    model = gguf_model(seed=seed % 3, max_rows=max_rows, large=large, arch=arch)
     ctx = np.random.default_rng(seed).integers(1, max_ctx + 1, len(trees)).tolist()
     ref = decode_step(model, ctx, page_size, seed, fused=False, kv_dtype=kv_dtype, trees=trees)
     calls = []
@@ -305,6 +307,12 @@ def test_bad_operands_are_named() -> None:
             h, model.rope_cache, torch.tensor([2]), plan.norms[:-1], *_operands(plan, 1), pool.k_caches,
             pool.v_caches, torch.tensor([6]), meta.kv_indptr, meta.kv_page_indices, meta.kv_last_page_len,
             cfg.num_heads, cfg.num_kv_heads, plan.eps, plan.scale,
+        )
+    with pytest.raises(ValueError, match=r"per-head query / key norm weights must be \[head_dim = 32\]"):
+        torch.ops.treeserve.decode_layers(  # Qwen3's norms after the layer norms, the last one too short
+            h, model.rope_cache, torch.tensor([2]), [*plan.norms, *[torch.ones(32)] * 3, torch.ones(31)],
+            *_operands(plan, 1), pool.k_caches, pool.v_caches, torch.tensor([6]), meta.kv_indptr,
+            meta.kv_page_indices, meta.kv_last_page_len, cfg.num_heads, cfg.num_kv_heads, plan.eps, plan.scale,
         )
     assert torch.equal(pool.k_caches[0], k0)  # nothing written on error
 

@@ -62,6 +62,7 @@ def test_real_specs_and_bad_arguments(tmp_path: Path) -> None:
     params = {name: sum(int(np.prod(s)) for s in synthetic_tensor_shapes(spec).values()) for name, spec in SPECS.items()}
     assert 8.0e9 < params["llama-3-8b"] < 8.1e9 and 1.2e9 < params["llama-3.2-1b"] < 1.3e9
     assert 1.5e9 < params["qwen2.5-1.5b"] < 1.6e9
+    assert 0.59e9 < params["qwen3-0.6b"] < 0.61e9 and SPECS["qwen3-0.6b"].head_dim == 128  # Qwen3-0.6B: 0.6B, tied
     with pytest.raises(ValueError, match="spec must be one of"):
         write_synthetic_gguf(tmp_path / "x.gguf", "llama-9")
     with pytest.raises(ValueError, match="qtype must be one of"):

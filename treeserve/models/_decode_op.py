@@ -121,9 +121,9 @@ def _float32_cpu(t: object) -> bool:
 
 def decode_plan(layers: Sequence[nn.Module], dense_type: type[nn.Module]) -> DecodePlan | None:
     """The plan for ``layers`` (``DecoderLayer`` modules), or ``None`` when the fused operator
-    cannot serve them: not float32 on CPU, per-head query / key norms (Qwen3), a projection with a
-    bias or that is neither a ``dense_type`` (the model's ``x @ weight.T`` module) nor a
-    ``PackedLinear``, or an operator that does not build."""
+    cannot serve them: not float32 on CPU, a projection with a bias or that is neither a
+    ``dense_type`` (the model's ``x @ weight.T`` module) nor a ``PackedLinear``, or an operator that
+    does not build. Qwen3's per-head query / key norms follow the layer norms in ``norms``."""
     if not layers:
         return None
     eps = layers[0].input_layernorm.eps
@@ -133,8 +133,8 @@ def decode_plan(layers: Sequence[nn.Module], dense_type: type[nn.Module]) -> Dec
     projs: list[_Proj] = []
     for layer in layers:
         a = layer.self_attn
-        if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) != heads or a.q_norm is not None:
-            return None  # the operator has no per-head query / key norms (Qwen3)
+        if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) != heads:
+            return None
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu" or norm.eps != eps:
                 return None
@@ -144,6 +144,12 @@ def decode_plan(layers: Sequence[nn.Module], dense_type: type[nn.Module]) -> Dec
             if proj is None:
                 return None
             projs.append(proj)
+    # Qwen3's per-head query / key norms: after the 2L layer norms, each layer's q_norm and k_norm
+    qk = [n for layer in layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None]
+    if qk and (len(qk) != 2 * len(layers) or any(
+            n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" or n.eps != eps for n in qk)):
+        return None
+    norms += [n.weight for n in qk]
     if load_decode_op() is not None:
         return None
     thresholds = tuple(sorted({p.max_rows for p in projs}))

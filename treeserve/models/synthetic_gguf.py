@@ -67,8 +67,9 @@ SPECS: dict[str, SyntheticSpec] = {
     "llama-3-8b": SyntheticSpec("llama", 32, 4096, 32, 8, 14336, 128256, False, False, 500000.0),
     "llama-3.2-1b": SyntheticSpec("llama", 16, 2048, 32, 8, 8192, 128256, True, False, 500000.0),
     "qwen2.5-1.5b": SyntheticSpec("qwen2", 28, 1536, 12, 2, 8960, 151936, True, True, 1000000.0),
+    "qwen3-0.6b": SyntheticSpec("qwen3", 28, 1024, 16, 8, 3072, 151936, True, False, 1000000.0, key_length=128),
 }
-"""Llama-3-8B, Llama-3.2-1B and Qwen2.5-1.5B shapes (from their published configs)."""
+"""Llama-3-8B, Llama-3.2-1B, Qwen2.5-1.5B and Qwen3-0.6B shapes (from their published configs)."""
 
 
 def synthetic_tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:

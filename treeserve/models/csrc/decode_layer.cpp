@@ -4,6 +4,8 @@
 //   qkv    = normed @ Wqkv^T                     treeserve::gguf_linear (GGUF blocks), gguf_linear_q8 (GGUF
 //                                                blocks, int8 activations), treeserve::int8_linear
 //                                                (prepacked int8) or at::linear
+//   q, k   = rms_norm per head (Qwen3, when      add_rms_norm on the [rows * heads, head_dim] views
+//            norms holds 4L tensors)
 //   q, k   = rope(q, k) (rotate-half); store k, v at slots[i] of the layer's caches
 //   o      = paged decode attention(q)           treeserve::paged_decode_attention
 //   x, normed = x + o @ Wo^T, rms_norm(...)      gguf_linear, add_rms_norm
@@ -173,9 +175,11 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
                          double scale) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK_VALUE(layers >= 1 && static_cast<int64_t>(v_caches.size()) == layers &&
-                        static_cast<int64_t>(norms.size()) == 2 * layers &&
+                        (static_cast<int64_t>(norms.size()) == 2 * layers ||
+                         static_cast<int64_t>(norms.size()) == 4 * layers) &&
                         static_cast<int64_t>(qtypes.size()) == 4 * layers,
-                    "need L >= 1 k_caches and v_caches, 2L norms and 4L qtypes; got L=", layers, ", ",
+                    "need L >= 1 k_caches and v_caches, 2L norms (4L with per-head query / key norms) and 4L "
+                    "qtypes; got L=", layers, ", ",
                     v_caches.size(), " v_caches, ", norms.size(), " norms, ", qtypes.size(), " qtypes");
   std::vector<int64_t> first(qtypes.size() + 1, 0);  // projection i's operands start at projs[first[i]]
   for (size_t i = 0; i < qtypes.size(); ++i) first[i + 1] = first[i] + operand_count(qtypes.get(i));
@@ -227,12 +231,24 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
 
   const Ops& op = ops();
   const int64_t q_size = num_heads * dim;
+  const bool qk_norms = static_cast<int64_t>(norms.size()) == 4 * layers;
+  for (int64_t i = 2 * layers; i < static_cast<int64_t>(norms.size()); ++i)  // before any layer writes its KV
+    TORCH_CHECK_VALUE(norms[i].dim() == 1 && norms[i].size(0) == dim, "per-head query / key norm weights must be "
+                      "[head_dim = ", dim, "], got ", norms[i].sizes(), " at norms[", i, "]");
   at::Tensor x = h.contiguous();
   at::Tensor normed = std::get<1>(op.norm.call(x, std::nullopt, norms[0], eps));
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor qkv = project(op, normed, projs, first[4 * l], qtypes.get(4 * l), hidden);
     TORCH_CHECK_VALUE(qkv.size(1) == q_size + 2 * num_kv_heads * dim, "layer ", l,
                       "'s qkv projection must have (num_heads + 2 num_kv_heads) * head_dim rows, got ", qkv.size(1));
+    if (qk_norms) {  // Qwen3: each q and k head normalized over head_dim, by the Python layer's operator
+      const int64_t kv_size = num_kv_heads * dim;
+      for (const auto& [start, size, heads, w] : {std::tuple(int64_t{0}, q_size, num_heads, norms[2 * layers + 2 * l]),
+                                                  std::tuple(q_size, kv_size, num_kv_heads, norms[2 * layers + 2 * l + 1])}) {
+        const at::Tensor part = qkv.narrow(1, start, size);
+        part.copy_(std::get<1>(op.norm.call(part.reshape({m * heads, dim}), std::nullopt, w, eps)).view({m, size}));
+      }
+    }
     at::Tensor q = at::empty({m, num_heads, dim}, h.options().dtype(cache_type));
     treeserve_lanes::by_storage(cache_type, [&](auto storage) {  // checked above: one of the three
       using C = typename decltype(storage)::type;
