@@ -308,12 +308,16 @@ def test_bad_operands_are_named() -> None:
             pool.v_caches, torch.tensor([6]), meta.kv_indptr, meta.kv_page_indices, meta.kv_last_page_len,
             cfg.num_heads, cfg.num_kv_heads, plan.eps, plan.scale,
         )
-    with pytest.raises(ValueError, match=r"per-head query / key norm weights must be \[head_dim = 32\]"):
-        torch.ops.treeserve.decode_layers(  # Qwen3's norms after the layer norms, the last one too short
-            h, model.rope_cache, torch.tensor([2]), [*plan.norms, *[torch.ones(32)] * 3, torch.ones(31)],
-            *_operands(plan, 1), pool.k_caches, pool.v_caches, torch.tensor([6]), meta.kv_indptr,
-            meta.kv_page_indices, meta.kv_last_page_len, cfg.num_heads, cfg.num_kv_heads, plan.eps, plan.scale,
-        )
+    for norms, error, message in [
+            ([*plan.norms, *[torch.ones(32)] * 3, torch.ones(31)], ValueError, r"norms\[7\] must be \[head_dim = 32\]"),
+            ([*plan.norms[:3], torch.ones(cfg.hidden_size, dtype=torch.float64)], TypeError, "norms must be float32"),
+            ([*plan.norms[:3], torch.ones(cfg.hidden_size + 1)], ValueError, r"norms\[3\] must be \[hidden = 64\]")]:
+        with pytest.raises(error, match=message):  # Qwen3's norms after the layer norms; a bad layer norm
+            torch.ops.treeserve.decode_layers(
+                h, model.rope_cache, torch.tensor([2]), norms, *_operands(plan, 1), pool.k_caches, pool.v_caches,
+                torch.tensor([6]), meta.kv_indptr, meta.kv_page_indices, meta.kv_last_page_len, cfg.num_heads,
+                cfg.num_kv_heads, plan.eps, plan.scale,
+            )
     assert torch.equal(pool.k_caches[0], k0)  # nothing written on error
 
 

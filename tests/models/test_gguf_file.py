@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
@@ -9,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treeserve.models import resolve_model_path
-from treeserve.models import gguf_file, weight_cache
+from treeserve.models import file_cache, gguf_file, weight_cache
 from treeserve.models.gguf_file import read_gguf
 
 
@@ -138,3 +140,13 @@ def test_the_header_cache_parses_once_and_rebuilds_a_bad_or_stale_entry(tmp_path
     read_gguf(other)
     assert len(list(entry.parent.iterdir())) == 2 and len(parses) == 4
     assert read_gguf(path)[0]["x.count"] == 9 and len(parses) == 4  # the current entry stayed
+    # keyed by the mapped file's stat: a file put at the path after the open is not served this header
+    old = os.stat(path)
+    data = path.read_bytes()
+    replacement = tmp_path / "new.gguf"
+    replacement.write_bytes(data)  # the same first MiB, another inode
+    os.replace(replacement, path)
+    file_cache.cached_header(path, data, lambda: parses.append(1) or gguf_file._parse_header(memoryview(data), path),
+                             old)
+    assert len(parses) == 4  # the mapped (old) file's own entry
+    assert read_gguf(path)[0]["x.count"] == 9 and len(parses) == 5  # the new file: parsed, not served the old

@@ -125,7 +125,7 @@ def test_source_identity_and_its_limits(tmp_path: Path, monkeypatch: pytest.Monk
         source_id(src)
     monkeypatch.delenv("TREESERVE_INT8_CACHE")
     monkeypatch.setenv("TREESERVE_INT8_CACHE_MAX_GB", "0")  # another limit: nothing is small enough
-    assert source_id(src) is None and source_id(src, limit=1) is not None  # a cache's own limit wins
+    assert source_id(src) is None and weight_cache.file_identity(src, 1) is not None  # a cache's own limit wins
     monkeypatch.setenv("TREESERVE_INT8_CACHE_MAX_GB", "1e-9")  # 1 byte
     assert source_id(src) is not None and source_id(tmp_path / "missing.gguf") is None
     src.write_bytes(b"xx")

@@ -160,9 +160,10 @@ def test_load_hf_dir_with_tokenizer(hf_smol_tokenizer, tmp_path):
     assert tokenizer.eos_token_ids == (2, 0)  # the tokenizer's EOS first, then the config's others
 
 
-def test_llama_cpp_names_of_a_split_load_and_an_unknown_one_falls_back(caplog):
+def test_llama_cpp_names_of_a_split_load_an_unknown_one_is_refused_a_missing_one_falls_back(caplog):
     """``tokenizer.ggml.pre`` under any name llama.cpp gives a split (e.g. DeepSeek-R1's Qwen distills'
-    ``deepseek-r1-qwen``) splits as that one; an unknown name loads with GPT-2's split and a warning."""
+    ``deepseek-r1-qwen``) splits as that one; an unknown name is a ``ValueError`` naming the field (a
+    wrong split would tokenize silently wrong); a file without the key splits as GPT-2 does, warned."""
     import logging
 
     from treeserve.models import open_gguf, resolve_model_path
@@ -173,8 +174,14 @@ def test_llama_cpp_names_of_a_split_load_and_an_unknown_one_falls_back(caplog):
     def ids(pre: str) -> list[int]:
         return Tokenizer.from_gguf_metadata({**md, "tokenizer.ggml.pre": pre}).encode(text)
 
-    assert ids("deepseek-r1-qwen") == ids("qwen2") and ids("falcon3") == ids("llama-bpe") == ids("llama3")
-    assert ids("gpt-2") == ids("default")
+    from treeserve.models.tokenizer import _GGUF_SPLITS, _LLAMA3_SPLIT, _QWEN2_SPLIT
+
+    assert all(_GGUF_SPLITS[n] is _QWEN2_SPLIT for n in ("qwen2", "deepseek-r1-qwen", "megrez"))
+    assert all(_GGUF_SPLITS[n] is _LLAMA3_SPLIT for n in ("llama-bpe", "llama3", "falcon3", "pixtral"))
+    assert _GGUF_SPLITS["gpt-2"] is _GGUF_SPLITS["default"] is None
+    assert ids("deepseek-r1-qwen") == ids("qwen2") and ids("falcon3") == ids("llama-bpe")
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre must be one of .* got 'tekken'"):
+        ids("tekken")
     with caplog.at_level(logging.WARNING, logger="treeserve.models"):
-        assert ids("a-model-of-2030") == ids("default")
-    assert "'a-model-of-2030' is not one of" in caplog.text
+        missing = Tokenizer.from_gguf_metadata({k: v for k, v in md.items() if k != "tokenizer.ggml.pre"})
+    assert missing.encode(text) == ids("default") and "tokenizer.ggml.pre is missing" in caplog.text

@@ -259,6 +259,24 @@ def test_layer_kernels_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not uses_triton_layers(model)
 
 
+def test_qwen3_takes_the_torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3's per-head query / key norms are not in the fused Triton layers: ``"auto"`` on a CUDA
+    model and the environment's ``"triton"`` give it the torch layers, its own ``"triton"`` a ValueError."""
+    import treeserve.models.triton_forward as tf
+    from treeserve.models import LlamaForCausalLM
+
+    monkeypatch.setattr(tf, "triton_usable", lambda device: True)
+    monkeypatch.setattr(LlamaForCausalLM, "device", property(lambda self: torch.device("cuda")))
+    llama, qwen3 = (random_model(tiny_config(arch), seed=0) for arch in ("llama", "qwen3"))
+    assert uses_triton_layers(llama) and not uses_triton_layers(qwen3)
+    monkeypatch.setenv("TREESERVE_LAYER_KERNELS", "triton")
+    assert uses_triton_layers(llama) and not uses_triton_layers(qwen3)
+    monkeypatch.delenv("TREESERVE_LAYER_KERNELS")
+    qwen3.layer_kernels = "triton"
+    with pytest.raises(ValueError, match="has no per-head query / key norms"):
+        uses_triton_layers(qwen3)
+
+
 @given(f32=st.lists(st.floats(1e-6, 1.0), min_size=1, max_size=9), data=st.data())
 def test_bf16_min_rows_is_where_the_bf16_pass_stops_losing(f32: list[float], data: st.DataObject) -> None:
     """The chosen count: from it on the bf16 pass was never slower; at the count before it, it was

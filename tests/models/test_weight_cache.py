@@ -30,6 +30,13 @@ def test_an_identity_changes_with_the_file_and_goes_with_it(tmp_path: Path) -> N
     ident = file_identity(src, 10)
     src.unlink()
     assert source_changed(ident)
+    hidden = tmp_path / "mount" / "m.gguf"  # a folder this process cannot see (another container's mount)
+    hidden.parent.mkdir()
+    hidden.write_bytes(b"x")
+    ident = file_identity(hidden, 10)
+    hidden.unlink()
+    hidden.parent.rmdir()
+    assert not source_changed(ident)
     for bad in (None, 3, "", "no colons", "a:b"):
         assert source_changed(bad)
     assert file_identity(tmp_path / "missing", 10) is None

@@ -1,7 +1,7 @@
 """``ModelConfig``: the shape of a Llama-family model, parsed from HF ``config.json`` or GGUF metadata.
 
-One dataclass covers every architecture this package runs (Llama 2/3, Mistral, Qwen2, SmolLM2):
-they differ only in QKV bias, RoPE parameters and embedding tying.
+One dataclass covers every architecture this package runs (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2):
+they differ only in QKV bias, per-head query / key norms (Qwen3), RoPE parameters and embedding tying.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ merges, and seconds for Llama-3's 128k tokens and 280k merges (AVX2 EPYC). ``cac
 what ``gguf_file`` parses (metadata, tensor infos, data start) as one JSON file per source under
 ``cache_dir()/headers/``, which ``json`` reads back in C:
 
-- key: the file's identity (resolved path, size, modification time in ns, inode) and a hash of its
-  first MiB (the header's start: a file rewritten in place with the same size and time is a new
-  key), and a hash of ``gguf_file.py`` (the parser);
+- key: the file's identity (``weight_cache.stat_identity``: resolved path, size, modification time
+  in ns, inode, from the mapped file's ``fstat``) and a hash of its first MiB (the header's start: a
+  file rewritten in place with the same size and time is a new key), and a hash of ``gguf_file.py``
+  (the parser);
 - an entry is written through a temporary file and ``os.replace`` (``treeserve._tuning.write_entry``);
   one that cannot be read, holds another key or values of the wrong types is parsed again and
   rewritten; a folder that cannot be written costs the parse at every start, never an error.
@@ -21,17 +22,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from treeserve._tuning import cache_dir, write_entry
-from treeserve.models.weight_cache import source_changed, sweep_once
+from treeserve.models.weight_cache import source_changed, stat_identity, sweep_once
 
 __all__ = ["cached_header"]
 
-_VERSION = 1
+_VERSION = 2
 _HASHED_BYTES = 1 << 20
 
 Header = tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int]
@@ -43,11 +45,10 @@ def _parser_hash() -> str:
     return hashlib.sha256(Path(__file__).with_name("gguf_file.py").read_bytes()).hexdigest()[:16]
 
 
-def _key(path: Path, head: bytes) -> list[object]:
+def _key(path: Path, head: bytes, st: os.stat_result | None) -> list[object]:
     resolved = path.resolve()
-    st = resolved.stat()
-    return [_VERSION, str(resolved), st.st_size, st.st_mtime_ns, st.st_ino,
-            hashlib.sha256(head).hexdigest()[:32], _parser_hash()]
+    return [_VERSION, stat_identity(resolved, st or resolved.stat()), hashlib.sha256(head).hexdigest()[:32],
+            _parser_hash()]
 
 
 def _read(entry_path: Path, key: list[object]) -> Header | None:
@@ -68,21 +69,23 @@ def _read(entry_path: Path, key: list[object]) -> Header | None:
 
 def _stale(entry_path: Path) -> bool:
     """Whether no load can match the entry at ``entry_path`` again: unreadable, of another version or
-    parser (the key's first and last items), or its source file gone or changed."""
+    parser (the key's first and last items), or its source file (the second) gone or changed."""
     try:
         key = json.loads(entry_path.read_bytes())["key"]
         if key[0] != _VERSION or key[-1] != _parser_hash():
             return True
-        return source_changed(":".join(str(k) for k in key[1:5]))
+        return source_changed(key[1])
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return True
 
 
-def cached_header(path: Path, data: bytes | memoryview | Any, parse: Callable[[], Header]) -> Header:
-    """The header of the GGUF file at ``path`` (its bytes ``data``, e.g. the mapped file): from the
-    cache, else ``parse()``, stored (see the module docstring)."""
+def cached_header(path: Path, data: bytes | memoryview | Any, parse: Callable[[], Header],
+                  st: os.stat_result | None = None) -> Header:
+    """The header of the GGUF file at ``path`` (its bytes ``data``, e.g. the mapped file, whose stat is
+    ``st``: ``fstat`` of the descriptor it was mapped from, else the path is stat'ed): from the cache,
+    else ``parse()``, stored (see the module docstring)."""
     try:
-        key = _key(path, bytes(memoryview(data)[:_HASHED_BYTES]))
+        key = _key(path, bytes(memoryview(data)[:_HASHED_BYTES]), st)
     except OSError:
         return parse()
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]

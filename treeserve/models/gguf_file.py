@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from treeserve.models.file_cache import cached_header
 
-__all__ = ["GGUFTensor", "read_gguf", "release_pages"]
+__all__ = ["GGUFTensor", "map_gguf", "read_gguf", "release_pages"]
 
 _MAGIC = b"GGUF"
 _U64 = struct.Struct("<Q")
@@ -170,7 +170,7 @@ def map_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor], o
         if size < 24:
             raise ValueError(f"{path} is too short ({size} bytes) to be a GGUF file")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    metadata, infos, start = cached_header(path, mapped, lambda: _parse_header(memoryview(mapped), path))
+    metadata, infos, start = cached_header(path, mapped, lambda: _parse_header(memoryview(mapped), path), st)
     whole = np.frombuffer(mapped, np.uint8)
     tensors: dict[str, GGUFTensor] = {}
     for name, dims, raw_type, offset in infos:

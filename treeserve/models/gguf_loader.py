@@ -358,7 +358,7 @@ def load_gguf_model(
     head = codes_of(head_name) if use_op and head_name in by_hf and vocab.head is None else None
     return pack_model(model, lambda name: codes[name] if name in codes else planes_for(name), quantization,
                       head_codes=head if isinstance(head, GGUFWeight) else None, unloaded=codes.keys(),
-                      source=source_id(g.path, st=g.stat))
+                      source=source_id(g.path, g.stat))
 
 
 def _log_conversions(path: Path, tensors: Iterable[GGUFTensor]) -> None:

@@ -46,12 +46,10 @@ CACHE_MAX_FILE_BYTES = 2 << 30
 _VERSION = 1
 
 
-def source_id(path: str | Path, limit: int | None = None, st: os.stat_result | None = None) -> str | None:
-    """``weight_cache.file_identity`` of ``path`` (as ``st`` says, where given) under ``limit`` bytes
-    (default: the int8 cache's, ``max_file_bytes("TREESERVE_INT8_CACHE_MAX_GB", CACHE_MAX_FILE_BYTES)``)."""
-    if limit is None:
-        limit = max_file_bytes("TREESERVE_INT8_CACHE_MAX_GB", CACHE_MAX_FILE_BYTES)
-    return file_identity(path, limit, st)
+def source_id(path: str | Path, st: os.stat_result | None = None) -> str | None:
+    """``weight_cache.file_identity`` of ``path`` (as ``st`` says, where given) under the int8 cache's
+    size limit, ``max_file_bytes("TREESERVE_INT8_CACHE_MAX_GB", CACHE_MAX_FILE_BYTES)``."""
+    return file_identity(path, max_file_bytes("TREESERVE_INT8_CACHE_MAX_GB", CACHE_MAX_FILE_BYTES), st)
 
 
 @lru_cache(maxsize=1)

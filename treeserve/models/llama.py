@@ -1,4 +1,4 @@
-"""A Llama-family causal LM (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+"""A Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache.
 
 Tokens of every request in a step are flattened into one ``[N]`` batch; the attention metadata
 (built once per step by the caller) says which tokens belong to which request and where their KV
@@ -87,7 +87,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention: fused QKV (optional bias), RoPE, store K/V, paged attention, output proj."""
+    """GQA self-attention: fused QKV (optional bias), per-head query / key RMS norms (Qwen3), RoPE, store
+    K/V, paged attention, output proj."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -149,8 +149,9 @@ class Tokenizer:
         """Build from GGUF ``tokenizer.*`` metadata: ``tokenizer.ggml.model`` ``"gpt2"`` (byte-level BPE)
         or ``"llama"`` (SentencePiece BPE; module docstring).
 
-        Raises ``ValueError`` for another tokenizer model, or missing or inconsistent keys; an unknown
-        ``tokenizer.ggml.pre`` loads with GPT-2's split and a warning, as llama.cpp does.
+        Raises ``ValueError`` for another tokenizer model, an unknown ``tokenizer.ggml.pre`` (a file
+        without one splits as GPT-2 does, with a warning, as llama.cpp loads it), or missing or
+        inconsistent keys.
         """
         kind = md.get("tokenizer.ggml.model")
         if kind not in ("gpt2", "llama"):
@@ -162,15 +163,15 @@ class Tokenizer:
         types: list[int] = md.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
         if len(types) < len(tokens):  # entries past the tokens are never read (llama.cpp reads them by index)
             raise ValueError(f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        for key in ("bos", "eos", "unknown", "padding"):
+            tid = md.get(f"tokenizer.ggml.{key}_token_id")
+            if tid is not None and not 0 <= int(tid) < len(tokens):
+                raise ValueError(f"GGUF tokenizer.ggml.{key}_token_id must lie in [0, {len(tokens)}), got {tid}")
         backend, spelled = (_bpe_backend if kind == "gpt2" else _spm_backend)(md, tokens, types)
 
         def token(key: str) -> str | None:
             tid = md.get(f"tokenizer.ggml.{key}_token_id")
-            if tid is None:
-                return None
-            if not 0 <= int(tid) < len(tokens):
-                raise ValueError(f"GGUF tokenizer.ggml.{key}_token_id must lie in [0, {len(tokens)}), got {tid}")
-            return tokens[int(tid)]
+            return None if tid is None else tokens[int(tid)]
 
         bos, eos = token("bos"), token("eos")
         named = {t for t in (bos, eos, token("unknown"), token("padding")) if t is not None}
@@ -217,11 +218,13 @@ class Tokenizer:
 
 def _bpe_backend(md: Mapping[str, Any], tokens: list[str], types: list[int]) -> tuple[_Backend, dict[str, int]]:
     """The byte-level BPE of a ``gpt2`` GGUF vocabulary and its ``{token: id}`` (as spelled in the model)."""
-    pre = md.get("tokenizer.ggml.pre", "default")
-    if pre not in _GGUF_SPLITS:  # as llama.cpp does: load with the default split, and say so
-        _log.warning("GGUF tokenizer.ggml.pre %r is not one of %s: splitting text as GPT-2 does; the ids may "
-                     "differ from this model's own tokenizer's", pre, sorted(_GGUF_SPLITS))
+    pre = md.get("tokenizer.ggml.pre")
+    if pre is None:  # as llama.cpp loads such a file: the default split, and a warning
+        _log.warning("GGUF tokenizer.ggml.pre is missing: splitting text as GPT-2 does; the ids may differ "
+                     "from this model's own tokenizer's")
         pre = "default"
+    if pre not in _GGUF_SPLITS:
+        raise ValueError(f"GGUF tokenizer.ggml.pre must be one of {sorted(_GGUF_SPLITS)}, got {pre!r}")
     if "tokenizer.ggml.merges" not in md:
         raise ValueError("GGUF metadata is missing 'tokenizer.ggml.merges'")
     alphabet = _byte_alphabet()
@@ -277,8 +280,8 @@ def _spm_backend(md: Mapping[str, Any], tokens: list[str], types: list[int]) -> 
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)  # a repeated piece (llama.cpp refuses such a file): its first id
-    unk_id = md.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    unk_id = md.get("tokenizer.ggml.unknown_token_id")  # in range: checked by the caller
+    unk = None if unk_id is None else tokens[int(unk_id)]
     bpe = models.BPE(vocab=vocab, merges=_spm_merges(tokens, types, scores), unk_token=unk, fuse_unk=True,
                      byte_fallback=True)
     backend = _Backend(bpe)

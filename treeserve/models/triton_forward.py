@@ -29,7 +29,10 @@ not kept.
 :func:`uses_triton_layers` decides per call: ``model.layer_kernels`` ``"auto"`` (the default)
 picks this path on CUDA when Triton is usable, the model is not batch-invariant and Dynamo is
 not tracing (a compiled forward keeps the torch path for inductor to fuse); ``"triton"`` forces
-it (on CPU under ``TRITON_INTERPRET=1``, how the tests run it), ``"torch"`` turns it off.
+it (on CPU under ``TRITON_INTERPRET=1``, how the tests run it), ``"torch"`` turns it off. Qwen3's
+per-head query / key norms are not in these kernels: such a model takes the torch layers under
+``"auto"`` (and under ``TREESERVE_LAYER_KERNELS=triton``, which applies to every model), and its
+own ``layer_kernels="triton"`` is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -64,10 +67,12 @@ def uses_triton_layers(model: torch.nn.Module) -> bool:
     ``TREESERVE_LAYER_KERNELS`` (``torch`` / ``triton``) overrides a model left at ``"auto"``.
 
     ``ValueError`` for a ``layer_kernels`` outside ``LAYER_KERNELS``, or ``"triton"`` where Triton
-    cannot run (a CPU model without ``TRITON_INTERPRET=1``).
+    cannot run (a CPU model without ``TRITON_INTERPRET=1``) or, set on the model, for a model with
+    per-head query / key norms (Qwen3; the module docstring).
     """
     choice = model.layer_kernels
-    if choice == "auto":
+    from_env = choice == "auto"
+    if from_env:
         choice = os.environ.get("TREESERVE_LAYER_KERNELS", "auto")
     if choice not in LAYER_KERNELS:
         raise ValueError(f"layer_kernels (or TREESERVE_LAYER_KERNELS) must be one of {LAYER_KERNELS}, got {choice!r}")
@@ -77,9 +82,9 @@ def uses_triton_layers(model: torch.nn.Module) -> bool:
     if choice == "triton":
         if not triton_usable(device):
             raise ValueError(f"layer_kernels='triton' needs a CUDA model or TRITON_INTERPRET=1 (device {device})")
-        if model.config.qk_norm:
+        if model.config.qk_norm and not from_env:
             raise ValueError("layer_kernels='triton' has no per-head query / key norms (Qwen3): use 'torch' or 'auto'")
-        return True
+        return not model.config.qk_norm
     if model.config.qk_norm:  # the fused layers lack Qwen3's per-head norms: the torch layers serve it
         return False
     return device.type == "cuda" and triton_usable(device) and getattr(model, "batch_invariant_tile", None) is None

@@ -1,13 +1,17 @@
 """What the caches of built weights share (``int8_cache``, ``blocks_cache``, ``file_cache``): the source
 file's identity in their keys, their size limits, and the deletion of entries no load can match again.
 
-- ``file_identity``: resolved path, size, modification time in ns and inode, one string (a file
-  rewritten in place is a new identity); ``None`` above a size limit or with ``TREESERVE_INT8_CACHE=0``
-  (which turns the weight caches off).
+- ``file_identity`` / ``stat_identity``: resolved path, size, modification time in ns and inode, one
+  string (a file rewritten in place is a new identity), from the stat of the descriptor the caller
+  mapped where it has one; ``file_identity`` gives ``None`` above a size limit or with
+  ``TREESERVE_INT8_CACHE=0`` (which turns the weight caches off).
 - ``sweep_once``: at a process's first written entry in a cache folder, the entries a predicate calls
   stale (their source file gone or changed, other code) are deleted, and temporary files an
   interrupted write left more than ``TMP_MAX_AGE_S`` ago. Without it every rebuilt or moved model
-  leaves its old entries behind (the int8 copies of an 8B model take 7 GB).
+  leaves its old entries behind (the int8 copies of an 8B model take 7 GB). A source whose folder
+  this process cannot see is not called gone (a cache folder shared with other containers or hosts);
+  two treeserve versions sharing one cache folder do delete each other's entries (other code), so
+  give each its own ``TREESERVE_CACHE_DIR``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["TMP_MAX_AGE_S", "file_identity", "max_file_bytes", "source_changed", "sweep_once"]
+__all__ = ["TMP_MAX_AGE_S", "file_identity", "max_file_bytes", "source_changed", "stat_identity", "sweep_once"]
 
 TMP_MAX_AGE_S = 3600.0
 """A temporary file older than this is an interrupted write (a whole entry takes seconds) and is deleted."""
@@ -39,7 +43,8 @@ def max_file_bytes(variable: str, default: int) -> int:
     return int(gib * 2**30)
 
 
-def _identity(resolved: Path, st: os.stat_result) -> str:
+def stat_identity(resolved: Path, st: os.stat_result) -> str:
+    """The identity string of the file at the resolved path ``resolved`` whose stat is ``st``."""
     return f"{resolved}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
 
 
@@ -60,18 +65,20 @@ def file_identity(path: str | Path, limit: int, st: os.stat_result | None = None
         return None
     if env == "0" or st.st_size > limit:
         return None
-    return _identity(resolved, st)
+    return stat_identity(resolved, st)
 
 
 def source_changed(identity: object) -> bool:
-    """Whether the file an identity (``file_identity``) names is gone or is no longer that file."""
+    """Whether the file an identity (``file_identity``) names is gone or is no longer that file. A
+    file whose folder this process cannot see either (a cache folder shared with other containers or
+    hosts, which mount other files) is not called gone: its entries may serve them."""
     if not isinstance(identity, str) or identity.count(":") < 3:
         return True
     path = Path(identity.rsplit(":", 3)[0])
     try:
-        return identity != _identity(path, path.stat())
+        return identity != stat_identity(path, path.stat())
     except OSError:
-        return True
+        return path.parent.is_dir()
 
 
 _swept: set[Path] = set()

@@ -232,9 +232,12 @@ at::Tensor decode_layers(const at::Tensor& h, const at::Tensor& rope_table, cons
   const Ops& op = ops();
   const int64_t q_size = num_heads * dim;
   const bool qk_norms = static_cast<int64_t>(norms.size()) == 4 * layers;
-  for (int64_t i = 2 * layers; i < static_cast<int64_t>(norms.size()); ++i)  // before any layer writes its KV
-    TORCH_CHECK_VALUE(norms[i].dim() == 1 && norms[i].size(0) == dim, "per-head query / key norm weights must be "
-                      "[head_dim = ", dim, "], got ", norms[i].sizes(), " at norms[", i, "]");
+  for (int64_t i = 0; i < static_cast<int64_t>(norms.size()); ++i) {  // before any layer writes its KV
+    check_f32(norms[i], "norms");
+    const int64_t width = i < 2 * layers ? hidden : dim;  // the layer norms, then the per-head q / k norms
+    TORCH_CHECK_VALUE(norms[i].dim() == 1 && norms[i].size(0) == width, "norms[", i, "] must be [",
+                      i < 2 * layers ? "hidden = " : "head_dim = ", width, "], got ", norms[i].sizes());
+  }
   at::Tensor x = h.contiguous();
   at::Tensor normed = std::get<1>(op.norm.call(x, std::nullopt, norms[0], eps));
   for (int64_t l = 0; l < layers; ++l) {
