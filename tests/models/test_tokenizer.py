@@ -180,8 +180,27 @@ def test_llama_cpp_names_of_a_split_load_an_unknown_one_is_refused_a_missing_one
     assert all(_GGUF_SPLITS[n] is _LLAMA3_SPLIT for n in ("llama-bpe", "llama3", "falcon3", "pixtral"))
     assert _GGUF_SPLITS["gpt-2"] is _GGUF_SPLITS["default"] is None
     assert ids("deepseek-r1-qwen") == ids("qwen2") and ids("falcon3") == ids("llama-bpe")
-    with pytest.raises(ValueError, match="tokenizer.ggml.pre must be one of .* got 'tekken'"):
-        ids("tekken")
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre must be one of .* got 'viking'"):
+        ids("viking")
     with caplog.at_level(logging.WARNING, logger="treeserve.models"):
         missing = Tokenizer.from_gguf_metadata({k: v for k, v in md.items() if k != "tokenizer.ggml.pre"})
     assert missing.encode(text) == ids("default") and "tokenizer.ggml.pre is missing" in caplog.text
+
+
+def test_whole_word_vocabularies_and_the_tekken_split():
+    """Under llama.cpp's llama3 and tekken splits a piece that is a whole token is that token, whatever
+    the merges say (transformers' ``ignore_merges``); tekken splits words at case changes."""
+    from treeserve.models.tokenizer import _byte_alphabet
+
+    letters = list(_byte_alphabet().values())
+    tokens = [*letters, "ab", "abc", "Hello", "World"]
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["a b"]}
+
+    def ids(pre: str, text: str) -> list[int]:
+        return Tokenizer.from_gguf_metadata({**md, "tokenizer.ggml.pre": pre}).encode(text)
+
+    ab, abc, hello, world = (tokens.index(t) for t in ("ab", "abc", "Hello", "World"))
+    assert ids("default", "abc") == [ab, letters.index("c")]  # merges only
+    assert ids("llama-bpe", "abc") == ids("tekken", "abc") == [abc]  # the whole word
+    assert ids("tekken", "HelloWorld") == [hello, world]
+    assert ids("llama-bpe", "HelloWorld") == [letters.index(c) for c in "HelloWorld"]  # one piece, no merges

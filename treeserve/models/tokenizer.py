@@ -44,6 +44,12 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# Mistral's Tekken (Mistral-Nemo, Mistral-Small 3, Pixtral 12B): words split at case changes, digits alone.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # The names llama.cpp gives each (its llama-vocab.cpp groups them by pre-tokenizer type), so that the
 # files of those models (DeepSeek-R1's Qwen distills, Falcon 3, Pixtral, ...) load; None: GPT-2's split.
 _GGUF_SPLITS: dict[str, str | None] = {
@@ -51,7 +57,11 @@ _GGUF_SPLITS: dict[str, str | None] = {
     **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "falcon-h1", "pixtral", "lfm2",
                      "midm-2.0"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez"), _QWEN2_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
 }
+# Splits whose vocabularies take a piece that is a whole token as that token, whatever the merges say
+# (transformers' ``ignore_merges``, llama.cpp's for its llama3 and tekken types).
+_WHOLE_WORDS = (_LLAMA3_SPLIT, _TEKKEN_SPLIT)
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -236,12 +246,13 @@ def _bpe_backend(md: Mapping[str, Any], tokens: list[str], types: list[int]) -> 
         for i, t in enumerate(tokens)
     }
     merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
+    split = _GGUF_SPLITS[pre]
     try:
-        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                         ignore_merges=split in _WHOLE_WORDS)
     except Exception as exc:  # tokenizers raises a bare Exception for inconsistent merges
         raise ValueError(f"GGUF tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {exc}") from exc
     backend = _Backend(bpe)
-    split = _GGUF_SPLITS[pre]
     backend.pre_tokenizer = (
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if split is None
