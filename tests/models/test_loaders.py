@@ -82,6 +82,15 @@ def test_gguf_rope_freqs_are_the_llama3_scaling_they_were_written_from(tmp_path)
         loaded.config.to_hf()
 
 
+def test_a_mixture_of_experts_file_is_refused_by_name(tmp_path):
+    g = open_gguf(write_gguf(random_model(tiny_config("llama", vocab_size=64), seed=1), tmp_path / "m.gguf"))
+    with pytest.raises(ValueError, match=r"mixture-of-experts GGUF files \(llama.expert_count = 8\) are not supported"):
+        gguf_config(g._replace(metadata={**g.metadata, "llama.expert_count": 8}))
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        gguf_config(g._replace(tensors={**g.tensors, "blk.0.ffn_gate_exps.weight": g.tensors["blk.0.ffn_gate.weight"]}))
+    assert gguf_config(g).architecture == "llama"
+
+
 def test_gguf_q8_0_close_to_source(tiny, tmp_path):
     """Q8_0-quantized weights (dequantized by gguf.quants) give logits close to the source model."""
     path = write_gguf(tiny, tmp_path / "q8.gguf", qtype=GGMLQuantizationType.Q8_0)

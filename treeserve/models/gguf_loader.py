@@ -104,6 +104,9 @@ def gguf_config(g: GGUFContents) -> ModelConfig:
             raise ValueError(f"{g.path}: GGUF metadata is missing {full!r}")
         return md[full]
 
+    experts = md.get(f"{arch}.expert_count")
+    if experts or any("_exps." in name for name in g.tensors):  # Mixtral-style files say "llama" too
+        raise ValueError(f"{g.path}: mixture-of-experts GGUF files ({arch}.expert_count = {experts}) are not supported")
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
     head_dim = int(md.get(f"{arch}.attention.key_length", hidden // num_heads))
