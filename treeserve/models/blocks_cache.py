@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from treeserve._cpp import INCLUDE
-from treeserve._tuning import cache_dir, write_entry
+from treeserve._tuning import cache_dir
 from treeserve.models.gguf_op import shared_tensor
-from treeserve.models.weight_cache import file_identity, max_file_bytes, source_changed, sweep_once
+from treeserve.models.weight_cache import file_identity, max_file_bytes, source_changed, store
 
 __all__ = ["HEADER_BYTES", "MAX_FILE_BYTES", "cached_blocks", "source_id"]
 
@@ -136,7 +136,5 @@ def cached_blocks(source: str | None, names: list[str], qtype: str, rows: int, w
             f.write(header.ljust(HEADER_BYTES, b"\0"))
             f.write(memoryview(out.numpy()).cast("B"))
 
-        write_entry(path, write, "converted blocks cache: converting at every start")
-        if path.exists():
-            sweep_once(path.parent, "*.blocks", path, _stale)
+        store(path, write, "converted blocks cache: converting at every start", _stale)
     return out

@@ -28,8 +28,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from treeserve._tuning import cache_dir, write_entry
-from treeserve.models.weight_cache import source_changed, stat_identity, sweep_once
+from treeserve._tuning import cache_dir
+from treeserve.models.weight_cache import source_changed, stat_identity, store
 
 __all__ = ["cached_header"]
 
@@ -96,8 +96,6 @@ def cached_header(path: Path, data: bytes | memoryview | Any, parse: Callable[[]
         metadata, infos, start = found
         entry = {"key": key, "metadata": metadata, "tensors": [[n, list(d), t, o] for n, d, t, o in infos],
                  "start": start}
-        write_entry(entry_path, lambda f: f.write(json.dumps(entry, ensure_ascii=False).encode()),
-                    "GGUF header cache: parsing the header at every start")
-        if entry_path.exists():
-            sweep_once(entry_path.parent, "*.json", entry_path, _stale)
+        store(entry_path, lambda f: f.write(json.dumps(entry, ensure_ascii=False).encode()),
+              "GGUF header cache: parsing the header at every start", _stale)
     return found

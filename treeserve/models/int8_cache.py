@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from treeserve._tuning import cache_dir, host_key, write_entry
+from treeserve._tuning import cache_dir, host_key
 from treeserve.models.int8_op import Int8Weight, round_rotated
-from treeserve.models.weight_cache import file_identity, max_file_bytes, source_changed, sweep_once
+from treeserve.models.weight_cache import file_identity, max_file_bytes, source_changed, store
 
 __all__ = ["CACHE_MAX_FILE_BYTES", "int8_weight", "source_id"]
 
@@ -106,7 +106,5 @@ def int8_weight(source: str | None, name: str, shape: tuple[int, int], dense: Ca
             raise ValueError(f"dense() of {name!r} must have shape {tuple(shape)}, got {tuple(weight.shape)}")
         found = round_rotated(weight)
         entry = {"version": _VERSION, "key": key, "codes": found[0], "scales": found[1]}
-        write_entry(path, lambda f: torch.save(entry, f), "int8 weight cache: building at every start")
-        if path.exists():
-            sweep_once(path.parent, "*.pt", path, _stale)
+        store(path, lambda f: torch.save(entry, f), "int8 weight cache: building at every start", _stale)
     return Int8Weight.from_codes(*found)

@@ -21,8 +21,12 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
-__all__ = ["TMP_MAX_AGE_S", "file_identity", "max_file_bytes", "source_changed", "stat_identity", "sweep_once"]
+from treeserve._tuning import write_entry
+
+__all__ = ["TMP_MAX_AGE_S", "file_identity", "max_file_bytes", "source_changed", "stat_identity", "store",
+           "sweep_once"]
 
 TMP_MAX_AGE_S = 3600.0
 """A temporary file older than this is an interrupted write (a whole entry takes seconds) and is deleted."""
@@ -105,3 +109,12 @@ def sweep_once(folder: Path, pattern: str, keep: Path, stale: Callable[[Path], b
         with contextlib.suppress(OSError):
             if now - path.stat().st_mtime > TMP_MAX_AGE_S:
                 path.unlink()
+
+
+def store(path: Path, write: Callable[[IO[bytes]], object], what: str, stale: Callable[[Path], bool]) -> None:
+    """Write a cache entry at ``path`` (``treeserve._tuning.write_entry``: atomic, a folder that cannot be
+    written logged once as ``what``) and, where it was written, sweep its folder once (``sweep_once``
+    over the entries of ``path``'s suffix, ``stale`` deciding)."""
+    write_entry(path, write, what)
+    if path.exists():
+        sweep_once(path.parent, f"*{path.suffix}", path, stale)
