@@ -70,6 +70,8 @@ _GGUF_BLOCK = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # phi3's fused tensors
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 
 
@@ -87,13 +89,14 @@ def write_gguf(
     architecture: str | None = None,
     drop: Sequence[str] = (),
     extra: Mapping[str, np.ndarray] | None = None,
+    extra_kv: Mapping[str, int | float] | None = None,
 ) -> Path:
     """Write ``model`` the way llama.cpp's converter would (Q/K permuted for ``llama``); 2-D
     weights in ``qtype``, norms/biases in F32. ``drop`` omits GGUF tensors by name; ``extra``
-    adds tensors by GGUF name, as they are (e.g. ``rope_freqs.weight``). The tokenizer metadata is
-    ``tiny_vocab`` with the single merge ``a b``."""
+    adds tensors by GGUF name, as they are (e.g. ``rope_freqs.weight``), ``extra_kv`` metadata (ints as
+    uint32, floats as float32). The tokenizer metadata is ``tiny_vocab`` with the single merge ``a b``."""
     cfg = model.config
-    arch = architecture or (cfg.architecture if cfg.architecture in ("qwen2", "qwen3") else "llama")
+    arch = architecture or (cfg.architecture if cfg.architecture in ("qwen2", "qwen3", "phi3") else "llama")
     w = GGUFWriter(str(path), arch)
     spec = SyntheticSpec(arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size,
                          cfg.vocab_size, cfg.tie_word_embeddings, cfg.attention_bias, cfg.rope_theta,
@@ -114,6 +117,8 @@ def write_gguf(
             w.add_tensor(name, np.ascontiguousarray(arr))
     for name, arr in (extra or {}).items():
         w.add_tensor(name, np.ascontiguousarray(arr))
+    for key, value in (extra_kv or {}).items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen2 / Qwen3 / Mistral models: our paged forward vs transformers on the same weights."""
+"""Tiny random Llama / Qwen2 / Qwen3 / Mistral / Phi-3 models: our paged forward vs transformers on the same weights."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
 }
+PHI3_ROPE = {
+    "rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+    "long_factor": [1.5 + i for i in range(8)], "original_max_position_embeddings": 16,
+}
 CONFIGS = {
     # llama: llama3 RoPE scaling (with a short original context so it matters) + tied embeddings
     "llama": tiny_config("llama", rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True),
@@ -23,6 +27,9 @@ CONFIGS = {
     # qwen3: per-head query / key RMS norms before RoPE, no QKV bias, tied embeddings
     "qwen3": tiny_config("qwen3", rope_theta=1_000_000.0, tie_word_embeddings=True),
     "mistral": tiny_config("mistral", num_kv_heads=1),
+    # phi3: fused QKV / gate|up checkpoint tensors, longrope (a short original context: SEQ_LEN takes the
+    # long factors in both, and the attention factor)
+    "phi3": tiny_config("phi3", rope_scaling=PHI3_ROPE),
 }
 
 

@@ -1,7 +1,8 @@
 """``ModelConfig``: the shape of a Llama-family model, parsed from HF ``config.json`` or GGUF metadata.
 
-One dataclass covers every architecture this package runs (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2):
-they differ only in QKV bias, per-head query / key norms (Qwen3), RoPE parameters and embedding tying.
+One dataclass covers every architecture this package runs (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2):
+they differ only in QKV bias, per-head query / key norms (Qwen3), RoPE parameters, embedding tying and
+whether the checkpoint fuses the projections (Phi-3).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "tiny_config"]
 
 # Architecture names as they appear in HF ``config.json`` ``model_type`` and in GGUF
 # ``general.architecture``. Mistral GGUF files say "llama" (llama.cpp converts them as such).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
-_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope")
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,8 +32,10 @@ class ModelConfig:
     "freq_factors")`` plus that type's fields (``factor``; for llama3 also ``low_freq_factor``,
     ``high_freq_factor``, ``original_max_position_embeddings``; for ``freq_factors``, a GGUF file's
     ``rope_freqs.weight`` (how llama.cpp's converter writes Llama 3.1+'s llama3 scaling), ``factors``:
-    ``head_dim // 2`` numbers > 0 that divide the inverse frequencies). ``eos_token_ids`` lists every
-    token that ends a turn.
+    ``head_dim // 2`` numbers > 0 that divide the inverse frequencies; for ``longrope`` (Phi-3's 128k
+    models), ``short_factor`` and ``long_factor`` (``head_dim // 2`` such divisors each),
+    ``original_max_position_embeddings`` and optionally ``attention_factor``: see ``rope.inv_frequencies``).
+    ``eos_token_ids`` lists every token that ends a turn.
     """
 
     architecture: str
@@ -66,6 +69,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.architecture == "qwen2" and not self.attention_bias:
             raise ValueError("attention_bias must be True for qwen2 (its QKV projections always have bias)")
+        if self.fused_checkpoint and self.attention_bias:
+            raise ValueError(f"attention_bias must be False for {self.architecture} (its QKV projection has none)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -82,6 +87,12 @@ class ModelConfig:
                 raise ValueError(f"eos_token_ids must lie in [0, {self.vocab_size}), got {tok}")
         if self.bos_token_id is not None and not 0 <= self.bos_token_id < self.vocab_size:
             raise ValueError(f"bos_token_id must lie in [0, {self.vocab_size}), got {self.bos_token_id}")
+
+    @property
+    def fused_checkpoint(self) -> bool:
+        """Whether checkpoints hold the QKV and gate|up projections fused (Phi-3: ``qkv_proj``,
+        ``gate_up_proj``, the rows in the order this package fuses them) rather than one tensor each."""
+        return self.architecture == "phi3"
 
     @property
     def qk_norm(self) -> bool:
@@ -129,6 +140,10 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "su":  # Phi-3's first name for longrope
+            rope_type = "longrope"
+        if rope_type == "longrope" and "original_max_position_embeddings" not in rope:
+            rope["original_max_position_embeddings"] = need("original_max_position_embeddings")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         # Qwen2 always has QKV bias (its config has no key for it); Llama/Mistral say when they do.
@@ -163,7 +178,7 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """The HF ``config.json`` dict describing this model (``from_hf`` inverts it)."""
         hf_arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                   "qwen3": "Qwen3ForCausalLM"}
+                   "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
         out: dict[str, Any] = {
             "architectures": [hf_arch[self.architecture]],
             "model_type": self.architecture,
@@ -184,10 +199,14 @@ class ModelConfig:
         }
         if self.architecture != "qwen2":
             out["attention_bias"] = self.attention_bias
+        if self.architecture == "phi3":
+            out["pad_token_id"] = None  # Phi3Config's default, 32000, need not be in the vocabulary
         if self.rope_scaling is not None:
             if self.rope_scaling["rope_type"] == "freq_factors":
                 raise ValueError("rope_scaling of type 'freq_factors' (a GGUF file's rope_freqs) has no HF config form")
             out["rope_scaling"] = dict(self.rope_scaling)
+            if self.rope_scaling["rope_type"] == "longrope":  # where Phi-3's config keeps it
+                out["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]
         return out
 
 
@@ -199,12 +218,18 @@ def _check_rope_scaling(rs: dict[str, Any] | None, head_dim: int) -> None:
         raise ValueError(f"rope_scaling.rope_type must be one of {_ROPE_TYPES}, got {kind!r}")
     if kind == "default":
         return
-    if kind == "freq_factors":
-        factors = rs.get("factors")
-        if (not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2
-                or not all(isinstance(f, (int, float)) and 0 < f < math.inf for f in factors)):  # fmt: skip
-            raise ValueError(f"rope_scaling.factors must be {head_dim // 2} numbers > 0 (head_dim // 2), "
-                             f"got {factors!r:.80}")
+    if kind in ("freq_factors", "longrope"):
+        for key in ("factors",) if kind == "freq_factors" else ("short_factor", "long_factor"):
+            factors = rs.get(key)
+            if (not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2
+                    or not all(isinstance(f, (int, float)) and 0 < f < math.inf for f in factors)):  # fmt: skip
+                raise ValueError(f"rope_scaling.{key} must be {head_dim // 2} numbers > 0 (head_dim // 2), "
+                                 f"got {factors!r:.80}")
+        if kind == "longrope":
+            for key in ("original_max_position_embeddings", "attention_factor"):
+                value = rs.get(key, 1.0)
+                if not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                    raise ValueError(f"rope_scaling.{key} must be a number > 0 for longrope, got {value!r}")
         return
     factor = rs.get("factor")
     if not isinstance(factor, (int, float)) or factor <= 0:
@@ -218,7 +243,8 @@ def _check_rope_scaling(rs: dict[str, Any] | None, head_dim: int) -> None:
 
 
 def tiny_config(arch: str = "llama", **overrides: Any) -> ModelConfig:
-    """A small configuration of ``arch`` (``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"mistral"``) for fast tests.
+    """A small configuration of ``arch`` (``"llama"``, ``"qwen2"``, ``"qwen3"``, ``"phi3"`` or ``"mistral"``) for fast
+    tests.
 
     2 layers, hidden 64, 4 query heads over 2 KV heads (GQA), vocab 256; Qwen2 gets QKV bias.
     Any field can be overridden by keyword.

@@ -20,6 +20,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from treeserve._utils import log_once
 from treeserve.models.config import ModelConfig
 from treeserve.models.gguf_convert import as_blocks, converted_type
 from treeserve.models.gguf_file import GGUFTensor, map_gguf, release_pages
@@ -37,13 +38,14 @@ log = logging.getLogger("treeserve.models")
 
 __all__ = ["GGUFContents", "gguf_config", "load_gguf_model", "open_gguf", "unpermute_qk"]
 
-_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
 # GGUF tensor-name suffix per block -> HF name suffix.
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # phi3: fused
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_q.bias": "self_attn.q_proj.bias",
@@ -56,6 +58,10 @@ _BLOCK_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# phi3's ffn_up holds gate|up (its HF gate_up_proj: the first half gated by SiLU).
+_FUSED_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# Phi-3's files name no end-of-turn token: its turns end with <|end|> (its generation_config, llama.cpp).
+_END_OF_TURN_NAMES = {"phi3": ("<|end|>", "<|endoftext|>")}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -126,7 +132,18 @@ def gguf_config(g: GGUFContents) -> ModelConfig:
             raise ValueError(f"{g.path}: rope_freqs.weight must be {head_dim // 2} F32 factors (head_dim // 2), "
                              f"got {freqs.n_elements} {freqs.tensor_type.name}")
         rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in freqs.data.reshape(-1)]}
+    if "rope_factors_long.weight" in g.tensors or "rope_factors_short.weight" in g.tensors:
+        rope_scaling = _longrope(g, arch, head_dim, rope_scaling)
     eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    names = _END_OF_TURN_NAMES.get(arch)
+    if names:
+        eos += [i for i, text in enumerate(md.get("tokenizer.ggml.tokens", ())) if text in names]
+    context = int(need("context_length"))
+    window = md.get(f"{arch}.attention.sliding_window") if arch == "phi3" else None  # Qwen's may be switched off
+    if window is not None and 0 < int(window) < context:
+        # Sequences no longer than the window attend identically with full attention (ModelConfig.from_hf).
+        log_once(f"treeserve.models: {arch}.attention.sliding_window={window}: context capped at {window} tokens")
+        context = int(window)
     return ModelConfig(
         architecture=arch,
         num_layers=int(need("block_count")),
@@ -141,10 +158,32 @@ def gguf_config(g: GGUFContents) -> ModelConfig:
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         tie_word_embeddings="output.weight" not in g.tensors,
         attention_bias="blk.0.attn_q.bias" in g.tensors,
-        max_position_embeddings=int(need("context_length")),
+        max_position_embeddings=context,
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
     )
+
+
+def _longrope(g: GGUFContents, arch: str, head_dim: int, other: dict[str, Any] | None) -> dict[str, Any]:
+    """Phi-3's longrope from ``rope_factors_short`` / ``rope_factors_long`` (F32, ``head_dim // 2`` each) and
+    ``{arch}.rope.scaling.original_context_length`` / ``attn_factor``, as llama.cpp's converter writes them."""
+    if other is not None:
+        raise ValueError(f"{g.path}: rope_factors_long/short.weight with another RoPE scaling is not supported")
+    factors = {}
+    for kind in ("short", "long"):
+        t = g.tensors.get(f"rope_factors_{kind}.weight")
+        if t is None or t.tensor_type != GGMLQuantizationType.F32 or t.n_elements != head_dim // 2:
+            got = "missing" if t is None else f"{t.n_elements} {t.tensor_type.name}"
+            raise ValueError(f"{g.path}: rope_factors_{kind}.weight must be {head_dim // 2} F32 factors "
+                             f"(head_dim // 2), got {got}")
+        factors[f"{kind}_factor"] = [float(f) for f in t.data.reshape(-1)]
+    key = f"{arch}.rope.scaling.original_context_length"
+    if key not in g.metadata:
+        raise ValueError(f"{g.path}: GGUF metadata is missing {key!r} (longrope's original context)")
+    out = {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(g.metadata[key])}
+    if f"{arch}.rope.scaling.attn_factor" in g.metadata:
+        out["attention_factor"] = float(g.metadata[f"{arch}.rope.scaling.attn_factor"])
+    return out
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -165,12 +204,14 @@ def unpermute_into(out: np.ndarray, w: np.ndarray, n_heads: int) -> None:
     np.copyto(out.reshape(n_heads, 2, pair, *w.shape[1:]), w.reshape(n_heads, pair, 2, *w.shape[1:]).swapaxes(1, 2))
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, fused: bool = False) -> str | None:
+    """The HF name of a GGUF tensor (``fused``: a checkpoint with fused projections, phi3), or None."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _FUSED_BLOCK_NAMES if fused else _BLOCK_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -211,7 +252,7 @@ def load_gguf_model(
     """
     check_shard_quantization(shard, quantization)
     config = gguf_config(g)
-    by_hf = {hf: t for name, t in g.tensors.items() if (hf := _hf_name(name)) is not None}
+    by_hf = {hf: t for name, t in g.tensors.items() if (hf := _hf_name(name, config.fused_checkpoint)) is not None}
     permute_heads = {
         "self_attn.q_proj": config.num_heads,
         "self_attn.k_proj": config.num_kv_heads,

@@ -210,6 +210,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cache", rope_table(config).to(device), persistent=False)
 
+    def fit_context(self, context: int) -> None:
+        """Rebuild the RoPE table for sequences of at most ``context`` tokens where its scaling depends
+        on the context (longrope: ``short_factor`` up to ``original_max_position_embeddings``, see
+        ``rope.inv_frequencies``); a no-op for every other configuration. Call before sharing the table."""
+        rs = self.config.rope_scaling
+        if rs is not None and rs["rope_type"] == "longrope":
+            self.rope_cache = rope_table(self.config, context=context).to(self.rope_cache.device)
+
     layer_kernels: str = "auto"
     """``"auto"``: on CUDA the layers run hand-fused Triton kernels and the head the bf16 exact
     head (``triton_forward``); ``"triton"`` forces that path (CPU tests, under the interpreter),

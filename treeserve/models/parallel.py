@@ -55,6 +55,9 @@ def check_tensor_parallel(config: ModelConfig, world: int) -> None:
     """``ValueError`` unless ``config`` can be split over ``world`` ranks (naming the numbers)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {world!r}")
+    if world > 1 and config.fused_checkpoint:
+        raise ValueError(f"tensor parallelism does not split {config.architecture}'s fused QKV / gate|up checkpoint "
+                         f"tensors: tensor_parallel_size must be 1, got {world}")
     for name in ("num_kv_heads", "num_heads"):
         if getattr(config, name) % world:
             raise ValueError(

@@ -1,5 +1,5 @@
-"""Rotary position embedding: inverse frequencies (default / linear / llama3 scaling, or a GGUF file's
-per-frequency factors) and a cos/sin table.
+"""Rotary position embedding: inverse frequencies (default / linear / llama3 / longrope scaling, or a GGUF
+file's per-frequency factors) and a cos/sin table.
 
 The table is precomputed for every position below ``max_position_embeddings`` and gathered by the
 ``positions`` tensor, so applying RoPE has no data-dependent control flow (compile / CUDA-graph safe).
@@ -15,13 +15,32 @@ import torch
 
 from treeserve.models.config import ModelConfig
 
-__all__ = ["apply_rope", "inv_frequencies", "rope_table"]
+__all__ = ["apply_rope", "inv_frequencies", "longrope_scale", "rope_table"]
 
 
-def inv_frequencies(config: ModelConfig) -> torch.Tensor:
+def longrope_scale(config: ModelConfig) -> float:
+    """The factor by which longrope scales cos and sin (1.0 for the other types): ``attention_factor``
+    where given, else ``sqrt(1 + ln(s) / ln(original))`` with ``s`` its ``factor`` or
+    ``max_position_embeddings / original`` (1.0 when ``s <= 1``), as transformers and llama.cpp's converter
+    compute it."""
+    rs = config.rope_scaling
+    if rs is None or rs["rope_type"] != "longrope":
+        return 1.0
+    if "attention_factor" in rs:
+        return float(rs["attention_factor"])
+    original = float(rs["original_max_position_embeddings"])
+    s = float(rs.get("factor") or config.max_position_embeddings / original)
+    return 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(original))
+
+
+def inv_frequencies(config: ModelConfig, context: int | None = None) -> torch.Tensor:
     """float32 ``[head_dim // 2]`` inverse frequencies, with ``config.rope_scaling`` applied.
 
     Computed in float32 in the same order of operations as transformers, so tables agree bitwise.
+    longrope divides them by ``long_factor`` where the context (``context``, default
+    ``max_position_embeddings``) exceeds ``original_max_position_embeddings``, else by ``short_factor``:
+    one set for every position, as llama.cpp picks it for its context size. transformers picks it per
+    forward pass by the longest position, the same set for every sequence that fits the context.
     """
     d = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
@@ -30,6 +49,9 @@ def inv_frequencies(config: ModelConfig) -> torch.Tensor:
         return inv
     if rs["rope_type"] == "freq_factors":  # llama.cpp's rope_freqs: each frequency divided by its factor
         return inv / torch.tensor(rs["factors"], dtype=torch.float32)
+    if rs["rope_type"] == "longrope":
+        long = (context or config.max_position_embeddings) > rs["original_max_position_embeddings"]
+        return inv / torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float32)
     factor = float(rs["factor"])
     if rs["rope_type"] == "linear":
         return inv / factor
@@ -42,17 +64,20 @@ def inv_frequencies(config: ModelConfig) -> torch.Tensor:
     return (1 - smooth) * inv / factor + smooth * inv
 
 
-def rope_table(config: ModelConfig, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 ``[max_position_embeddings, 2, head_dim // 2]``: cos and sin of ``pos * inv_freq``.
+def rope_table(config: ModelConfig, inv_freq: torch.Tensor | None = None, context: int | None = None) -> torch.Tensor:
+    """float32 ``[max_position_embeddings, 2, head_dim // 2]``: cos and sin of ``pos * inv_freq``
+    (times ``longrope_scale``).
 
-    ``inv_freq`` defaults to ``inv_frequencies(config)``; the angles are formed in float32 the way
-    HF does, so positions agree with transformers to float32 rounding.
+    ``inv_freq`` defaults to ``inv_frequencies(config, context)``; the angles are formed in float32 the
+    way HF does, so positions agree with transformers to float32 rounding.
     """
     if inv_freq is None:
-        inv_freq = inv_frequencies(config)
+        inv_freq = inv_frequencies(config, context)
     pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
     angles = pos[:, None] * inv_freq[None, :]
-    return torch.stack((angles.cos(), angles.sin()), dim=1)
+    table = torch.stack((angles.cos(), angles.sin()), dim=1)
+    scale = longrope_scale(config)
+    return table if scale == 1.0 else table * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -42,14 +42,19 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         }
+        if config.fused_checkpoint:
+            shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * i, h)}
+        else:
+            shapes |= {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+            }
         if config.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,), p + "self_attn.k_norm.weight": (config.head_dim,)}
         if config.attention_bias:
@@ -62,7 +67,8 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def fused_names(config: ModelConfig) -> Iterable[tuple[str, tuple[str, ...]]]:
-    """(our parameter name, the HF names concatenated along dim 0 to form it)."""
+    """(our parameter name, the HF names concatenated along dim 0 to form it: one name where the
+    checkpoint holds it fused, ``config.fused_checkpoint``)."""
     yield "embed_tokens.weight", ("model.embed_tokens.weight",)
     yield "norm.weight", ("model.norm.weight",)
     if not config.tie_word_embeddings:
@@ -72,14 +78,17 @@ def fused_names(config: ModelConfig) -> Iterable[tuple[str, tuple[str, ...]]]:
         attn = src + "self_attn."
         yield dst + "input_layernorm.weight", (src + "input_layernorm.weight",)
         yield dst + "post_attention_layernorm.weight", (src + "post_attention_layernorm.weight",)
-        yield dst + "self_attn.qkv_proj.weight", tuple(attn + f"{x}_proj.weight" for x in "qkv")
+        fused = config.fused_checkpoint
+        yield dst + "self_attn.qkv_proj.weight", ((attn + "qkv_proj.weight",) if fused else
+                                                 tuple(attn + f"{x}_proj.weight" for x in "qkv"))
         if config.attention_bias:
             yield dst + "self_attn.qkv_proj.bias", tuple(attn + f"{x}_proj.bias" for x in "qkv")
         if config.qk_norm:
             yield dst + "self_attn.q_norm.weight", (attn + "q_norm.weight",)
             yield dst + "self_attn.k_norm.weight", (attn + "k_norm.weight",)
         yield dst + "self_attn.o_proj.weight", (attn + "o_proj.weight",)
-        yield dst + "mlp.gate_up_proj.weight", (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight")
+        yield dst + "mlp.gate_up_proj.weight", ((src + "mlp.gate_up_proj.weight",) if fused else
+                                               (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"))
         yield dst + "mlp.down_proj.weight", (src + "mlp.down_proj.weight",)
 
 
