@@ -513,7 +513,9 @@ class LLM:
             )
         self.max_model_len: int = cfg.max_model_len or min(positions, 4096)
         max_len = self.max_model_len
-        self.model.fit_context(max_len)  # longrope's short or long factors, as llama.cpp picks them
+        fit = getattr(self.model, "fit_context", None)  # wrappers (tensor parallel, test doubles) have none
+        if fit is not None:
+            fit(max_len)  # longrope's short or long factors, as llama.cpp picks them
         ps = cfg.page_size
         num_pages = -(-cfg.kv_cache_tokens // ps) + 1  # + the dummy page
         kv_heads = getattr(self.model, "kv_heads_per_rank", mc.num_kv_heads)  # rank 0's share under TP

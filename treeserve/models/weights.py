@@ -39,22 +39,15 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.down_proj.weight": (h, i),
-        }
-        if config.fused_checkpoint:
-            shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * i, h)}
-        else:
-            shapes |= {
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "mlp.gate_proj.weight": (i, h),
-                p + "mlp.up_proj.weight": (i, h),
-            }
+        # In this order: random_model draws each tensor from one generator in it.
+        fused = config.fused_checkpoint
+        qkv = {"qkv_proj": (q + 2 * kv, h)} if fused else {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h)}
+        gate_up = {"gate_up_proj": (2 * i, h)} if fused else {"gate_proj": (i, h), "up_proj": (i, h)}
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= {p + f"self_attn.{n}.weight": shape for n, shape in qkv.items()}
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes |= {p + f"mlp.{n}.weight": shape for n, shape in gate_up.items()}
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
         if config.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,), p + "self_attn.k_norm.weight": (config.head_dim,)}
         if config.attention_bias:
