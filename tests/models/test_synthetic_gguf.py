@@ -26,6 +26,7 @@ QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
 TINY = {
     "llama": SyntheticSpec("llama", 2, 128, 4, 2, 192, 320, False, False, 500000.0, 256),
     "qwen2": SyntheticSpec("qwen2", 2, 128, 4, 2, 192, 320, True, True, 1000000.0, 256),
+    "phi3": SyntheticSpec("phi3", 2, 128, 4, 4, 192, 320, False, False, 10000.0, 256),  # fused QKV, gate|up
 }
 needs_op = pytest.mark.skipif(not gguf_op_available(), reason="the C++ GGUF operator is not built here")
 
@@ -63,6 +64,7 @@ def test_real_specs_and_bad_arguments(tmp_path: Path) -> None:
     assert 8.0e9 < params["llama-3-8b"] < 8.1e9 and 1.2e9 < params["llama-3.2-1b"] < 1.3e9
     assert 1.5e9 < params["qwen2.5-1.5b"] < 1.6e9
     assert 0.59e9 < params["qwen3-0.6b"] < 0.61e9 and SPECS["qwen3-0.6b"].head_dim == 128  # Qwen3-0.6B: 0.6B, tied
+    assert 3.8e9 < params["phi-3-mini"] < 3.83e9 and SPECS["phi-3-mini"].head_dim == 96  # Phi-3-mini: 3.82B
     with pytest.raises(ValueError, match="spec must be one of"):
         write_synthetic_gguf(tmp_path / "x.gguf", "llama-9")
     with pytest.raises(ValueError, match="qtype must be one of"):
@@ -158,3 +160,19 @@ def test_a_1b_model_loads_near_its_file_size(tmp_path: Path, qtype: str, codes_p
     assert r["rss"] < codes_per_file_byte * file_bytes + runtime, r
     # the decode steps read the o/down and head codes' pages (0.34 GB); a float32 head would be 1.05 GB more
     assert r["peak"] < r["rss"] + 512 * 2**20, r
+
+
+def test_the_phi3_file_has_phi3s_vocabulary_layout(tmp_path: Path) -> None:
+    """Phi-3-mini's synthetic file: a SentencePiece vocabulary with Phi-3's added tokens at 32000-32010 (what
+    llama.cpp needs to load a phi3 file); <|end|> ends a turn beside the file's EOS."""
+    from treeserve.models.tokenizer import Tokenizer
+
+    g = open_gguf(write_synthetic_gguf(tmp_path / "phi3.gguf", "phi-3-mini", "Q4_0", num_layers=1))
+    tokens = g.metadata["tokenizer.ggml.tokens"]
+    assert g.metadata["tokenizer.ggml.model"] == "llama" and len(tokens) == 32064
+    assert (tokens[32000], tokens[32007], tokens[259]) == ("<|endoftext|>", "<|end|>", "\u2581t259")
+    config = gguf_config(g)
+    assert config.eos_token_ids == (32000, 32007) and config.head_dim == 96 and config.max_position_embeddings == 4096
+    tok = Tokenizer.from_gguf_metadata(g.metadata, extra_eos_token_ids=config.eos_token_ids)
+    assert tok.eos_token_ids == (32000, 32007) and tok.decode([300, 301]) == "t300 t301"
+    assert "blk.0.attn_qkv.weight" in g.tensors and "blk.0.ffn_gate.weight" not in g.tensors

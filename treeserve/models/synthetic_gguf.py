@@ -45,7 +45,7 @@ QTYPES = (*_CODE_STD, *_MIXTURES)
 class SyntheticSpec:
     """The shapes of one architecture, as its GGUF metadata states them."""
 
-    architecture: str  # "llama", "qwen2" or "qwen3"
+    architecture: str  # "llama", "qwen2", "qwen3" or "phi3"
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -68,8 +68,10 @@ SPECS: dict[str, SyntheticSpec] = {
     "llama-3.2-1b": SyntheticSpec("llama", 16, 2048, 32, 8, 8192, 128256, True, False, 500000.0),
     "qwen2.5-1.5b": SyntheticSpec("qwen2", 28, 1536, 12, 2, 8960, 151936, True, True, 1000000.0),
     "qwen3-0.6b": SyntheticSpec("qwen3", 28, 1024, 16, 8, 3072, 151936, True, False, 1000000.0, key_length=128),
+    "phi-3-mini": SyntheticSpec("phi3", 32, 3072, 32, 32, 8192, 32064, False, False, 10000.0, 4096),
 }
-"""Llama-3-8B, Llama-3.2-1B, Qwen2.5-1.5B and Qwen3-0.6B shapes (from their published configs)."""
+"""Llama-3-8B, Llama-3.2-1B, Qwen2.5-1.5B, Qwen3-0.6B and Phi-3-mini-4k shapes (from their published
+configs; Phi-3's QKV and gate|up fused, as its files hold them)."""
 
 
 def synthetic_tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
@@ -78,14 +80,19 @@ def synthetic_tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.vocab_size, h)}
     for layer in range(spec.num_layers):
         p = f"blk.{layer}."
-        shapes |= {p + "attn_norm.weight": (h,), p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h),
-                   p + "attn_v.weight": (kv, h)}
+        fused = spec.architecture == "phi3"
+        shapes[p + "attn_norm.weight"] = (h,)
+        if fused:
+            shapes[p + "attn_qkv.weight"] = (q + 2 * kv, h)
+        else:
+            shapes |= {p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h)}
         if spec.attention_bias:
             shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
         if spec.architecture == "qwen3":  # per-head query / key norms
             shapes |= {p + "attn_q_norm.weight": (spec.head_dim,), p + "attn_k_norm.weight": (spec.head_dim,)}
-        shapes |= {p + "attn_output.weight": (h, q), p + "ffn_norm.weight": (h,), p + "ffn_gate.weight": (i, h),
-                   p + "ffn_up.weight": (i, h), p + "ffn_down.weight": (h, i)}
+        shapes |= {p + "attn_output.weight": (h, q), p + "ffn_norm.weight": (h,)}
+        shapes |= {p + "ffn_up.weight": (2 * i, h)} if fused else {p + "ffn_gate.weight": (i, h), p + "ffn_up.weight": (i, h)}
+        shapes[p + "ffn_down.weight"] = (h, i)
     shapes["output_norm.weight"] = (h,)
     if not spec.tie_word_embeddings:
         shapes["output.weight"] = (spec.vocab_size, h)
@@ -96,6 +103,27 @@ def _vocabulary(size: int) -> list[str]:
     """The 256 byte-level letters (every text encodes), ``ab`` (the file's one merge, ``a b``), then
     ``t257``, ``t258``, ... (never produced by a merge)."""
     return list(_byte_alphabet().values()) + ["ab"] + [f"t{n}" for n in range(257, size)]
+
+
+# Phi-3's added tokens (ids 32000-32010) after its 32000 SentencePiece pieces; llama.cpp loads a phi3 file
+# only with such a vocabulary.
+_PHI3_ADDED = ("<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+               "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>")
+_PHI3_VOCAB = 32000 + len(_PHI3_ADDED)
+
+
+def _phi3_vocabulary(size: int) -> dict[str, Any]:
+    """A SentencePiece vocabulary laid out as Phi-3's: ``<unk>``, ``<s>``, ``</s>``, the 256 byte pieces,
+    ``▁t259`` ... up to id 32000 (scores falling), Phi-3's added tokens, then padding pieces to ``size``."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += [f"\u2581t{n}" for n in range(len(pieces), 32000)]
+    tokens = pieces + list(_PHI3_ADDED) + [f"<|dummy{n}|>" for n in range(size - _PHI3_VOCAB)]
+    types = [2, 3, 3] + [6] * 256 + [1] * (32000 - 259) + [3] * (size - 32000)
+    scores = [0.0] * 259 + [-float(n) for n in range(32000 - 259)] + [0.0] * (size - 32000)
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 32000, "tokenizer.ggml.unknown_token_id": 0,
+            "tokenizer.ggml.padding_token_id": 32000, "tokenizer.ggml.add_bos_token": False}
 
 
 def _random_blocks(rng: np.random.Generator, qtype: str, shape: tuple[int, int]) -> np.ndarray:
@@ -228,6 +256,8 @@ def write_synthetic_gguf(path: str | Path, spec: str | SyntheticSpec = "llama-3.
     w = GGUFWriter(str(path), spec.architecture)
     w.add_name(f"synthetic-{spec.architecture}-{qtype}-seed{seed}")
     eps = 1e-5 if spec.architecture == "llama" else 1e-6
+    if tokenizer is None and spec.architecture == "phi3" and spec.vocab_size >= _PHI3_VOCAB:
+        tokenizer = _phi3_vocabulary(spec.vocab_size)
     if tokenizer is None:
         add_metadata(w, spec, eps, _vocabulary(spec.vocab_size), ["a b"], [1] * spec.vocab_size,
                      bos=spec.vocab_size - 2, eos=spec.vocab_size - 1)
