@@ -125,10 +125,12 @@ def test_bad_phi3_input_is_refused_by_name(phi3, tmp_path):
 
 @pytest.mark.skipif(not gguf_op_available(), reason="needs the C++ GGUF operator")
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0])
-def test_a_phi3_gguf_serves_batches_as_single_requests_on_the_fused_layers(phi3, tmp_path, qtype):
+def test_a_phi3_gguf_serves_batches_as_single_requests_on_the_fused_layers(phi3, tmp_path, qtype, monkeypatch):
     """Through the engine from the file's codes (the fused C++ decode layers, zero-copy fused tensors): a
-    batch decodes exactly as each request alone, as the file's dequantized weights do; the engine fits longrope to its
-    context (256 positions > the original 32: the long factors)."""
+    batch decodes exactly as each request alone (the GGUF operator serving every row count, whose rows are
+    each the row alone; the crossovers to the int8 path are this machine's), its logits the file's
+    dequantized weights'; the engine fits longrope to its context (256 > the original 32: long factors)."""
+    monkeypatch.setenv("TREESERVE_PACKED_MAX_ROWS", "all")
     config = phi3.config.replace(intermediate_size=64)
     model = random_model(config, seed=5, init_std=0.1)
     path = _write_phi3_gguf(model, tmp_path / "q.gguf", qtype=qtype)
