@@ -215,6 +215,11 @@ def _layer_cases(rec: Recorder) -> None:
                 cache = torch.empty(8, 16, hkv, d, dtype=kv_dtype)
                 rope_store_triton(torch.empty(4, (hq + 2 * hkv) * d, dtype=dtype), torch.empty(64, 2, d // 2), idx,
                                   idx, cache, cache, hq, hkv)
+            if name == "qwen2.5-1.5b":  # Qwen3's per-head q / k norms (its head_dim, 128, is this shape's)
+                rec.case = f"{tag} rope+store with q / k norms, {str(dtype)[6:]} KV"
+                cache = torch.empty(8, 16, hkv, d, dtype=dtype)
+                rope_store_triton(torch.empty(4, (hq + 2 * hkv) * d, dtype=dtype), torch.empty(64, 2, d // 2), idx,
+                                  idx, cache, cache, hq, hkv, torch.empty(d, dtype=dtype), torch.empty(d, dtype=dtype))
             rec.case = f"{tag} silu*up"
             silu_mul_triton(torch.empty(4, 2 * inter, dtype=dtype))
             # The first pass's row tile: 16 (decode at batch <= 16) everywhere, 64 (larger batches, verify) on 8B.

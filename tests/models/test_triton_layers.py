@@ -79,9 +79,11 @@ def test_add_rms_norm_matches_torch(n: int, h: int, dtype: torch.dtype, residual
     n=st.integers(1, 5),
     dtype=DTYPES,
     kv_bf16=st.booleans(),
+    qk_norm=st.booleans(),
     data=st.data(),
 )
-def test_rope_store_matches_torch(heads, head_dim, n, dtype, kv_bf16, data) -> None:
+def test_rope_store_matches_torch(heads, head_dim, n, dtype, kv_bf16, qk_norm, data) -> None:
+    """With ``qk_norm`` (Qwen3) each q / k head RMS-normalized first, as the torch layers' ``RMSNorm``."""
     hq, hkv = heads
     kv_dtype = torch.bfloat16 if kv_bf16 else dtype
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
@@ -95,11 +97,16 @@ def test_rope_store_matches_torch(heads, head_dim, n, dtype, kv_bf16, data) -> N
     v_cache = _randn(gen, pages, page_size, hkv, head_dim, dtype=kv_dtype)
     k_ref, v_ref = k_cache.clone().view(-1, hkv, head_dim), v_cache.clone().view(-1, hkv, head_dim)
 
-    q = rope_store_triton(qkv, table, positions, slots, k_cache, v_cache, hq, hkv)
+    norms = [(_randn(gen, head_dim, dtype=dtype) + 1) for _ in range(2)] if qk_norm else [None, None]
+    q = rope_store_triton(qkv, table, positions, slots, k_cache, v_cache, hq, hkv, *norms, eps=1e-6)
 
     cos_sin = table[positions].to(dtype)  # the torch path of ``Attention.forward``
     qk, v = qkv.split(((hq + hkv) * head_dim, hkv * head_dim), dim=-1)
-    qk = apply_rope(qk.reshape(n, hq + hkv, head_dim), cos_sin[:, None, 0], cos_sin[:, None, 1])
+    qk = qk.reshape(n, hq + hkv, head_dim)
+    if qk_norm:
+        qh, kh = qk.split((hq, hkv), dim=1)
+        qk = torch.cat([add_rms_norm_torch(t, None, w, 1e-6)[1] for t, w in ((qh, norms[0]), (kh, norms[1]))], dim=1)
+    qk = apply_rope(qk, cos_sin[:, None, 0], cos_sin[:, None, 1])
     q0, k0 = qk.split((hq, hkv), dim=1)
     k_ref[slots], v_ref[slots] = k0.to(kv_dtype), v.reshape(n, hkv, head_dim).to(kv_dtype)
     scale = float(qkv.abs().max())
@@ -217,10 +224,12 @@ def _steps(model, kv_dtype: torch.dtype) -> tuple[list[torch.Tensor], KVPool]:
 
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
                                              (torch.float32, torch.float32)])
-def test_triton_forward_matches_the_torch_path(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
-    """Prefill and decode through the fused path: the same KV (bit for bit where the model is
-    bf16), logits within the head's bound of the float32 head's and the same argmax."""
-    model = random_model(tiny_config("qwen2"), seed=1, init_std=0.3, dtype=dtype).to(DEV)  # QKV bias too
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_triton_forward_matches_the_torch_path(dtype: torch.dtype, kv_dtype: torch.dtype, arch: str) -> None:
+    """Prefill and decode through the fused path (Qwen2: QKV bias; Qwen3: per-head q / k norms): the same
+    KV (bit for bit where the model is bf16), logits within the head's bound of the float32 head's and the
+    same argmax."""
+    model = random_model(tiny_config(arch), seed=1, init_std=0.3, dtype=dtype).to(DEV)
     model.layer_kernels = "torch"
     ref, ref_kv = _steps(model, kv_dtype)
     model.layer_kernels = "triton"
@@ -259,22 +268,27 @@ def test_layer_kernels_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not uses_triton_layers(model)
 
 
-def test_qwen3_takes_the_torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Qwen3's per-head query / key norms are not in the fused Triton layers: ``"auto"`` on a CUDA
-    model and the environment's ``"triton"`` give it the torch layers, its own ``"triton"`` a ValueError."""
+def test_qwen3_takes_the_triton_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3's per-head query / key norms run inside the fused layers: ``"auto"`` on a CUDA model takes them."""
     import treeserve.models.triton_forward as tf
     from treeserve.models import LlamaForCausalLM
 
     monkeypatch.setattr(tf, "triton_usable", lambda device: True)
     monkeypatch.setattr(LlamaForCausalLM, "device", property(lambda self: torch.device("cuda")))
-    llama, qwen3 = (random_model(tiny_config(arch), seed=0) for arch in ("llama", "qwen3"))
-    assert uses_triton_layers(llama) and not uses_triton_layers(qwen3)
-    monkeypatch.setenv("TREESERVE_LAYER_KERNELS", "triton")
-    assert uses_triton_layers(llama) and not uses_triton_layers(qwen3)
-    monkeypatch.delenv("TREESERVE_LAYER_KERNELS")
-    qwen3.layer_kernels = "triton"
-    with pytest.raises(ValueError, match="has no per-head query / key norms"):
-        uses_triton_layers(qwen3)
+    assert all(uses_triton_layers(random_model(tiny_config(arch), seed=0)) for arch in ("llama", "qwen3", "phi3"))
+
+
+def test_rope_store_refuses_bad_norms() -> None:
+    table, idx = torch.zeros(8, 2, 8, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV)
+    cache, qkv, w = torch.zeros(4, 2, 1, 16, device=DEV), torch.zeros(2, 64, device=DEV), torch.ones(16, device=DEV)
+    with pytest.raises(ValueError, match="q_norm and k_norm must be given together"):
+        rope_store_triton(qkv, table, idx, idx, cache, cache.clone(), 2, 1, w, None)
+    with pytest.raises(ValueError, match=r"k_norm must be a contiguous \[16\]"):
+        rope_store_triton(qkv, table, idx, idx, cache, cache.clone(), 2, 1, w, w[:8])
+    with pytest.raises(TypeError, match="q_norm must be torch.float32"):
+        rope_store_triton(qkv, table, idx, idx, cache, cache.clone(), 2, 1, w.bfloat16(), w)
+    with pytest.raises(ValueError, match="eps must be a float > 0"):
+        rope_store_triton(qkv, table, idx, idx, cache, cache.clone(), 2, 1, w, w, eps=0.0)
 
 
 @given(f32=st.lists(st.floats(1e-6, 1.0), min_size=1, max_size=9), data=st.data())

@@ -138,9 +138,9 @@ def add_rms_norm_triton(
 
 
 @triton.jit
-def _rope_store_kernel(qkv_ptr, rope_ptr, pos_ptr, slot_ptr, q_ptr, k_cache, v_cache, qkv_stride,
+def _rope_store_kernel(qkv_ptr, rope_ptr, pos_ptr, slot_ptr, q_ptr, k_cache, v_cache, qn_ptr, kn_ptr, qkv_stride,
                        HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
-                       BLOCK_H: tl.constexpr):
+                       BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr, EPS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -158,6 +158,16 @@ def _rope_store_kernel(qkv_ptr, rope_ptr, pos_ptr, slot_ptr, q_ptr, k_cache, v_c
         x1 = tl.load(row + off, mask=ok, other=0.0)
         x2 = tl.load(row + off + HALF, mask=ok, other=0.0)
         rotate = (h < HQ + HKV)[:, None]
+        if QK_NORM:  # each q / k head RMS-normalized over head_dim first, as _add_rms_norm_kernel rounds it
+            n1, n2 = x1.to(tl.float32), x2.to(tl.float32)
+            rstd = tl.rsqrt((tl.sum(n1 * n1, axis=1) + tl.sum(n2 * n2, axis=1)) / (2 * HALF) + EPS)[:, None]
+            q_head = (h < HQ)[:, None]
+            w1 = tl.where(q_head, tl.load(qn_ptr + d, mask=dm, other=0.0)[None, :],
+                          tl.load(kn_ptr + d, mask=dm, other=0.0)[None, :]).to(tl.float32)
+            w2 = tl.where(q_head, tl.load(qn_ptr + HALF + d, mask=dm, other=0.0)[None, :],
+                          tl.load(kn_ptr + HALF + d, mask=dm, other=0.0)[None, :]).to(tl.float32)
+            x1 = tl.where(rotate, (n1 * rstd * w1).to(dt), x1)
+            x2 = tl.where(rotate, (n2 * rstd * w2).to(dt), x2)
         # x1 cos - x2 sin and x2 cos + x1 sin, rounded where torch's mul and addcmul round.
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
         o1 = tl.where(rotate, ((x1f * cos[None, :]).to(dt).to(tl.float32) - x2f * sin[None, :]).to(dt), x1)
@@ -187,8 +197,15 @@ def rope_store_triton(
     v_cache: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """RoPE on the q and k heads of ``qkv`` and the paged KV store, in one kernel; returns q.
+
+    ``q_norm``, ``k_norm`` (both or neither; Qwen3): ``[head_dim]`` weights of ``qkv``'s dtype; each q /
+    k head is first RMS-normalized over ``head_dim`` (``eps`` a float > 0) and scaled by them, as the
+    torch layers' ``RMSNorm`` does, then rotated.
 
     ``qkv``: ``[N, (num_heads + 2 num_kv_heads) head_dim]`` float32/bfloat16, contiguous rows
     (q heads, k heads, v heads); ``rope_table``: float32 ``[P, 2, head_dim // 2]`` (cos, sin:
@@ -221,12 +238,24 @@ def rope_store_triton(
             raise ValueError(f"{name} must be [N={n}], got {tuple(idx.shape)}")
     if len({t.device for t in (qkv, rope_table, positions, slots, k_cache, v_cache)}) != 1:
         raise ValueError("qkv, rope_table, positions, slots and the caches must be on one device")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm must be given together")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None:
+            _check_float(name, w, qkv.dtype)
+            if w.shape != (2 * half,) or not w.is_contiguous() or w.device != qkv.device:
+                raise ValueError(f"{name} must be a contiguous [{2 * half}] on {qkv.device}, got {tuple(w.shape)}")
+    if q_norm is not None and (not isinstance(eps, float) or not eps > 0):
+        raise ValueError(f"eps must be a float > 0, got {eps!r}")
     q = torch.empty((n, num_heads, 2 * half), dtype=k_cache.dtype, device=qkv.device)
     if n:
         half_p2 = triton.next_power_of_2(half)
         block_h = max(1, min(triton.next_power_of_2(num_heads + 2 * num_kv_heads), 4096 // half_p2))
-        _rope_store_kernel[(n,)](qkv, rope_table, positions, slots, q, k_cache, v_cache, qkv.stride(0),
-                                 HQ=num_heads, HKV=num_kv_heads, HALF=half, HALF_P2=half_p2, BLOCK_H=block_h)
+        norm = q_norm is not None
+        _rope_store_kernel[(n,)](qkv, rope_table, positions, slots, q, k_cache, v_cache,
+                                 q_norm if norm else qkv, k_norm if norm else qkv, qkv.stride(0),
+                                 HQ=num_heads, HKV=num_kv_heads, HALF=half, HALF_P2=half_p2, BLOCK_H=block_h,
+                                 QK_NORM=norm, EPS=eps if norm else 0.0)
     return q
 
 

@@ -30,9 +30,7 @@ not kept.
 picks this path on CUDA when Triton is usable, the model is not batch-invariant and Dynamo is
 not tracing (a compiled forward keeps the torch path for inductor to fuse); ``"triton"`` forces
 it (on CPU under ``TRITON_INTERPRET=1``, how the tests run it), ``"torch"`` turns it off. Qwen3's
-per-head query / key norms are not in these kernels: such a model takes the torch layers under
-``"auto"`` (and under ``TREESERVE_LAYER_KERNELS=triton``, which applies to every model), and its
-own ``layer_kernels="triton"`` is a ``ValueError``.
+per-head query / key norms run inside the RoPE-and-store kernel, before the rotation.
 """
 
 from __future__ import annotations
@@ -67,12 +65,10 @@ def uses_triton_layers(model: torch.nn.Module) -> bool:
     ``TREESERVE_LAYER_KERNELS`` (``torch`` / ``triton``) overrides a model left at ``"auto"``.
 
     ``ValueError`` for a ``layer_kernels`` outside ``LAYER_KERNELS``, or ``"triton"`` where Triton
-    cannot run (a CPU model without ``TRITON_INTERPRET=1``) or, set on the model, for a model with
-    per-head query / key norms (Qwen3; the module docstring).
+    cannot run (a CPU model without ``TRITON_INTERPRET=1``).
     """
     choice = model.layer_kernels
-    from_env = choice == "auto"
-    if from_env:
+    if choice == "auto":
         choice = os.environ.get("TREESERVE_LAYER_KERNELS", "auto")
     if choice not in LAYER_KERNELS:
         raise ValueError(f"layer_kernels (or TREESERVE_LAYER_KERNELS) must be one of {LAYER_KERNELS}, got {choice!r}")
@@ -82,11 +78,7 @@ def uses_triton_layers(model: torch.nn.Module) -> bool:
     if choice == "triton":
         if not triton_usable(device):
             raise ValueError(f"layer_kernels='triton' needs a CUDA model or TRITON_INTERPRET=1 (device {device})")
-        if model.config.qk_norm and not from_env:
-            raise ValueError("layer_kernels='triton' has no per-head query / key norms (Qwen3): use 'torch' or 'auto'")
-        return not model.config.qk_norm
-    if model.config.qk_norm:  # the fused layers lack Qwen3's per-head norms: the torch layers serve it
-        return False
+        return True
     return device.type == "cuda" and triton_usable(device) and getattr(model, "batch_invariant_tile", None) is None
 
 
@@ -239,8 +231,10 @@ def triton_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
     for layer, k_cache, v_cache in zip(model.layers, kv.k_caches, kv.v_caches):
         attn, mlp = layer.self_attn, layer.mlp
         residual, x = ops.add_rms_norm_triton(h, residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        qn, kn = attn.q_norm, attn.k_norm  # Qwen3's per-head norms, or None
         q = ops.rope_store_triton(attn.qkv_proj(x), model.rope_cache, positions, out_slots, k_cache, v_cache,
-                                  attn.num_heads, attn.num_kv_heads)
+                                  attn.num_heads, attn.num_kv_heads, None if qn is None else qn.weight,
+                                  None if kn is None else kn.weight, 1e-6 if qn is None else qn.eps)
         o = paged_attention(q, k_cache, v_cache, meta, scale=attn.scale).to(x.dtype)
         norm = layer.post_attention_layernorm
         attn_out = attn.o_proj(o.reshape(o.shape[0], attn.q_size))
