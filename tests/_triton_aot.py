@@ -196,6 +196,17 @@ LAYER_SHAPES = (("smollm2-135m", 576, 9, 3, 64, 1536, 49152), ("llama-3-8b", 409
                 ("qwen2.5-1.5b", 1536, 12, 2, 128, 8960, 151936))
 
 
+def _qwen3_norm_case(rec: Recorder) -> None:
+    """The q / k-norm rope+store kernel at Qwen3-0.6B's 16 query / 8 KV heads (another head block)."""
+    from treeserve.models._triton_layers import rope_store_triton
+
+    rec.case = "qwen3-0.6b bfloat16 rope+store with q / k norms, bfloat16 KV"
+    idx, dtype = torch.zeros(4, dtype=torch.int64), torch.bfloat16
+    cache, w = torch.empty(8, 16, 8, 128, dtype=dtype), torch.empty(128, dtype=dtype)
+    rope_store_triton(torch.empty(4, 32 * 128, dtype=dtype), torch.empty(64, 2, 64), idx, idx, cache, cache, 16, 8,
+                      w, w)
+
+
 def _layer_cases(rec: Recorder) -> None:
     from treeserve.models._triton_layers import (add_rms_norm_triton, head_bf16_triton, head_bound_factor,
                                                  head_rescore_triton, rope_store_triton, silu_mul_triton)
@@ -215,7 +226,7 @@ def _layer_cases(rec: Recorder) -> None:
                 cache = torch.empty(8, 16, hkv, d, dtype=kv_dtype)
                 rope_store_triton(torch.empty(4, (hq + 2 * hkv) * d, dtype=dtype), torch.empty(64, 2, d // 2), idx,
                                   idx, cache, cache, hq, hkv)
-            if name == "qwen2.5-1.5b":  # Qwen3's per-head q / k norms (its head_dim, 128, is this shape's)
+            if dtype == torch.bfloat16 and d == 128:  # Qwen3's q / k norms (head_dim 128; 8B: Qwen3-8B's heads)
                 rec.case = f"{tag} rope+store with q / k norms, {str(dtype)[6:]} KV"
                 cache = torch.empty(8, 16, hkv, d, dtype=dtype)
                 rope_store_triton(torch.empty(4, (hq + 2 * hkv) * d, dtype=dtype), torch.empty(64, 2, d // 2), idx,
@@ -233,7 +244,8 @@ def _layer_cases(rec: Recorder) -> None:
                 head_rescore_triton(xr, w, torch.empty(vocab), approx, partial, xn, f)
 
 
-CASES: tuple[Callable[[Recorder], None], ...] = (_attention_cases, _kv_op_cases, _sampling_cases, _layer_cases)
+CASES: tuple[Callable[[Recorder], None], ...] = (_attention_cases, _kv_op_cases, _sampling_cases, _layer_cases,
+                                                 _qwen3_norm_case)
 
 
 FP64_CASES = ("llama-3-8b",)

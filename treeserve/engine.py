@@ -945,6 +945,7 @@ class LLM:
             draft = layer_subset(self.model, self_draft_layers(self.model, int(name[len("self:") :]), calibration))
         else:
             draft, _ = load(name, dtype=self.model_dtype, device=cfg.device)
+            draft.fit_context(min(max_len, draft.config.max_position_embeddings))
         dc = draft.config
         if dc.vocab_size != self.vocab_size:
             raise ValueError(f"draft model vocab {dc.vocab_size} differs from the target's {self.vocab_size}")

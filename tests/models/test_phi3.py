@@ -4,6 +4,7 @@ its end-of-turn token, from HF directories and GGUF files (as llama.cpp's conver
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -117,8 +118,17 @@ def test_bad_phi3_input_is_refused_by_name(phi3, tmp_path):
         tiny_config("phi3", attention_bias=True)
     with pytest.raises(ValueError, match=r"rope_scaling.long_factor must be 8 numbers > 0"):
         tiny_config("phi3", rope_scaling={**ROPE, "long_factor": LONG[:3]})
-    with pytest.raises(ValueError, match="rope_scaling.original_max_position_embeddings must be a number > 0"):
-        tiny_config("phi3", rope_scaling={**ROPE, "original_max_position_embeddings": 0})
+    for bad in (0, 1, True, 2.5, None):
+        with pytest.raises(ValueError, match="rope_scaling.original_max_position_embeddings must be an int >= 2"):
+            tiny_config("phi3", rope_scaling={**ROPE, "original_max_position_embeddings": bad})
+    with pytest.raises(ValueError, match="rope_scaling.factor must be a number > 0 for longrope, got 'x'"):
+        tiny_config("phi3", rope_scaling={**ROPE, "factor": "x"})
+    with pytest.raises(ValueError, match=r"partial_rotary_factor must be 1.0 .* got 0.75"):
+        ModelConfig.from_hf({**phi3.config.to_hf(), "partial_rotary_factor": 0.75})
+    with pytest.raises(ValueError, match=r"rope.dimension_count must be head_dim \(16: RoPE on whole heads\), got 12"):
+        gguf_config(g._replace(metadata={**g.metadata, "phi3.rope.dimension_count": 12}))
+    with pytest.raises(ValueError, match=r"context must be an int in \[1, 512\], got 513"):
+        phi3.fit_context(513)
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1, got 2"):
         check_tensor_parallel(phi3.config, 2)
 
@@ -147,3 +157,41 @@ def test_a_phi3_gguf_serves_batches_as_single_requests_on_the_fused_layers(phi3,
     dense, _ = load(path, quantization=None)  # the file's weights dequantized: the packed layers' reference
     dense.fit_context(256)
     assert rel_err(paged_logits(packed, IDS, [len(IDS)], 4), paged_logits(dense, IDS, [len(IDS)], 4)) < 1e-4
+
+
+def test_phi3_5_mini_config_json_as_published():
+    """Phi-3.5-mini-instruct's config.json as published (longrope named "su" in older copies, its original
+    context at the top level, 48 factors each, a 262144-token window past the context)."""
+    short, long = [1.0 + i / 64 for i in range(48)], [1.1 + i for i in range(48)]
+    for name in ("longrope", "su"):
+        cfg = {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_size": 3072,
+               "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 32, "vocab_size": 32064, "max_position_embeddings": 131072,
+               "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+               "rope_scaling": {"type": name, "short_factor": short, "long_factor": long},
+               "sliding_window": 262144, "tie_word_embeddings": False, "bos_token_id": 1,
+               "eos_token_id": 32000, "pad_token_id": 32000}
+        config = ModelConfig.from_hf(cfg)
+        assert config.head_dim == 96 and config.max_position_embeddings == 131072
+        assert config.rope_scaling["rope_type"] == "longrope"
+        assert config.rope_scaling["original_max_position_embeddings"] == 4096
+        assert longrope_scale(config) == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+        assert ModelConfig.from_hf(config.to_hf()) == config
+        torch.testing.assert_close(inv_frequencies(config, 4096),  # transformers' order: 1 / (factor theta^x)
+                                   1.0 / (torch.tensor(short) * 10000.0 ** (torch.arange(0, 96, 2).float() / 96)),
+                                   rtol=0, atol=0)
+    mini_4k = {**cfg, "max_position_embeddings": 4096, "rope_scaling": None, "sliding_window": 2047}
+    assert ModelConfig.from_hf(mini_4k).max_position_embeddings == 2047
+
+
+def test_fit_context_updates_the_shared_table_in_place(phi3):
+    """A drafter sharing the table (``layer_subset``) sees the engine's factor set."""
+    from treeserve.models import layer_subset
+
+    draft = layer_subset(phi3, [0])
+    phi3.fit_context(32)
+    assert draft.rope_cache.data_ptr() == phi3.rope_cache.data_ptr()
+    scale = longrope_scale(phi3.config)  # either set: transformers scales cos / sin by the attention factor
+    torch.testing.assert_close(draft.rope_cache[3, 0], torch.cos(3 * inv_frequencies(phi3.config, 32)) * scale)
+    phi3.fit_context(512)  # the fixture's table again
+    torch.testing.assert_close(draft.rope_cache[3, 0], torch.cos(3 * inv_frequencies(phi3.config, 512)) * scale)

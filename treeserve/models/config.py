@@ -29,12 +29,13 @@ class ModelConfig:
     """Hyper-parameters of a Llama-family decoder; validated on construction.
 
     ``rope_scaling`` is ``None`` or a dict with ``rope_type`` in ``("default", "linear", "llama3",
-    "freq_factors")`` plus that type's fields (``factor``; for llama3 also ``low_freq_factor``,
+    "freq_factors", "longrope")`` plus that type's fields (``factor``; for llama3 also ``low_freq_factor``,
     ``high_freq_factor``, ``original_max_position_embeddings``; for ``freq_factors``, a GGUF file's
     ``rope_freqs.weight`` (how llama.cpp's converter writes Llama 3.1+'s llama3 scaling), ``factors``:
     ``head_dim // 2`` numbers > 0 that divide the inverse frequencies; for ``longrope`` (Phi-3's 128k
     models), ``short_factor`` and ``long_factor`` (``head_dim // 2`` such divisors each),
-    ``original_max_position_embeddings`` and optionally ``attention_factor``: see ``rope.inv_frequencies``).
+    ``original_max_position_embeddings`` (an int >= 2) and optionally ``factor`` / ``attention_factor``: see
+    ``rope.inv_frequencies``, ``rope.longrope_scale``).
     ``eos_token_ids`` lists every token that ends a turn.
     """
 
@@ -142,8 +143,13 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "su":  # Phi-3's first name for longrope
             rope_type = "longrope"
-        if rope_type == "longrope" and "original_max_position_embeddings" not in rope:
-            rope["original_max_position_embeddings"] = need("original_max_position_embeddings")
+        if cfg.get("partial_rotary_factor", 1.0) != 1.0:  # Phi-4-mini's phi3 config
+            raise ValueError(f"config.json partial_rotary_factor must be 1.0 (RoPE on whole heads), "
+                             f"got {cfg['partial_rotary_factor']!r}")
+        if rope_type == "longrope":  # the top-level original wins, as in transformers (Phi-3's configs keep it there)
+            top = cfg.get("original_max_position_embeddings")
+            rope["original_max_position_embeddings"] = int(top if top is not None else
+                                                           need("original_max_position_embeddings"))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         # Qwen2 always has QKV bias (its config has no key for it); Llama/Mistral say when they do.
@@ -155,6 +161,8 @@ class ModelConfig:
         if window is not None and int(window) < max_pos:
             # Sequences no longer than the window attend identically with full attention.
             log_once(f"treeserve.models: {arch} sliding_window={window}: context capped at {window} tokens")
+            if rope_type == "longrope" and "attention_factor" not in rope and "factor" not in rope:
+                rope["factor"] = max_pos / rope["original_max_position_embeddings"]  # the uncapped context's
             max_pos = int(window)
         return cls(
             architecture=arch,
@@ -226,9 +234,13 @@ def _check_rope_scaling(rs: dict[str, Any] | None, head_dim: int) -> None:
                 raise ValueError(f"rope_scaling.{key} must be {head_dim // 2} numbers > 0 (head_dim // 2), "
                                  f"got {factors!r:.80}")
         if kind == "longrope":
-            for key in ("original_max_position_embeddings", "attention_factor"):
+            original = rs.get("original_max_position_embeddings")
+            if isinstance(original, bool) or not isinstance(original, int) or original < 2:
+                raise ValueError(f"rope_scaling.original_max_position_embeddings must be an int >= 2 for longrope, "
+                                 f"got {original!r}")
+            for key in ("factor", "attention_factor"):  # optional
                 value = rs.get(key, 1.0)
-                if not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                     raise ValueError(f"rope_scaling.{key} must be a number > 0 for longrope, got {value!r}")
         return
     factor = rs.get("factor")

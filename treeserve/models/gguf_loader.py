@@ -45,7 +45,6 @@ _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # phi3: fused
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_q.bias": "self_attn.q_proj.bias",
@@ -59,7 +58,8 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 # phi3's ffn_up holds gate|up (its HF gate_up_proj: the first half gated by SiLU).
-_FUSED_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_up.weight": "mlp.gate_up_proj.weight"}
+_FUSED_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv.weight": "self_attn.qkv_proj.weight",
+                      "ffn_up.weight": "mlp.gate_up_proj.weight"}
 # Phi-3's files name no end-of-turn token: its turns end with <|end|> (its generation_config, llama.cpp).
 _END_OF_TURN_NAMES = {"phi3": ("<|end|>", "<|endoftext|>")}
 _GLOBAL_NAMES = {
@@ -116,6 +116,10 @@ def gguf_config(g: GGUFContents) -> ModelConfig:
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
     head_dim = int(md.get(f"{arch}.attention.key_length", hidden // num_heads))
+    rotary = int(md.get(f"{arch}.rope.dimension_count", head_dim))
+    if rotary != head_dim:  # Phi-4-mini's partial rotary
+        raise ValueError(f"{g.path}: {arch}.rope.dimension_count must be head_dim ({head_dim}: RoPE on whole heads), "
+                         f"got {rotary}")
     vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))
     scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
@@ -143,6 +147,9 @@ def gguf_config(g: GGUFContents) -> ModelConfig:
     if window is not None and 0 < int(window) < context:
         # Sequences no longer than the window attend identically with full attention (ModelConfig.from_hf).
         log_once(f"treeserve.models: {arch}.attention.sliding_window={window}: context capped at {window} tokens")
+        longrope = rope_scaling is not None and rope_scaling["rope_type"] == "longrope"
+        if longrope and "attention_factor" not in rope_scaling:  # the factor of the uncapped context
+            rope_scaling["factor"] = context / rope_scaling["original_max_position_embeddings"]
         context = int(window)
     return ModelConfig(
         architecture=arch,

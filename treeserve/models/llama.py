@@ -214,9 +214,12 @@ class LlamaForCausalLM(nn.Module):
         """Rebuild the RoPE table for sequences of at most ``context`` tokens where its scaling depends
         on the context (longrope: ``short_factor`` up to ``original_max_position_embeddings``, see
         ``rope.inv_frequencies``); a no-op for every other configuration. Call before sharing the table."""
+        most = self.config.max_position_embeddings
+        if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= most:
+            raise ValueError(f"context must be an int in [1, {most}], got {context!r}")
         rs = self.config.rope_scaling
-        if rs is not None and rs["rope_type"] == "longrope":
-            self.rope_cache = rope_table(self.config, context=context).to(self.rope_cache.device)
+        if rs is not None and rs["rope_type"] == "longrope":  # in place: drafters and graphs share the table
+            self.rope_cache.copy_(rope_table(self.config, context=context))
 
     layer_kernels: str = "auto"
     """``"auto"``: on CUDA the layers run hand-fused Triton kernels and the head the bf16 exact

@@ -49,9 +49,10 @@ def inv_frequencies(config: ModelConfig, context: int | None = None) -> torch.Te
         return inv
     if rs["rope_type"] == "freq_factors":  # llama.cpp's rope_freqs: each frequency divided by its factor
         return inv / torch.tensor(rs["factors"], dtype=torch.float32)
-    if rs["rope_type"] == "longrope":
+    if rs["rope_type"] == "longrope":  # 1 / (factor theta^(2i/d)), transformers' order: bitwise its table
         long = (context or config.max_position_embeddings) > rs["original_max_position_embeddings"]
-        return inv / torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float32)
+        factors = torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     factor = float(rs["factor"])
     if rs["rope_type"] == "linear":
         return inv / factor

@@ -255,7 +255,7 @@ def write_synthetic_gguf(path: str | Path, spec: str | SyntheticSpec = "llama-3.
     path = Path(path)
     w = GGUFWriter(str(path), spec.architecture)
     w.add_name(f"synthetic-{spec.architecture}-{qtype}-seed{seed}")
-    eps = 1e-5 if spec.architecture == "llama" else 1e-6
+    eps = 1e-5 if spec.architecture in ("llama", "phi3") else 1e-6
     if tokenizer is None and spec.architecture == "phi3" and spec.vocab_size >= _PHI3_VOCAB:
         tokenizer = _phi3_vocabulary(spec.vocab_size)
     if tokenizer is None:
