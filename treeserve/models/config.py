@@ -15,7 +15,7 @@ from typing import Any
 
 from treeserve._utils import log_once
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "tiny_config"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "cap_to_window", "tiny_config"]
 
 # Architecture names as they appear in HF ``config.json`` ``model_type`` and in GGUF
 # ``general.architecture``. Mistral GGUF files say "llama" (llama.cpp converts them as such).
@@ -158,12 +158,7 @@ class ModelConfig:
         window = cfg.get("sliding_window")
         if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
             window = None
-        if window is not None and int(window) < max_pos:
-            # Sequences no longer than the window attend identically with full attention.
-            log_once(f"treeserve.models: {arch} sliding_window={window}: context capped at {window} tokens")
-            if rope_type == "longrope" and "attention_factor" not in rope and "factor" not in rope:
-                rope["factor"] = max_pos / rope["original_max_position_embeddings"]  # the uncapped context's
-            max_pos = int(window)
+        max_pos = cap_to_window(max_pos, window, f"{arch} sliding_window", rope if rope_type == "longrope" else None)
         return cls(
             architecture=arch,
             num_layers=int(need("num_hidden_layers")),
@@ -216,6 +211,19 @@ class ModelConfig:
             if self.rope_scaling["rope_type"] == "longrope":  # where Phi-3's config keeps it
                 out["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]
         return out
+
+
+def cap_to_window(context: int, window: int | None, what: str, longrope: dict[str, Any] | None = None) -> int:
+    """``context`` capped at a sliding ``window`` shorter than it (logged once, ``what`` naming the setting):
+    sequences no longer than the window attend identically with full attention. ``longrope``: the model's
+    longrope scaling, whose attention factor stays the uncapped context's (its ``factor`` set from it
+    unless it gives one)."""
+    if window is None or int(window) >= context:
+        return context
+    log_once(f"treeserve.models: {what}={window}: context capped at {window} tokens")
+    if longrope is not None and "attention_factor" not in longrope and "factor" not in longrope:
+        longrope["factor"] = context / longrope["original_max_position_embeddings"]
+    return int(window)
 
 
 def _check_rope_scaling(rs: dict[str, Any] | None, head_dim: int) -> None:

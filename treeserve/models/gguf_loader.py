@@ -20,8 +20,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from treeserve._utils import log_once
-from treeserve.models.config import ModelConfig
+from treeserve.models.config import ModelConfig, cap_to_window
 from treeserve.models.gguf_convert import as_blocks, converted_type
 from treeserve.models.gguf_file import GGUFTensor, map_gguf, release_pages
 from treeserve.models.llama import LlamaForCausalLM
@@ -128,14 +127,10 @@ def gguf_config(g: GGUFContents) -> ModelConfig:
         {"rope_type": "linear", "factor": float(md[f"{arch}.rope.scaling.factor"])}
         if scaling_type == "linear" else None
     )
-    freqs = g.tensors.get("rope_freqs.weight")  # Llama 3.1+'s llama3 scaling, as llama.cpp's converter writes it
-    if freqs is not None:
+    if "rope_freqs.weight" in g.tensors:  # Llama 3.1+'s llama3 scaling, as llama.cpp's converter writes it
         if rope_scaling is not None:
             raise ValueError(f"{g.path}: rope_freqs.weight with {arch}.rope.scaling.type 'linear' is not supported")
-        if freqs.tensor_type != GGMLQuantizationType.F32 or freqs.n_elements != head_dim // 2:
-            raise ValueError(f"{g.path}: rope_freqs.weight must be {head_dim // 2} F32 factors (head_dim // 2), "
-                             f"got {freqs.n_elements} {freqs.tensor_type.name}")
-        rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in freqs.data.reshape(-1)]}
+        rope_scaling = {"rope_type": "freq_factors", "factors": _factor_table(g, "rope_freqs.weight", head_dim)}
     if "rope_factors_long.weight" in g.tensors or "rope_factors_short.weight" in g.tensors:
         rope_scaling = _longrope(g, arch, head_dim, rope_scaling)
     eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
@@ -144,13 +139,9 @@ def gguf_config(g: GGUFContents) -> ModelConfig:
         eos += [i for i, text in enumerate(md.get("tokenizer.ggml.tokens", ())) if text in names]
     context = int(need("context_length"))
     window = md.get(f"{arch}.attention.sliding_window") if arch == "phi3" else None  # Qwen's may be switched off
-    if window is not None and 0 < int(window) < context:
-        # Sequences no longer than the window attend identically with full attention (ModelConfig.from_hf).
-        log_once(f"treeserve.models: {arch}.attention.sliding_window={window}: context capped at {window} tokens")
-        longrope = rope_scaling is not None and rope_scaling["rope_type"] == "longrope"
-        if longrope and "attention_factor" not in rope_scaling:  # the factor of the uncapped context
-            rope_scaling["factor"] = context / rope_scaling["original_max_position_embeddings"]
-        context = int(window)
+    if window is not None and int(window) > 0:
+        longrope = rope_scaling if rope_scaling is not None and rope_scaling["rope_type"] == "longrope" else None
+        context = cap_to_window(context, window, f"{arch}.attention.sliding_window", longrope)
     return ModelConfig(
         architecture=arch,
         num_layers=int(need("block_count")),
@@ -171,19 +162,21 @@ def gguf_config(g: GGUFContents) -> ModelConfig:
     )
 
 
+def _factor_table(g: GGUFContents, name: str, head_dim: int) -> list[float]:
+    """Tensor ``name``: ``head_dim // 2`` F32 RoPE factors, else a ``ValueError`` naming it."""
+    t = g.tensors.get(name)
+    if t is None or t.tensor_type != GGMLQuantizationType.F32 or t.n_elements != head_dim // 2:
+        got = "missing" if t is None else f"{t.n_elements} {t.tensor_type.name}"
+        raise ValueError(f"{g.path}: {name} must be {head_dim // 2} F32 factors (head_dim // 2), got {got}")
+    return [float(f) for f in t.data.reshape(-1)]
+
+
 def _longrope(g: GGUFContents, arch: str, head_dim: int, other: dict[str, Any] | None) -> dict[str, Any]:
     """Phi-3's longrope from ``rope_factors_short`` / ``rope_factors_long`` (F32, ``head_dim // 2`` each) and
     ``{arch}.rope.scaling.original_context_length`` / ``attn_factor``, as llama.cpp's converter writes them."""
     if other is not None:
         raise ValueError(f"{g.path}: rope_factors_long/short.weight with another RoPE scaling is not supported")
-    factors = {}
-    for kind in ("short", "long"):
-        t = g.tensors.get(f"rope_factors_{kind}.weight")
-        if t is None or t.tensor_type != GGMLQuantizationType.F32 or t.n_elements != head_dim // 2:
-            got = "missing" if t is None else f"{t.n_elements} {t.tensor_type.name}"
-            raise ValueError(f"{g.path}: rope_factors_{kind}.weight must be {head_dim // 2} F32 factors "
-                             f"(head_dim // 2), got {got}")
-        factors[f"{kind}_factor"] = [float(f) for f in t.data.reshape(-1)]
+    factors = {f"{k}_factor": _factor_table(g, f"rope_factors_{k}.weight", head_dim) for k in ("short", "long")}
     key = f"{arch}.rope.scaling.original_context_length"
     if key not in g.metadata:
         raise ValueError(f"{g.path}: GGUF metadata is missing {key!r} (longrope's original context)")

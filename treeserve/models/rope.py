@@ -43,7 +43,8 @@ def inv_frequencies(config: ModelConfig, context: int | None = None) -> torch.Te
     forward pass by the longest position, the same set for every sequence that fits the context.
     """
     d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    powers = config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    inv = 1.0 / powers
     rs = config.rope_scaling
     if rs is None or rs["rope_type"] == "default":
         return inv
@@ -52,7 +53,7 @@ def inv_frequencies(config: ModelConfig, context: int | None = None) -> torch.Te
     if rs["rope_type"] == "longrope":  # 1 / (factor theta^(2i/d)), transformers' order: bitwise its table
         long = (context or config.max_position_embeddings) > rs["original_max_position_embeddings"]
         factors = torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float32)
-        return 1.0 / (factors * config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        return 1.0 / (factors * powers)
     factor = float(rs["factor"])
     if rs["rope_type"] == "linear":
         return inv / factor
