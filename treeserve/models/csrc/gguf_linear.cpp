@@ -685,7 +685,8 @@ void codes_head_rescore(const at::Tensor& logits, const at::Tensor& x, const at:
 //   sign (pairs at most 2 * 128 * 127 < 2^15), widened per step.
 // A tile of Q8_ROWS weight rows against one lane group (calls of at most L rows: batched decode) decodes each
 // block's codes one block ahead inside the loop that multiplies them (rows_q8_one); against several, it
-// decodes Q8_CHUNK blocks at a time and serves every group with them (rows_q8_lanes). Without AVX2 the scalar
+// decodes Q8_CHUNK blocks at a time and serves every group with them (rows_q8_lanes; with AVX2 alone, Q4's groups
+// two at a time, two rows each, so that one broadcast of a row's codes serves both). Without AVX2 the scalar
 // loop (correct, slow: the caller measures).
 
 template <QType T>
@@ -862,8 +863,8 @@ inline void codes_u8_vec(const uint8_t* blk, uint8_t* out) {
   } else {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == QType::Q4_1 ? 4 : 2)));
     if constexpr (Q8_PAIRS) {
-      const __m128i low = _mm_set1_epi8(0x0f);
-      u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+      u = _mm256_and_si256(_mm256_srlv_epi32(_mm256_broadcastsi128_si256(v), _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0)),
+                           _mm256_set1_epi8(0x0f));
     } else {
       const __m256i low_high = _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(0xf0)), _mm_set1_epi8(0x0f));
       u = _mm256_and_si256(_mm256_broadcastsi128_si256(v), low_high);
@@ -884,6 +885,13 @@ __attribute__((always_inline)) inline void chunk_scales(const uint8_t* first, in
       if constexpr (T == QType::Q4_1) mo[k] = half_at(first + k * BB<T> + 2);
     }
   }
+}
+
+// prefetch_ahead (into L2) for a weight row's Q8_CHUNK blocks from first, each cache line they span once (one
+// prefetch per block asked up to 3 times for a line: Zen 4, AVX2 build, the 8 / 16-row tiles 1.02x).
+template <QType T>
+__attribute__((always_inline)) inline void prefetch_chunk(const uint8_t* first) {
+  for (int64_t o = 0; o < Q8_CHUNK * BB<T> + 64; o += 64) prefetch_ahead(first + o, true);
 }
 
 // Keeps v in a register: the compiler would otherwise fold its load into every instruction that reads it.
@@ -951,30 +959,68 @@ inline typename Lanes<L>::F offset_sum(typename Lanes<L>::F o, float m, const La
 }
 
 #ifndef TREESERVE_Q8_VNNI
-// AVX2 alone, Q4: D per lane for one block of x (its steps at xt, bias * sum(xq) at xc) against NR weight rows'
-// codes, step by step: each of x's 8 steps is loaded once and multiplied with every row's codes, the rows' sums
-// kept in int16 (at most 16 * 15 * 127 per lane: exact, any order) and widened once. block_dot's form (x's 8
-// steps held across the rows, two chains per row) left too few of AVX2's 16 registers for the rows' float sums:
-// the compiler kept them in memory, and each block waited for the store of the one before (Zen 3, 8-64 rows:
-// this form 1.1-1.2x faster, the same values).
-template <QType T, int NR>
-__attribute__((always_inline)) inline void q4_dots(const uint8_t (*u)[UB<T>], const int8_t* xt, const int32_t* xc,
-                                                   typename Lanes<8>::I* D) {
+// AVX2 alone, Q4: D per lane for one block of NG lane groups of x (group g's steps at xt[g], bias * sum(xq) at
+// xc[g]) against NR weight rows' codes, step by step: each group's step is loaded once and each row's 4 code
+// bytes broadcast once, then multiplied with every group's step, the sums kept in int16 (at most 16 * 15 * 127
+// per lane: exact, any order) and widened once. block_dot's form (x's 8 steps held across the rows, two chains
+// per row) left too few of AVX2's 16 registers for the rows' float sums: the compiler kept them in memory, and
+// each block waited for the store of the one before (Zen 3, 8-64 rows: this form 1.1-1.2x faster, the same
+// values). Two groups (rows_q8_lanes) halve the broadcasts, which take a vector pipe each (Zen 4, AVX2 build:
+// the 16-row tile 1.03x).
+template <QType T, int NR, int NG>
+__attribute__((always_inline)) inline void q4_dots(const uint8_t (*u)[UB<T>], const int8_t* const* xt,
+                                                   const int32_t* const* xc, typename Lanes<8>::I (*D)[NR]) {
   using V = Lanes<8>;
   using I = typename V::I;
-  __m256i e[NR];
+  __m256i e[NG][NR];
   for (int j = 0; j < 8; ++j) {
-    I X = V::template load<I>(xt + j * 4 * 8);
-    in_register(X);  // one load a step: as a memory operand, the compiler would read it once per row
+    __m256i X[NG];
+    for (int g = 0; g < NG; ++g) {
+      X[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt[g] + j * 4 * 8));
+      in_register(X[g]);  // one load a step: as a memory operand, the compiler would read it once per row
+    }
     for (int r = 0; r < NR; ++r) {
-      const __m256i p = V::pairs(u[r] + 4 * j, X);
-      e[r] = j == 0 ? p : _mm256_add_epi16(e[r], p);
-      in_register(e[r]);  // in this order: scheduled freely, the products of all steps were kept in memory
+      int32_t v;
+      std::memcpy(&v, u[r] + 4 * j, 4);
+      __m256i c = _mm256_set1_epi32(v);
+      if constexpr (NG > 1) in_register(c);  // broadcast once for the groups
+      for (int g = 0; g < NG; ++g) {
+        const __m256i p = _mm256_maddubs_epi16(c, X[g]);
+        e[g][r] = j == 0 ? p : _mm256_add_epi16(e[g][r], p);
+        in_register(e[g][r]);  // in this order: scheduled freely, the products of all steps were kept in memory
+      }
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    D[r] = V::widen(e[r]);
-    if constexpr (Q8_BIAS<T> != 0) D[r] -= V::template load<I>(xc);
+  for (int g = 0; g < NG; ++g)
+    for (int r = 0; r < NR; ++r) {
+      D[g][r] = V::widen(e[g][r]);
+      if constexpr (Q8_BIAS<T> != 0) D[g][r] -= V::template load<I>(xc[g]);
+    }
+}
+
+// AVX2 alone, Q4: block b of NG lane groups of x (gb[g] = g nb + b) against NR weight rows (block_rows' sums).
+template <QType T, int NR, int NG>
+__attribute__((always_inline)) inline void block_rows_q4(const LaneX& lx, const int64_t* gb, const uint8_t (*u)[UB<T>],
+                                                         const float (*d)[Q8_CHUNK], const float (*mo)[Q8_CHUNK],
+                                                         int64_t k, typename Lanes<8>::F (*a)[NR],
+                                                         typename Lanes<8>::F (*o)[NR]) {
+  using V = Lanes<8>;
+  using I = typename V::I;
+  using F = typename V::F;
+  I D[NG][NR];
+  const int8_t* xt[NG];
+  const int32_t* xc[NG];
+  for (int g = 0; g < NG; ++g) {
+    xt[g] = lx.xt.get() + gb[g] * 8 * 4 * 8;
+    xc[g] = lx.xc.get() + gb[g] * 8;
+  }
+  q4_dots<T, NR, NG>(u, xt, xc, D);
+  for (int g = 0; g < NG; ++g) {
+    const F dx = V::template load<F>(lx.xs.get() + gb[g] * 8);
+    for (int r = 0; r < NR; ++r) {
+      a[g][r] = scaled_sum<8>(a[g][r], D[g][r], dx, d[r][k]);
+      if constexpr (T == QType::Q4_1) o[g][r] = offset_sum<8>(o[g][r], mo[r][k], lx, gb[g]);
+    }
   }
 }
 #endif
@@ -991,13 +1037,7 @@ __attribute__((always_inline)) inline void block_rows(const LaneX& lx, int64_t g
   using F = typename V::F;
 #ifndef TREESERVE_Q8_VNNI
   if constexpr (T != QType::Q8_0) {
-    I D[NR];
-    q4_dots<T, NR>(u, lx.xt.get() + gb * 8 * 4 * L, lx.xc.get() + gb * L, D);
-    const F dx = V::template load<F>(lx.xs.get() + gb * L);
-    for (int r = 0; r < NR; ++r) {
-      a[r] = scaled_sum<L>(a[r], D[r], dx, d[r][k]);
-      if constexpr (T == QType::Q4_1) o[r] = offset_sum<L>(o[r], mo[r][k], lx, gb);
-    }
+    block_rows_q4<T, NR, 1>(lx, &gb, u, d, mo, k, reinterpret_cast<F(*)[NR]>(a), reinterpret_cast<F(*)[NR]>(o));
   } else
 #endif
   {
@@ -1032,14 +1072,42 @@ __attribute__((noinline)) void rows_q8_lanes(const LaneX& lx, const uint8_t* w, 
   for (int64_t c0 = 0; c0 < nb; c0 += Q8_CHUNK) {
     const int64_t cb = std::min(Q8_CHUNK, nb - c0);
     for (int r = 0; r < NR; ++r) {
-      for (int64_t k = 0; k < cb; ++k) {
-        const uint8_t* blk = rows[r] + (c0 + k) * BB<T>;
-        prefetch_ahead(blk, true);
-        codes_u8_vec<T>(blk, u[k][r]);
-      }
+      const uint8_t* first = rows[r] + c0 * BB<T>;
+      prefetch_chunk<T>(first);
+      for (int64_t k = 0; k < cb; ++k) codes_u8_vec<T>(first + k * BB<T>, u[k][r]);
       chunk_scales<T>(rows[r] + c0 * BB<T>, nb - c0, d[r], mo[r]);
     }
-    for (int64_t g = g0; g < g1; ++g) {
+    int64_t g = g0;
+#ifndef TREESERVE_Q8_VNNI
+    if constexpr (T != QType::Q8_0) {
+      // Lane groups in pairs, rows in pairs: each broadcast of a row's codes serves both groups.
+      const auto pair_rows = [&](auto r0c, auto nsc) __attribute__((always_inline)) {
+        constexpr int R0 = decltype(r0c)::value, NS = decltype(nsc)::value;
+        F a[2][NS], o[2][NS];
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < NS; ++r) {
+            const int64_t at = ((g + h - g0) * NR + R0 + r) * L;
+            a[h][r] = c0 == 0 ? F{} : V::template load<F>(acc + at);
+            o[h][r] = c0 == 0 ? F{} : V::template load<F>(off + at);
+          }
+        for (int64_t k = 0; k < cb; ++k) {
+          const int64_t gb[2] = {g * nb + c0 + k, (g + 1) * nb + c0 + k};
+          block_rows_q4<T, NS, 2>(lx, gb, u[k] + R0, d + R0, mo + R0, k, a, o);
+        }
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < NS; ++r) {
+            const int64_t at = ((g + h - g0) * NR + R0 + r) * L;
+            std::memcpy(acc + at, &a[h][r], sizeof a[h][r]);
+            std::memcpy(off + at, &o[h][r], sizeof o[h][r]);
+          }
+      };
+      for (; g + 2 <= g1; g += 2) {
+        pair_rows(std::integral_constant<int, 0>{}, std::integral_constant<int, std::min(NR, 2)>{});
+        if constexpr (NR > 2) pair_rows(std::integral_constant<int, 2>{}, std::integral_constant<int, NR - 2>{});
+      }
+    }
+#endif
+    for (; g < g1; ++g) {
       float* ag = acc + (g - g0) * NR * L;
       float* og = off + (g - g0) * NR * L;
       F a[NR], o[NR];
