@@ -27,7 +27,13 @@ single stream, and the batch both as that many streams one after another and bat
 context, one ``llama_decode`` per step as llama-server does; the faster is the peer's figure). The file is
 deleted at the end unless ``--keep``. Run under ``flock /work/bench.lock`` where others benchmark.
 
+An AVX2-only host (the Zen 3 EPYC's instruction set) on an AVX-512 one: ``--as-avx2`` runs treeserve's
+processes under ``benches/as_avx2.py``, and ``--peer-path DIR`` puts a llama-cpp-python built for such a
+host first on the peer's ``PYTHONPATH`` (built as in benches/RESULTS.md, "AVX2 hosts: one broadcast of the
+codes for two lane groups").
+
     python benches/bench_real_size.py [--spec llama-3-8b] [--qtype Q4_0] [--configs lean,default]
+        [--peer [--peer-path DIR]] [--as-avx2]
 """
 
 from __future__ import annotations
@@ -159,10 +165,16 @@ def peer(path: str, threads: int, single_tokens: int, batch: int, batch_tokens: 
     return out
 
 
+AS_AVX2 = Path(__file__).with_name("as_avx2.py")
+
+
 def run_child(args: argparse.Namespace, path: Path, env: dict[str, str], which: str, decode: bool) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--child", which, "--path", str(path), "--threads", str(args.threads),
+    runner = [sys.executable, str(AS_AVX2)] if which == "treeserve" and args.as_avx2 else [sys.executable]
+    cmd = [*runner, __file__, "--child", which, "--path", str(path), "--threads", str(args.threads),
            "--single-tokens", str(args.single_tokens if decode else 0), "--batch", str(args.batch),
            "--batch-tokens", str(args.batch_tokens)]
+    if which == "llama.cpp" and args.peer_path:
+        env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, (args.peer_path, os.environ.get("PYTHONPATH"))))}
     done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, check=False)
     if done.returncode:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
@@ -179,8 +191,9 @@ def table(args: argparse.Namespace, path: Path) -> dict[str, dict[str, float]]:
     from treeserve._cpu import cpu_features
 
     size_mb = path.stat().st_size / 2**20
-    print(f"{path.name}: {size_mb:.0f} MiB; CPU {cpu_features().model_name} ({cpu_features().torch_capability}), "
-          f"{args.threads} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    print(f"{path.name}: {size_mb:.0f} MiB; CPU {cpu_features().model_name} ({cpu_features().torch_capability}"
+          f"{'; treeserve as an AVX2 host' if args.as_avx2 else ''}), {args.threads} threads, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     rows: dict[str, dict[str, float]] = {}
     for config in args.configs.split(","):
         with contextlib.ExitStack() as stack:
@@ -216,6 +229,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache", default=None, help="keep the measurement caches in DIR/<config> (default: a new "
                     "temporary one per run); a configuration whose cache is there already runs warm only")
     ap.add_argument("--peer", action="store_true", help="also llama-cpp-python on the same file")
+    ap.add_argument("--peer-path", default=None, help="a folder holding another llama-cpp-python build (pip "
+                    "--target), first on the peer's PYTHONPATH")
+    ap.add_argument("--as-avx2", action="store_true", help="treeserve's processes as an AVX2-only host would run "
+                    "(benches/as_avx2.py)")
     ap.add_argument("--child", choices=("treeserve", "llama.cpp"), help=argparse.SUPPRESS)
     return ap
 
