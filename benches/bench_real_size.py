@@ -197,8 +197,8 @@ def table(args: argparse.Namespace, path: Path) -> dict[str, dict[str, float]]:
     rows: dict[str, dict[str, float]] = {}
     for config in args.configs.split(","):
         with contextlib.ExitStack() as stack:
-            if args.cache:
-                cache = os.path.join(args.cache, config)
+            if args.cache:  # an AVX2 host's measurements apart from this host's own
+                cache = os.path.join(args.cache, config + ("-avx2" if args.as_avx2 else ""))
                 os.makedirs(cache, exist_ok=True)
                 starts = ("warm",) if os.listdir(cache) else ("cold", "warm")
             else:
@@ -238,7 +238,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = parser().parse_args()
+    ap = parser()
+    args = ap.parse_args()
+    if args.peer_path and not args.peer:
+        ap.error("--peer-path needs --peer")
+    if args.peer_path and not (Path(args.peer_path) / "llama_cpp").is_dir():  # else the installed one would run
+        ap.error(f"--peer-path {args.peer_path!r} holds no llama_cpp package")
     if args.child == "treeserve":
         print(json.dumps(child(args.path, args.threads, args.single_tokens, args.batch, args.batch_tokens)))
         return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -395,7 +397,8 @@ def test_vnni_build_is_bitwise_the_avx2_one(tmp_path, build: str) -> None:
     sums) keeps its bound and is bit for bit the native one too. ``avx2``: the same for the source
     built without AVX-512 at all (``-mno-avx512f``: 4-row register blocks, the 8-lane int8 kernel), the
     build AVX2-only hosts (the Zen 3 EPYC) run, so AVX-512 hosts check it too, its lane groups in pairs
-    and alone (13, 20 and 70 rows); skipped on hosts without AVX-512, whose native build it is."""
+    and alone (13, 20 and 88 rows) and its tiles of 1-4 weight rows; skipped on hosts without AVX-512,
+    whose native build it is."""
     import subprocess
 
     from treeserve._cpp import build_name, built_library, cpu_flags
@@ -412,8 +415,9 @@ def test_vnni_build_is_bitwise_the_avx2_one(tmp_path, build: str) -> None:
     variant = NO_AVX512 if build == "avx2" else ["-O3", "-march=native", "-mno-avx512vnni", "-mno-avxvnni"]
     build_variant(gguf_op.SOURCE, library, variant, tmp_path)
     for qtype in QTYPES:
-        for m in (1, 3, 5, 8, 13, 20, 70):  # 1-2 lane groups, an odd count, two passes of Q8_GROUPS
-            k, n = 32 * 70, 11
+        # 1-2 lane groups of 8 rows, an odd count, two passes of Q8_GROUPS (pairs in the second); tiles of 1-4 rows
+        for m, n in itertools.product((1, 3, 5, 8, 13, 20, 88), (9, 10, 11)):
+            k = 32 * 70
             w = GGUFWeight.from_bytes(qtype, random_blocks(qtype, n, k, m), (n, k))
             x = block_scaled(m, k, m, 3.0)
             assert torch.equal(run_op(x, w, False, library), run_op(x, w, False))

@@ -887,8 +887,10 @@ __attribute__((always_inline)) inline void chunk_scales(const uint8_t* first, in
   }
 }
 
-// prefetch_ahead (into L2) for a weight row's Q8_CHUNK blocks from first, each cache line they span once (one
-// prefetch per block asked up to 3 times for a line: Zen 4, AVX2 build, the 8 / 16-row tiles 1.02x).
+// prefetch_ahead (into L2) for a weight row's Q8_CHUNK blocks from first: one prefetch per 64 bytes, which
+// covers every line the chunk spans (and may ask for the line after it: a hint, past the row's end on its last
+// chunk); one per block had asked up to 4 times for a line (the chunked tile of every build; Zen 4, AVX2 build,
+// 16 rows: 1.02x).
 template <QType T>
 __attribute__((always_inline)) inline void prefetch_chunk(const uint8_t* first) {
   for (int64_t o = 0; o < Q8_CHUNK * BB<T> + 64; o += 64) prefetch_ahead(first + o, true);
@@ -966,7 +968,7 @@ inline typename Lanes<L>::F offset_sum(typename Lanes<L>::F o, float m, const La
 // per row) left too few of AVX2's 16 registers for the rows' float sums: the compiler kept them in memory, and
 // each block waited for the store of the one before (Zen 3, 8-64 rows: this form 1.1-1.2x faster, the same
 // values). Two groups (rows_q8_lanes) halve the broadcasts, which take a vector pipe each (Zen 4, AVX2 build:
-// the 16-row tile 1.03x).
+// the 16-row tile 1.03x from this alone).
 template <QType T, int NR, int NG>
 __attribute__((always_inline)) inline void q4_dots(const uint8_t (*u)[UB<T>], const int8_t* const* xt,
                                                    const int32_t* const* xc, typename Lanes<8>::I (*D)[NR]) {
@@ -1031,13 +1033,15 @@ __attribute__((always_inline)) inline void block_rows_q4(const LaneX& lx, const 
 template <QType T, int L, int NR>
 __attribute__((always_inline)) inline void block_rows(const LaneX& lx, int64_t gb, const uint8_t (*u)[UB<T>],
                                                       const float (*d)[Q8_CHUNK], const float (*mo)[Q8_CHUNK],
-                                                      int64_t k, typename Lanes<L>::F* a, typename Lanes<L>::F* o) {
+                                                      int64_t k, typename Lanes<L>::F (&a)[NR],
+                                                      typename Lanes<L>::F (&o)[NR]) {
   using V = Lanes<L>;
   using I = typename V::I;
   using F = typename V::F;
 #ifndef TREESERVE_Q8_VNNI
   if constexpr (T != QType::Q8_0) {
-    block_rows_q4<T, NR, 1>(lx, &gb, u, d, mo, k, reinterpret_cast<F(*)[NR]>(a), reinterpret_cast<F(*)[NR]>(o));
+    static_assert(L == 8, "with AVX2 alone, 8 lanes");
+    block_rows_q4<T, NR, 1>(lx, &gb, u, d, mo, k, &a, &o);
   } else
 #endif
   {
