@@ -1079,54 +1079,50 @@ __attribute__((noinline)) void rows_q8_lanes(const LaneX& lx, const uint8_t* w, 
       const uint8_t* first = rows[r] + c0 * BB<T>;
       prefetch_chunk<T>(first);
       for (int64_t k = 0; k < cb; ++k) codes_u8_vec<T>(first + k * BB<T>, u[k][r]);
-      chunk_scales<T>(rows[r] + c0 * BB<T>, nb - c0, d[r], mo[r]);
+      chunk_scales<T>(first, nb - c0, d[r], mo[r]);
     }
     int64_t g = g0;
-#ifndef TREESERVE_Q8_VNNI
-    if constexpr (T != QType::Q8_0) {
-      // Lane groups in pairs, rows in pairs: each broadcast of a row's codes serves both groups.
-      const auto pair_rows = [&](auto r0c, auto nsc) __attribute__((always_inline)) {
-        constexpr int R0 = decltype(r0c)::value, NS = decltype(nsc)::value;
-        F a[2][NS], o[2][NS];
-        for (int h = 0; h < 2; ++h)
-          for (int r = 0; r < NS; ++r) {
-            const int64_t at = ((g + h - g0) * NR + R0 + r) * L;
-            a[h][r] = c0 == 0 ? F{} : V::template load<F>(acc + at);
-            o[h][r] = c0 == 0 ? F{} : V::template load<F>(off + at);
-          }
-        for (int64_t k = 0; k < cb; ++k) {
-          const int64_t gb[2] = {g * nb + c0 + k, (g + 1) * nb + c0 + k};
-          block_rows_q4<T, NS, 2>(lx, gb, u[k] + R0, d + R0, mo + R0, k, a, o);
+    // Lane groups [g, g + NG) against the tile's rows [R0, R0 + NS) over this chunk, their sums read from and
+    // written back to acc / off (the first chunk starts them: nothing to load).
+    const auto groups = [&](auto r0c, auto nsc, auto ngc) __attribute__((always_inline)) {
+      constexpr int R0 = decltype(r0c)::value, NS = decltype(nsc)::value, NG = decltype(ngc)::value;
+      F a[NG][NS], o[NG][NS];
+      for (int h = 0; h < NG; ++h)
+        for (int r = 0; r < NS; ++r) {
+          const int64_t at = ((g + h - g0) * NR + R0 + r) * L;
+          a[h][r] = c0 == 0 ? F{} : V::template load<F>(acc + at);
+          o[h][r] = c0 == 0 ? F{} : V::template load<F>(off + at);
         }
-        for (int h = 0; h < 2; ++h)
-          for (int r = 0; r < NS; ++r) {
-            const int64_t at = ((g + h - g0) * NR + R0 + r) * L;
-            std::memcpy(acc + at, &a[h][r], sizeof a[h][r]);
-            std::memcpy(off + at, &o[h][r], sizeof o[h][r]);
-          }
-      };
-      for (; g + 2 <= g1; g += 2) {
-        pair_rows(std::integral_constant<int, 0>{}, std::integral_constant<int, std::min(NR, 2)>{});
-        if constexpr (NR > 2) pair_rows(std::integral_constant<int, 2>{}, std::integral_constant<int, NR - 2>{});
-      }
-    }
-#endif
-    for (; g < g1; ++g) {
-      float* ag = acc + (g - g0) * NR * L;
-      float* og = off + (g - g0) * NR * L;
-      F a[NR], o[NR];
-      for (int r = 0; r < NR; ++r) {  // the first chunk starts the sums: nothing to load
-        a[r] = c0 == 0 ? F{} : V::template load<F>(ag + r * L);
-        o[r] = c0 == 0 ? F{} : V::template load<F>(og + r * L);
-      }
       for (int64_t k = 0; k < cb; ++k) {
-        block_rows<T, L, NR>(lx, g * nb + c0 + k, u[k], d, mo, k, a, o);
+        if constexpr (NG == 1) {
+          block_rows<T, L, NS>(lx, g * nb + c0 + k, u[k] + R0, d + R0, mo + R0, k, a[0], o[0]);
+        } else {
+#ifndef TREESERVE_Q8_VNNI
+          int64_t gb[NG];
+          for (int h = 0; h < NG; ++h) gb[h] = (g + h) * nb + c0 + k;
+          block_rows_q4<T, NS, NG>(lx, gb, u[k] + R0, d + R0, mo + R0, k, a, o);
+#endif
+        }
       }
-      for (int r = 0; r < NR; ++r) {
-        std::memcpy(ag + r * L, &a[r], sizeof a[r]);
-        std::memcpy(og + r * L, &o[r], sizeof o[r]);
+      for (int h = 0; h < NG; ++h)
+        for (int r = 0; r < NS; ++r) {
+          const int64_t at = ((g + h - g0) * NR + R0 + r) * L;
+          std::memcpy(acc + at, &a[h][r], sizeof a[h][r]);
+          std::memcpy(off + at, &o[h][r], sizeof o[h][r]);
+        }
+    };
+#ifndef TREESERVE_Q8_VNNI
+    if constexpr (T != QType::Q8_0)  // groups in pairs, rows in pairs: each broadcast of a row's codes serves both
+      for (; g + 2 <= g1; g += 2) {
+        groups(std::integral_constant<int, 0>{}, std::integral_constant<int, std::min(NR, 2)>{},
+               std::integral_constant<int, 2>{});
+        if constexpr (NR > 2)
+          groups(std::integral_constant<int, 2>{}, std::integral_constant<int, NR - 2>{},
+                 std::integral_constant<int, 2>{});
       }
-    }
+#endif
+    for (; g < g1; ++g) groups(std::integral_constant<int, 0>{}, std::integral_constant<int, NR>{},
+                               std::integral_constant<int, 1>{});
   }
   for (int64_t g = g0; g < g1; ++g)
     for (int r = 0; r < NR; ++r)
